@@ -1,0 +1,68 @@
+"""Plain torch multi-LoRA ops: the production CPU path and the test oracle.
+
+Tokens are grouped by slot and each distinct slot costs one matmul over only its first
+``rank`` rows of A and columns of B, so the work is proportional to the real ranks and to
+the number of distinct adapters, never to the slab's padded ``max_rank`` and never a Python
+loop per token. Run with float64 inputs it is the oracle the Triton kernels are tested
+against; the compute dtype is ``float32`` for 16/32-bit inputs and ``float64`` for float64.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kernels.segments import Segments
+from kernels.validation import REFERENCE_DTYPES, check_expand, check_shrink
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _token_indices(indices: Tensor, segments: Segments | None) -> Tensor:
+    return indices if segments is None else segments.token_indices()
+
+
+def _slot_groups(indices: Tensor, ranks: Tensor) -> list[tuple[int, int, Tensor]]:
+    """``(slot, rank, token_positions)`` for every slot that has tokens and a rank > 0."""
+    groups = []
+    for slot in torch.unique(indices).tolist():
+        if slot < 0:
+            continue
+        rank = int(ranks[slot])
+        if rank == 0:
+            continue
+        groups.append((slot, rank, (indices == slot).nonzero().flatten()))
+    return groups
+
+
+def lora_shrink(x: Tensor, a_slab: Tensor, ranks: Tensor, indices: Tensor, *,
+                segments: Segments | None = None) -> Tensor:
+    """Return ``h[T, max_rank]`` with ``h[t, :r] = x[t] @ A_slot[:r].T`` and zeros elsewhere."""
+    check_shrink(x, a_slab, ranks, indices, segments, REFERENCE_DTYPES)
+    cd = _compute_dtype(x.dtype)
+    h = torch.zeros(x.shape[0], a_slab.shape[1], dtype=cd, device=x.device)
+    for slot, rank, rows in _slot_groups(_token_indices(indices, segments), ranks):
+        h[rows, :rank] = x[rows].to(cd) @ a_slab[slot, :rank].to(cd).T
+    return h
+
+
+def lora_expand(y: Tensor, h: Tensor, b_slab: Tensor, ranks: Tensor, scales: Tensor,
+                indices: Tensor, *, out_offset: int = 0,
+                segments: Segments | None = None) -> None:
+    """``y[t, off:off+N] += scale * h[t, :r] @ B_slot[:, :r].T`` in place, fp32 accumulation."""
+    check_expand(y, h, b_slab, ranks, scales, indices, out_offset, segments, REFERENCE_DTYPES)
+    cd = _compute_dtype(y.dtype)
+    out = y[:, out_offset:out_offset + b_slab.shape[1]]
+    for slot, rank, rows in _slot_groups(_token_indices(indices, segments), ranks):
+        delta = h[rows, :rank].to(cd) @ b_slab[slot, :, :rank].to(cd).T
+        out[rows] = (out[rows].to(cd) + scales[slot].to(cd) * delta).to(y.dtype)
+
+
+def lora_apply(y: Tensor, x: Tensor, a_slab: Tensor, b_slab: Tensor, ranks: Tensor,
+               scales: Tensor, indices: Tensor, *, out_offset: int = 0,
+               segments: Segments | None = None) -> None:
+    """Shrink then expand; on the torch path fusing would gain nothing, so it is not offered."""
+    h = lora_shrink(x, a_slab, ranks, indices, segments=segments)
+    lora_expand(y, h, b_slab, ranks, scales, indices, out_offset=out_offset, segments=segments)

@@ -1,0 +1,195 @@
+"""SGMV: contiguous token segments per slot, the prefill case.
+
+A program owns a tile of up to ``BLOCK_M`` tokens from one segment, so it loads each block
+of the adapter's weights once for the whole tile and multiplies on tensor cores
+(``tl.dot``); that reuse is what a gather of per-token weight copies followed by ``bmm``
+cannot have. Rank is handled in ``BLOCK_R`` chunks up to the slot's own rank: shrink
+programs whose rank block lies past the slot's rank exit, and expand loops only over the
+chunks the rank covers.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from triton.runtime.interpreter import InterpretedFunction
+
+from kernels.segments import Segments
+from kernels.triton.tiles import segment_tiles
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs get full-precision products; TF32 would cost ~1e-3 relative error."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def upcast_dot_operands(kernel: object, dtype: torch.dtype) -> bool:
+    """Whether ``tl.dot`` operands must be widened to fp32 before the product.
+
+    Only under ``TRITON_INTERPRET=1``: the interpreter multiplies bf16 operands as their raw
+    16-bit integer patterns (numpy has no bf16), so its results are garbage. bf16 x bf16
+    products are exact in fp32, so widening keeps the GPU kernel's numerics.
+    """
+    return dtype == torch.bfloat16 and isinstance(kernel, InterpretedFunction)
+
+
+@triton.jit
+def _sgmv_shrink_kernel(
+    x_ptr, a_ptr, h_ptr, ranks_ptr, starts_ptr, slots_ptr, tile_seg_ptr, first_tile_ptr,
+    K, num_segments,
+    stride_xt, stride_xk,
+    stride_as, stride_ar, stride_ak,
+    stride_ht, stride_hr,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    r0 = tl.program_id(1) * BLOCK_R
+    split = tl.program_id(2)
+    seg = tl.load(tile_seg_ptr + pid)
+    if seg >= num_segments:
+        return
+    slot = tl.load(slots_ptr + seg)
+    if slot < 0:
+        return
+    rank = tl.load(ranks_ptr + slot)
+    if r0 >= rank:
+        return
+    m0 = tl.load(starts_ptr + seg) + (pid - tl.load(first_tile_ptr + seg)) * BLOCK_M
+    m_end = tl.load(starts_ptr + seg + 1)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < m_end
+    offs_r = r0 + tl.arange(0, BLOCK_R)
+    r_mask = offs_r < rank
+    a_base = a_ptr + slot.to(tl.int64) * stride_as
+    k_chunk = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
+    k_start = split * k_chunk
+    k_end = tl.minimum(k_start + k_chunk, K)
+    acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < k_end
+        xv = tl.load(
+            x_ptr + offs_m[:, None].to(tl.int64) * stride_xt + offs_k[None, :] * stride_xk,
+            mask=m_mask[:, None] & k_mask[None, :], other=0.0,
+        )
+        av = tl.load(
+            a_base + offs_k[:, None] * stride_ak + offs_r[None, :] * stride_ar,
+            mask=k_mask[:, None] & r_mask[None, :], other=0.0,
+        )
+        if UPCAST:
+            acc = tl.dot(xv.to(tl.float32), av.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(xv, av, acc, input_precision=DOT_PRECISION)
+    h_ptrs = h_ptr + offs_m[:, None].to(tl.int64) * stride_ht + offs_r[None, :] * stride_hr
+    h_mask = m_mask[:, None] & r_mask[None, :]
+    if SPLIT_K == 1:
+        tl.store(h_ptrs, acc, mask=h_mask)
+    else:
+        tl.atomic_add(h_ptrs, acc, mask=h_mask)
+
+
+@triton.jit
+def _sgmv_expand_kernel(
+    y_ptr, h_ptr, b_ptr, ranks_ptr, scales_ptr, starts_ptr, slots_ptr, tile_seg_ptr,
+    first_tile_ptr,
+    N, out_offset, num_segments,
+    stride_yt, stride_yn,
+    stride_ht, stride_hr,
+    stride_bs, stride_bn, stride_br,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    seg = tl.load(tile_seg_ptr + pid)
+    if seg >= num_segments:
+        return
+    slot = tl.load(slots_ptr + seg)
+    if slot < 0:
+        return
+    rank = tl.load(ranks_ptr + slot)
+    if rank == 0:
+        return
+    scale = tl.load(scales_ptr + slot)
+    m0 = tl.load(starts_ptr + seg) + (pid - tl.load(first_tile_ptr + seg)) * BLOCK_M
+    m_end = tl.load(starts_ptr + seg + 1)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < m_end
+    n_mask = offs_n < N
+    b_base = b_ptr + slot.to(tl.int64) * stride_bs
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for r0 in range(0, rank, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        r_mask = offs_r < rank
+        hv = tl.load(
+            h_ptr + offs_m[:, None].to(tl.int64) * stride_ht + offs_r[None, :] * stride_hr,
+            mask=m_mask[:, None] & r_mask[None, :], other=0.0,
+        )
+        bv = tl.load(
+            b_base + offs_r[:, None] * stride_br + offs_n[None, :] * stride_bn,
+            mask=r_mask[:, None] & n_mask[None, :], other=0.0,
+        )
+        hv = hv.to(bv.dtype)
+        if UPCAST:
+            acc = tl.dot(hv.to(tl.float32), bv.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(hv, bv, acc, input_precision=DOT_PRECISION)
+    y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_yt \
+        + (out_offset + offs_n[None, :]) * stride_yn
+    y_mask = m_mask[:, None] & n_mask[None, :]
+    yv = tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
+    tl.store(y_ptrs, (yv + scale * acc).to(y_ptr.dtype.element_ty), mask=y_mask)
+
+
+def sgmv_shrink(x: Tensor, a_slab: Tensor, ranks: Tensor, segments: Segments, *,
+                block_m: int = 32, block_r: int = 16, block_k: int = 64,
+                split_k: int = 1) -> Tensor:
+    """``h[t, :r] = x[t] @ A_slot[:r].T`` for every token of every segment."""
+    num_tokens, k = x.shape
+    max_rank = a_slab.shape[1]
+    h = torch.zeros(num_tokens, max_rank, dtype=torch.float32, device=x.device)
+    if num_tokens == 0 or max_rank == 0 or segments.num_segments == 0:
+        return h
+    tiles = segment_tiles(segments.starts, num_tokens, block_m)
+    grid = (tiles.num_programs, triton.cdiv(max_rank, block_r), split_k)
+    _sgmv_shrink_kernel[grid](
+        x, a_slab, h, ranks, segments.starts, segments.slots, tiles.segment, tiles.first_tile,
+        k, segments.num_segments,
+        x.stride(0), x.stride(1),
+        a_slab.stride(0), a_slab.stride(1), a_slab.stride(2),
+        h.stride(0), h.stride(1),
+        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, SPLIT_K=split_k,
+        DOT_PRECISION=dot_precision(x.dtype),
+        UPCAST=upcast_dot_operands(_sgmv_shrink_kernel, x.dtype),
+    )
+    return h
+
+
+def sgmv_expand(y: Tensor, h: Tensor, b_slab: Tensor, ranks: Tensor, scales: Tensor,
+                segments: Segments, *, out_offset: int = 0, block_m: int = 32,
+                block_n: int = 64, block_r: int = 16) -> None:
+    """``y[t, off:off+N] += scale * h[t, :r] @ B_slot[:, :r].T`` for every segment's tokens.
+
+    ``h`` is rounded to the weights' dtype before the tensor-core product, as vLLM and Punica
+    do; the products and the sum stay in fp32.
+    """
+    num_tokens = y.shape[0]
+    n = b_slab.shape[1]
+    if num_tokens == 0 or n == 0 or segments.num_segments == 0:
+        return
+    tiles = segment_tiles(segments.starts, num_tokens, block_m)
+    grid = (tiles.num_programs, triton.cdiv(n, block_n))
+    _sgmv_expand_kernel[grid](
+        y, h, b_slab, ranks, scales, segments.starts, segments.slots, tiles.segment,
+        tiles.first_tile,
+        n, out_offset, segments.num_segments,
+        y.stride(0), y.stride(1),
+        h.stride(0), h.stride(1),
+        b_slab.stride(0), b_slab.stride(1), b_slab.stride(2),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
+        DOT_PRECISION=dot_precision(b_slab.dtype),
+        UPCAST=upcast_dot_operands(_sgmv_expand_kernel, b_slab.dtype),
+    )
