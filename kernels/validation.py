@@ -104,7 +104,7 @@ def check_shrink(x: Tensor, a_slab: Tensor, ranks: Tensor, indices: Tensor,
     check_routing(indices, segments, x.shape[0], a_slab.shape[0], x.device)
 
 
-def check_expand(y: Tensor, h: Tensor, b_slab: Tensor, ranks: Tensor, scales: Tensor,
+def check_expand(y: Tensor, h: Tensor | None, b_slab: Tensor, ranks: Tensor, scales: Tensor,
                  indices: Tensor, out_offset: int, segments: Segments | None,
                  dtypes: tuple[torch.dtype, ...]) -> None:
     """Validate the arguments of ``lora_expand``."""
@@ -115,13 +115,22 @@ def check_expand(y: Tensor, h: Tensor, b_slab: Tensor, ranks: Tensor, scales: Te
     _require(b_slab.dtype == y.dtype, "b_slab", f"dtype {b_slab.dtype} differs from y's {y.dtype}")
     _require(b_slab.device == y.device, "b_slab", f"on {b_slab.device}, y on {y.device}")
     num_slots, out_features, max_rank = b_slab.shape
-    _require(h.dim() == 2 and h.shape[0] == y.shape[0] and h.shape[1] == max_rank, "h",
-             f"expected [{y.shape[0]}, {max_rank}], got {list(h.shape)}")
-    _require(h.dtype in (torch.float32, torch.float64), "h",
-             f"expected float32 (as lora_shrink returns), got {h.dtype}")
-    _require(h.device == y.device, "h", f"on {h.device}, y on {y.device}")
+    if h is not None:  # None: fused apply, where h never leaves registers
+        _require(h.dim() == 2 and h.shape[0] == y.shape[0] and h.shape[1] == max_rank, "h",
+                 f"expected [{y.shape[0]}, {max_rank}], got {list(h.shape)}")
+        _require(h.dtype in (torch.float32, torch.float64), "h",
+                 f"expected float32 (as lora_shrink returns), got {h.dtype}")
+        _require(h.device == y.device, "h", f"on {h.device}, y on {y.device}")
     _require(out_offset >= 0 and out_offset + out_features <= y.shape[1], "out_offset",
              f"slice [{out_offset}, {out_offset + out_features}) does not fit y's "
              f"{y.shape[1]} columns")
     check_slot_tables(ranks, num_slots, max_rank, y.device, scales)
     check_routing(indices, segments, y.shape[0], num_slots, y.device)
+
+
+def check_slab_pair(a_slab: Tensor, b_slab: Tensor) -> None:
+    """A and B slabs of one module must describe the same slots and the same max rank."""
+    _require(a_slab.dim() == 3 and b_slab.dim() == 3
+             and a_slab.shape[0] == b_slab.shape[0] and a_slab.shape[1] == b_slab.shape[2],
+             "b_slab", f"shape {list(b_slab.shape)} does not pair with a_slab's "
+             f"{list(a_slab.shape)} (expected [num_slots, out_features, max_rank])")
