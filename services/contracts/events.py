@@ -1,0 +1,379 @@
+"""Event envelope and payloads: the code side of the contracts in `schemas/events/`.
+
+Every event on the log is one `Envelope` whose `payload` is one of the payload classes
+below, chosen by `type`. The JSON Schema files are generated from these classes
+(`python -m services.contracts.schema_export`) and a test keeps the two identical, so the
+files in `schemas/` are the published contract and these models never drift from it.
+
+Compatibility rule: fields are only ever added (with defaults). A breaking change bumps
+the payload's `schema_version` and registers an upcaster in `codec.py`, so old events in
+the log stay readable forever.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+from datetime import UTC, datetime
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializeAsAny,
+    StringConstraints,
+    model_validator,
+)
+
+Slug = Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9._-]{0,62}$")]
+Sha256Hex = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+AdapterId = Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9._-]{0,127}$")]
+QosTier = Literal["platinum", "gold", "silver", "bronze"]
+Version = Annotated[int, Field(ge=1)]
+
+ADAPTER_TOPIC = "adapter"
+WORKER_TOPIC = "worker"
+ANY_TOPIC = "any"
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TenantRef(_Frozen):
+    """The tenant an event concerns: the unit of isolation, billing and purge."""
+
+    org: Slug
+    team: Slug
+    project: Slug
+
+    @property
+    def key(self) -> str:
+        return f"{self.org}/{self.team}/{self.project}"
+
+
+class Payload(_Frozen):
+    """Base of every payload; `schema_version` is the version new events are written at."""
+
+    schema_version: ClassVar[int] = 1
+    topic: ClassVar[str] = ADAPTER_TOPIC
+
+    @classmethod
+    def event_type(cls) -> str:
+        return cls.__name__
+
+
+# --- registry → adapter-events --------------------------------------------------------
+
+
+class BaseModelRegistered(Payload):
+    """An admin registered a base model; adapters are validated against its config."""
+
+    name: AdapterId
+    digest: Sha256Hex
+    config: dict[str, Any]
+
+
+class AdapterVersionPublished(Payload):
+    adapter_id: AdapterId
+    version: Version
+    label: str = Field(min_length=1, max_length=128)
+    base_model: AdapterId
+    base_model_digest: Sha256Hex
+    sha256: Sha256Hex = Field(description="Digest of adapter_model.safetensors")
+    config_sha256: Sha256Hex = Field(description="Digest of adapter_config.json")
+    size_bytes: int = Field(ge=0)
+    rank: int = Field(ge=1)
+    lora_alpha: float
+    target_modules: list[str] = Field(min_length=1)
+    dtype: str
+    qos_tier: QosTier = "silver"
+    owner: str = Field(min_length=1, max_length=256)
+    rollback_to: Version | None = None
+
+
+class SplitEntry(_Frozen):
+    adapter_id: AdapterId
+    version: Version
+    weight: int = Field(ge=0, le=100)
+
+
+class TrafficSplitChanged(Payload):
+    """An alias now sends `weight`% of its traffic to each listed version."""
+
+    alias: AdapterId
+    split: list[SplitEntry] = Field(min_length=1)
+    previous: list[SplitEntry] = Field(default_factory=list)
+
+
+class AdapterVersionSwitched(Payload):
+    """The active version of an adapter changed; workers invalidate the old version's KV."""
+
+    adapter_id: AdapterId
+    from_version: Version | None
+    to_version: Version
+    alias: AdapterId | None = None
+
+
+class AdapterRolledBack(Payload):
+    adapter_id: AdapterId
+    from_version: Version
+    to_version: Version
+    reason: str = Field(max_length=1024)
+
+
+class AdapterDisabled(Payload):
+    adapter_id: AdapterId
+    version: Version
+    reason: str = Field(max_length=1024)
+
+
+class AdapterEnabled(Payload):
+    adapter_id: AdapterId
+    version: Version
+    reason: str = Field("", max_length=1024)
+
+
+class TenantPurgeRequested(Payload):
+    purge_id: str = Field(min_length=1, max_length=64)
+    deadline_s: float = Field(gt=0, le=86400)
+    hard: bool = Field(True, description="Abort running sequences instead of letting them end.")
+
+
+class RegistryLease(Payload):
+    """Proof of a live, current registry; workers past the stale threshold stop serving."""
+
+    registry_id: str
+    epoch: int = Field(ge=0)
+    expires_at: datetime
+
+
+# --- workers → worker-events -----------------------------------------------------------
+
+
+class _WorkerPayload(Payload):
+    topic: ClassVar[str] = WORKER_TOPIC
+    worker_id: str = Field(min_length=1, max_length=128)
+
+
+class LoadedAdapter(_Frozen):
+    adapter_id: AdapterId
+    version: Version
+    sha256: Sha256Hex
+    tier: Literal["device", "host", "disk"] = "device"
+
+
+class WorkerHeartbeat(_WorkerPayload):
+    address: str
+    base_model: str
+    base_model_digest: Sha256Hex
+    loaded: list[LoadedAdapter] = Field(default_factory=list)
+    free_slots: int = Field(0, ge=0)
+    free_kv_blocks: int = Field(0, ge=0)
+    lease_epoch: int | None = None
+
+
+class AdapterLoaded(_WorkerPayload):
+    adapter_id: AdapterId
+    version: Version
+    sha256: Sha256Hex
+    load_ms: float = Field(ge=0)
+    tier: Literal["device", "host", "disk"] = "device"
+
+
+class AdapterLoadFailed(_WorkerPayload):
+    adapter_id: AdapterId
+    version: Version
+    error: str = Field(max_length=4096)
+
+
+class AdapterUnloaded(_WorkerPayload):
+    adapter_id: AdapterId
+    version: Version
+    sha256: Sha256Hex
+    reason: str = Field(max_length=1024)
+
+
+class KVInvalidated(_WorkerPayload):
+    reason: Literal["switch", "rollback", "disable", "unload", "purge"]
+    adapter_sha256: Sha256Hex | None = None
+    tenant_key: str | None = None
+    blocks_freed: int = Field(ge=0)
+    sequences_aborted: int = Field(0, ge=0)
+
+
+class TenantPurged(_WorkerPayload):
+    purge_id: str = Field(min_length=1, max_length=64)
+    kv_blocks_freed: int = Field(ge=0)
+    adapters_unloaded: int = Field(ge=0)
+    sequences_aborted: int = Field(0, ge=0)
+    refcounts_zero: bool
+
+
+class ServedRequest(_Frozen):
+    request_id: str
+    trace_id: str
+    tenant: TenantRef
+    user_id: str = ""
+    adapter_id: AdapterId | None
+    version: Version | None
+    adapter_sha256: Sha256Hex | None
+    base_model_digest: Sha256Hex
+    prompt_tokens: int = Field(ge=0)
+    completion_tokens: int = Field(ge=0)
+    started_at: datetime
+    finished_at: datetime
+    status: Literal["ok", "aborted", "rejected", "error"] = "ok"
+
+
+class RequestServed(_WorkerPayload):
+    """A batch of request traces: which adapter version and digest served which request."""
+
+    requests: list[ServedRequest] = Field(min_length=1)
+
+
+# --- any topic ---------------------------------------------------------------------------
+
+
+class ReplayBarrier(Payload):
+    """A marker a reader writes to every partition and reads back to know it caught up.
+
+    Not a domain event: folds skip it. See KAFKA_NOTES: the high watermark is not
+    trustworthy on every broker, a barrier one wrote oneself is.
+    """
+
+    topic: ClassVar[str] = ANY_TOPIC
+    reader: str
+    nonce: str
+    partition: int = Field(ge=0)
+
+
+PAYLOAD_TYPES: dict[str, type[Payload]] = {
+    cls.event_type(): cls
+    for cls in (
+        BaseModelRegistered,
+        AdapterVersionPublished,
+        TrafficSplitChanged,
+        AdapterVersionSwitched,
+        AdapterRolledBack,
+        AdapterDisabled,
+        AdapterEnabled,
+        TenantPurgeRequested,
+        RegistryLease,
+        WorkerHeartbeat,
+        AdapterLoaded,
+        AdapterLoadFailed,
+        AdapterUnloaded,
+        KVInvalidated,
+        TenantPurged,
+        RequestServed,
+        ReplayBarrier,
+    )
+}
+
+
+class UnknownEventType(ValueError):
+    pass
+
+
+def payload_class(event_type: str) -> type[Payload]:
+    try:
+        return PAYLOAD_TYPES[event_type]
+    except KeyError:
+        raise UnknownEventType(f"unknown event type {event_type!r}") from None
+
+
+# --- UUIDv7 ------------------------------------------------------------------------------
+
+_uuid7_lock = threading.Lock()
+_uuid7_last = [0, 0]  # [unix_ms, counter]
+
+
+def uuid7() -> uuid.UUID:
+    """A time-ordered UUIDv7 (RFC 9562), monotonic within this process.
+
+    Time order makes event ids sort like the log and keeps index inserts local in Postgres.
+    """
+    with _uuid7_lock:
+        ms = time.time_ns() // 1_000_000
+        if ms <= _uuid7_last[0]:
+            ms = _uuid7_last[0]
+            _uuid7_last[1] += 1
+            if _uuid7_last[1] >= 1 << 12:  # counter exhausted: borrow the next millisecond
+                ms += 1
+                _uuid7_last[1] = 0
+        else:
+            _uuid7_last[1] = int.from_bytes(os.urandom(2), "big") & 0x3FF
+        _uuid7_last[0] = ms
+        counter = _uuid7_last[1]
+    rand = int.from_bytes(os.urandom(8), "big") & ((1 << 62) - 1)
+    value = (ms & ((1 << 48) - 1)) << 80 | 0x7 << 76 | counter << 64 | 0b10 << 62 | rand
+    return uuid.UUID(int=value)
+
+
+# --- the envelope ------------------------------------------------------------------------
+
+
+class Envelope(_Frozen):
+    """One event on the log. Key = `stream`, so a stream stays ordered in one partition."""
+
+    event_id: uuid.UUID
+    type: str
+    schema_version: int = Field(ge=1)
+    stream: str = Field(min_length=1, max_length=256)
+    seq: int = Field(ge=1, description="Per stream, gap-free, starting at 1.")
+    occurred_at: datetime
+    actor: str = Field(min_length=1, max_length=256)
+    tenant: TenantRef | None = None
+    trace_id: str | None = Field(None, pattern=r"^[0-9a-f]{32}$")
+    payload: SerializeAsAny[Payload]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _typed_payload(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("payload"), dict):
+            data = {**data, "payload": payload_class(str(data.get("type"))).model_validate(
+                data["payload"])}
+        return data
+
+    @model_validator(mode="after")
+    def _type_matches_payload(self) -> Envelope:
+        if self.payload.event_type() != self.type:
+            raise ValueError(f"type {self.type!r} does not match payload "
+                             f"{self.payload.event_type()!r}")
+        return self
+
+    @classmethod
+    def new(
+        cls,
+        payload: Payload,
+        *,
+        stream: str,
+        seq: int,
+        actor: str,
+        tenant: TenantRef | None = None,
+        trace_id: str | None = None,
+        occurred_at: datetime | None = None,
+    ) -> Envelope:
+        return cls(
+            event_id=uuid7(),
+            type=payload.event_type(),
+            schema_version=payload.schema_version,
+            stream=stream,
+            seq=seq,
+            occurred_at=occurred_at or datetime.now(UTC),
+            actor=actor,
+            tenant=tenant,
+            trace_id=trace_id,
+            payload=payload,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    @property
+    def is_barrier(self) -> bool:
+        return isinstance(self.payload, ReplayBarrier)
