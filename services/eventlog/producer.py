@@ -1,0 +1,180 @@
+"""The one producer wrapper: validates every event, then writes it idempotently or in a
+transaction of its own.
+
+Transactional mode is for the registry, the single writer of `adapter-events`: a fixed
+`transactional.id` means a second instance's `init_transactions` fences the first, whose
+next write raises `ProducerFenced` instead of corrupting the log. One command is one
+transaction, so no reader ever depends on `read_committed` to hide a half-done command.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from confluent_kafka import KafkaError, KafkaException, Message, Producer
+
+from services.config import Settings
+from services.contracts.codec import encode
+from services.contracts.events import Envelope
+from services.eventlog.client import producer_config
+from services.eventlog.errors import BrokerUnavailable, EventLogError, ProducerFenced
+from services.eventlog.topics import topic_for
+
+_FENCED = {
+    KafkaError._FENCED,
+    KafkaError.PRODUCER_FENCED,
+    KafkaError.INVALID_PRODUCER_EPOCH,
+    KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED,
+}
+_UNAVAILABLE = {
+    KafkaError._TIMED_OUT,
+    KafkaError._MSG_TIMED_OUT,
+    KafkaError._TRANSPORT,
+    KafkaError._ALL_BROKERS_DOWN,
+    KafkaError._RESOLVE,
+    KafkaError.REQUEST_TIMED_OUT,
+    KafkaError.NOT_COORDINATOR,
+    KafkaError.COORDINATOR_NOT_AVAILABLE,
+    KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+}
+
+
+@dataclass(frozen=True)
+class RecordPosition:
+    topic: str
+    partition: int
+    offset: int
+
+
+EventOrDocument = Envelope | Mapping[str, Any]
+
+
+def _classify(error: KafkaError | None, context: str) -> EventLogError:
+    if error is not None and (error.code() in _FENCED or error.fatal()):
+        return ProducerFenced(f"{context}: {error.str()}")
+    if error is not None and error.code() in _UNAVAILABLE:
+        return BrokerUnavailable(f"{context}: {error.str()}")
+    return EventLogError(f"{context}: {error.str() if error else 'unknown error'}")
+
+
+class EventProducer:
+    """Writes validated events; `transactional_id=None` gives an idempotent producer."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        transactional_id: str | None = None,
+        client_id: str = "loraplane-producer",
+        timeout_s: float = 10.0,
+        **overrides: Any,
+    ) -> None:
+        self.settings = settings
+        self.transactional_id = transactional_id
+        self.timeout_s = timeout_s
+        extra: dict[str, Any] = dict(overrides)
+        if transactional_id:
+            extra.setdefault("transactional.id", transactional_id)
+            extra.setdefault("transaction.timeout.ms", 60000)
+        self._producer = Producer(producer_config(settings, client_id, **extra))
+        self._lock = threading.Lock()
+        self._fenced = False
+        if transactional_id:
+            try:
+                self._producer.init_transactions(timeout_s)
+            except KafkaException as exc:
+                raise _classify(exc.args[0], "init_transactions") from exc
+
+    @property
+    def transactional(self) -> bool:
+        return self.transactional_id is not None
+
+    def publish(
+        self, event: EventOrDocument, *, topic: str | None = None, partition: int | None = None
+    ) -> RecordPosition:
+        """Validate and write one event; returns where it landed once it is durable."""
+        return self.publish_all([(event, topic, partition)])[0]
+
+    def publish_all(
+        self, items: Iterable[tuple[EventOrDocument, str | None, int | None]]
+    ) -> list[RecordPosition]:
+        """Write several events atomically (one transaction) or, if idempotent, in order."""
+        encoded = []
+        for event, topic, partition in items:
+            envelope, value = encode(event)  # raises EventValidationError naming the field
+            encoded.append((topic or topic_for(envelope, self.settings), partition, envelope,
+                            value))
+        with self._lock:
+            if self._fenced:
+                raise ProducerFenced("this producer was fenced by a newer instance")
+            try:
+                return self._write(encoded)
+            except ProducerFenced:
+                self._fenced = True
+                raise
+
+    def _write(
+        self, encoded: list[tuple[str, int | None, Envelope, bytes]]
+    ) -> list[RecordPosition]:
+        results: list[RecordPosition | EventLogError | None] = [None] * len(encoded)
+
+        def on_delivery(index: int) -> Any:
+            def callback(error: KafkaError | None, message: Message) -> None:
+                if error is not None:
+                    results[index] = _classify(error, "delivery")
+                else:
+                    results[index] = RecordPosition(
+                        message.topic(), message.partition(), message.offset())
+            return callback
+
+        try:
+            if self.transactional:
+                self._producer.begin_transaction()
+            for index, (topic, partition, envelope, value) in enumerate(encoded):
+                kwargs: dict[str, Any] = {"key": envelope.stream.encode(), "value": value,
+                                          "on_delivery": on_delivery(index),
+                                          "headers": {"type": envelope.type}}
+                if partition is not None:
+                    kwargs["partition"] = partition
+                self._producer.produce(topic, **kwargs)
+            if self.transactional:
+                self._producer.commit_transaction(self.timeout_s)
+            else:
+                remaining = self._producer.flush(self.timeout_s)
+                if remaining:
+                    raise BrokerUnavailable(f"{remaining} event(s) not acknowledged in time")
+        except KafkaException as exc:
+            error = exc.args[0]
+            if self.transactional and not (error.code() in _FENCED or error.fatal()):
+                self._abort()
+            raise _classify(error, "produce") from exc
+        except BufferError as exc:
+            if self.transactional:
+                self._abort()
+            raise BrokerUnavailable(f"local queue full: {exc}") from exc
+        self._producer.poll(0)
+        for result in results:
+            if isinstance(result, EventLogError):
+                raise result
+            if result is None:
+                raise BrokerUnavailable("no delivery report received")
+        return [r for r in results if isinstance(r, RecordPosition)]
+
+    def _abort(self) -> None:
+        # If the abort fails the broker times the transaction out; nothing was committed.
+        with contextlib.suppress(KafkaException):
+            self._producer.abort_transaction(self.timeout_s)
+
+    def close(self) -> None:
+        if not self._fenced:
+            self._producer.flush(self.timeout_s)
+
+    def __enter__(self) -> EventProducer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
