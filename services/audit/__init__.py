@@ -1,0 +1,1 @@
+"""Audit projection: the event log folded into PostgreSQL for SQL proofs."""

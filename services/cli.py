@@ -1,0 +1,145 @@
+"""The `loraplane` command."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+
+import typer
+from rich.console import Console
+
+from services.config import Settings
+
+app = typer.Typer(help="loraplane: multi-tenant LoRA adapter platform", no_args_is_help=True)
+serve_app = typer.Typer(help="Run one loraplane process in the foreground.",
+                        no_args_is_help=True)
+app.add_typer(serve_app, name="serve")
+console = Console()
+
+
+def _settings() -> Settings:
+    return Settings()
+
+
+def _stop_on_signals() -> threading.Event:
+    stop = threading.Event()
+
+    def handler(signum: int, _frame: object) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+    return stop
+
+
+@app.command()
+def up() -> None:
+    """Start broker, PostgreSQL, migrations, topics and services; Ctrl-C stops them all."""
+    from services.stack.stack import Stack, StackAlreadyRunning
+
+    stop = _stop_on_signals()
+    stack = Stack(_settings())
+    try:
+        stack.start()
+    except StackAlreadyRunning as exc:
+        console.print(f"[yellow]{exc}[/yellow]")
+        raise typer.Exit(1) from None
+    try:
+        for e in stack.endpoints:
+            console.print(f"[bold]{e.name:10}[/bold] {e.where}  [dim]{e.detail}[/dim]")
+        console.print("[green]loraplane is up[/green]; Ctrl-C stops everything it started")
+        while not stop.wait(0.5):
+            problem = stack.check_children()
+            if problem:
+                console.print(f"[red]{problem}[/red]")
+                raise typer.Exit(1)
+    finally:
+        console.print("stopping…")
+        stack.stop()
+        console.print("stopped")
+
+
+@app.command()
+def demo() -> None:
+    """Run the main job on the embedded default and print what happened."""
+    from services.demo import run_demo
+
+    run_demo(_settings())
+
+
+@app.command()
+def migrate(revision: str = typer.Option("head", help="Target revision"),
+            down: bool = typer.Option(False, help="Downgrade to REVISION instead")) -> None:
+    """Apply (or revert) the Alembic migrations of the audit store."""
+    from services.audit import db
+
+    url = _settings().database_url
+    if not url:
+        console.print("[red]LORAPLANE_DATABASE_URL is not set[/red]")
+        raise typer.Exit(2)
+    if down:
+        db.downgrade(url, revision)
+    else:
+        db.upgrade(url, revision)
+    console.print(f"migrated {'down' if down else 'up'} to {revision}")
+
+
+@app.command()
+def topics() -> None:
+    """Create the event topics that do not exist yet."""
+    from services.eventlog.topics import ensure_topics
+
+    created = ensure_topics(_settings())
+    console.print(f"created: {', '.join(created) or 'nothing (all exist)'}")
+
+
+@app.command("fetch-kafka")
+def fetch_kafka() -> None:
+    """Fetch the Apache Kafka jars into the project cache (once)."""
+    from services.stack.brokers import kafka_jars
+
+    console.print(f"Kafka jars in {kafka_jars(_settings())}")
+
+
+@serve_app.command("audit")
+def serve_audit() -> None:
+    """The audit projector: both topics into PostgreSQL, exactly once."""
+    from services.audit.db import make_engine
+    from services.audit.projector import AuditProjector
+
+    settings = _settings()
+    logging.basicConfig(level=settings.log_level)
+    if not settings.database_url or not settings.kafka_bootstrap:
+        console.print("[red]set LORAPLANE_DATABASE_URL and LORAPLANE_KAFKA_BOOTSTRAP[/red]")
+        raise typer.Exit(2)
+    stop = _stop_on_signals()
+    projector = AuditProjector(settings, make_engine(settings.database_url))
+    projector.open()
+    logging.getLogger("loraplane.audit").info("audit projector running")
+    try:
+        projector.run(stop)
+    finally:
+        projector.close()
+
+
+@app.command()
+def status() -> None:
+    """Show what a running `loraplane up` started, and whether each part answers."""
+    import json
+
+    settings = _settings()
+    where = settings.state_dir / "endpoints.json"
+    if not where.exists():
+        console.print("no loraplane up is running here")
+        raise typer.Exit(1)
+    for e in json.loads(where.read_text()):
+        console.print(f"[bold]{e['name']:10}[/bold] {e['where']}  [dim]{e['detail']}[/dim]")
+
+
+def main() -> None:  # pragma: no cover - console entry point alias
+    app()
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,1 @@
+"""The embedded stack behind `loraplane up`, `loraplane demo` and the test fixtures."""
