@@ -1,0 +1,63 @@
+"""Inference engine: Llama-family base model, multi-LoRA batching, paged KV, scheduler.
+
+The worker service drives it through `Engine` (requests, steps, streaming, adapter and
+KV control) and reads `TokenEvent` / `GenerationResult` values back.
+"""
+
+from .adapter import AdapterFiles, LoraAdapter, parse_adapter
+from .adapter_pool import AdapterPool, AdapterSlotInfo
+from .compat import CacheScope, Decision, SharingPolicy, decide
+from .config import ModelConfig
+from .engine import Engine, EngineConfig, EngineStats
+from .errors import (
+    AdapterError,
+    AdapterNotLoadedError,
+    AdapterPoolFullError,
+    CheckpointError,
+    EngineError,
+    RequestError,
+    UnsupportedModelError,
+)
+from .kv_cache import InvalidationResult
+from .model import LlamaModel
+from .request import (
+    FinishReason,
+    GenerationRequest,
+    GenerationResult,
+    QosTier,
+    SamplingParams,
+    TokenEvent,
+)
+from .scheduler import SchedulerLimits
+
+__all__ = [
+    "AdapterError",
+    "AdapterFiles",
+    "AdapterNotLoadedError",
+    "AdapterPool",
+    "AdapterPoolFullError",
+    "AdapterSlotInfo",
+    "CacheScope",
+    "CheckpointError",
+    "Decision",
+    "Engine",
+    "EngineConfig",
+    "EngineError",
+    "EngineStats",
+    "FinishReason",
+    "GenerationRequest",
+    "GenerationResult",
+    "InvalidationResult",
+    "LlamaModel",
+    "LoraAdapter",
+    "ModelConfig",
+    "QosTier",
+    "RequestError",
+    "SamplingParams",
+    "SchedulerLimits",
+    "SharingPolicy",
+    "TokenEvent",
+    "UnsupportedModelError",
+    "decide",
+    "parse_adapter",
+]

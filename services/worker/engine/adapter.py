@@ -1,0 +1,209 @@
+"""PEFT LoRA adapters: parse, validate against the base model, compute the content digest.
+
+Everything that would make the engine's output differ from PEFT's is refused here with a
+message naming the field or tensor (DoRA, trained biases, modules the model lacks,
+per-module rank/alpha patterns, embedding LoRA), before any slot is touched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load as load_safetensors_bytes
+
+from .config import ModelConfig
+from .errors import AdapterError
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+
+ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+TARGET_MODULES = ATTENTION_MODULES + MLP_MODULES
+_PARENT = {m: "self_attn" for m in ATTENTION_MODULES} | {m: "mlp" for m in MLP_MODULES}
+
+_KEY = re.compile(
+    r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_(A|B)"
+    r"(?:\.[\w-]+)?\.weight$"
+)
+
+
+def module_shape(cfg: ModelConfig, module: str) -> tuple[int, int]:
+    """(in_features, out_features) of a target projection."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    return {
+        "q_proj": (h, cfg.q_size),
+        "k_proj": (h, cfg.kv_size),
+        "v_proj": (h, cfg.kv_size),
+        "o_proj": (cfg.q_size, h),
+        "gate_proj": (h, i),
+        "up_proj": (h, i),
+        "down_proj": (i, h),
+    }[module]
+
+
+@dataclass(frozen=True)
+class AdapterFiles:
+    """The two files of a PEFT adapter as bytes: what the blob store hands the worker."""
+
+    config_json: bytes
+    weights: bytes
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> AdapterFiles:
+        root = Path(path)
+        for name in (CONFIG_FILE, WEIGHTS_FILE):
+            if not (root / name).is_file():
+                raise AdapterError(f"adapter directory lacks {name}")
+        return cls((root / CONFIG_FILE).read_bytes(), (root / WEIGHTS_FILE).read_bytes())
+
+    def content_digest(self) -> str:
+        """sha256 over both files, for callers that have no registry digest at hand."""
+        h = hashlib.sha256()
+        for name, data in ((CONFIG_FILE, self.config_json), (WEIGHTS_FILE, self.weights)):
+            h.update(name.encode() + b"\0" + hashlib.sha256(data).digest())
+        return "sha256:" + h.hexdigest()
+
+
+@dataclass(frozen=True)
+class LoraWeights:
+    """One adapted projection of one layer: A [r, in], B [out, r] and its scale."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    scale: float
+
+    @property
+    def rank(self) -> int:
+        return int(self.a.shape[0])
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    """A validated adapter, keyed by (layer, module)."""
+
+    digest: str
+    rank: int
+    alpha: float
+    use_rslora: bool
+    target_modules: tuple[str, ...]
+    weights: dict[tuple[int, str], LoraWeights]
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(w.a.numel() + w.b.numel() for w in self.weights.values())
+
+
+def _matches_target(target: Any, module: str, full_name: str) -> bool:
+    """PEFT's target_modules semantics: regex full-match if a string, else suffix match."""
+    if isinstance(target, str):
+        if target == "all-linear":
+            return True
+        return re.fullmatch(target, full_name) is not None
+    return module in target or any(full_name.endswith("." + t) for t in target)
+
+
+def _layers(raw: Any) -> set[int] | None:
+    if raw is None:
+        return None
+    if isinstance(raw, int):
+        return {raw}
+    return {int(x) for x in raw}
+
+
+def parse_adapter(files: AdapterFiles, cfg: ModelConfig, digest: str | None = None) -> LoraAdapter:
+    """Validate a PEFT LoRA adapter against `cfg` and return its per-module weights."""
+    try:
+        conf = json.loads(files.config_json)
+    except json.JSONDecodeError as exc:
+        raise AdapterError(f"{CONFIG_FILE} is not valid JSON: {exc}") from exc
+    if conf.get("peft_type", "LORA") != "LORA":
+        raise AdapterError(f"peft_type {conf.get('peft_type')!r} is not supported (only LORA)")
+    if conf.get("use_dora"):
+        raise AdapterError("DoRA adapters (use_dora=true) are not supported")
+    if conf.get("bias", "none") != "none":
+        raise AdapterError(f"bias={conf.get('bias')!r} is not supported (only 'none')")
+    for key in ("rank_pattern", "alpha_pattern"):
+        if conf.get(key):
+            raise AdapterError(f"{key} is not supported")
+    if conf.get("modules_to_save"):
+        raise AdapterError("modules_to_save is not supported (it replaces base weights)")
+    if conf.get("layer_replication"):
+        raise AdapterError("layer_replication is not supported")
+    try:
+        rank = int(conf["r"])
+        alpha = float(conf.get("lora_alpha", rank))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise AdapterError(f"{CONFIG_FILE} lacks a valid 'r'") from exc
+    if rank <= 0:
+        raise AdapterError(f"r must be positive, got {rank}")
+    rslora = bool(conf.get("use_rslora", False))
+    scale = alpha / math.sqrt(rank) if rslora else alpha / rank
+    targets = conf.get("target_modules")
+    if targets is None:
+        raise AdapterError("target_modules is missing")
+    if not isinstance(targets, str):
+        targets = list(targets)
+        unknown = sorted(set(targets) - set(TARGET_MODULES))
+        if unknown:
+            raise AdapterError(
+                f"target_modules {unknown} are not projections of this model "
+                f"(supported: {list(TARGET_MODULES)})"
+            )
+    layers = _layers(conf.get("layers_to_transform"))
+    # fan_in_fan_out only concerns Conv1D-style base weights; for nn.Linear projections PEFT
+    # itself resets it to False, so it does not change the maths here.
+
+    try:
+        tensors = load_safetensors_bytes(files.weights)
+    except Exception as exc:  # safetensors raises its own error type
+        raise AdapterError(f"{WEIGHTS_FILE} is not a valid safetensors file: {exc}") from exc
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for name, tensor in tensors.items():
+        if "lora_magnitude_vector" in name:
+            raise AdapterError(f"tensor {name}: DoRA magnitude vectors are not supported")
+        m = _KEY.match(name)
+        if m is None:
+            raise AdapterError(f"tensor {name} is not a LoRA weight of a decoder-layer projection")
+        layer, parent, module, which = int(m[1]), m[2], m[3], m[4]
+        if module not in TARGET_MODULES or _PARENT[module] != parent:
+            raise AdapterError(f"tensor {name} targets module {module!r}, which this model lacks")
+        if not 0 <= layer < cfg.num_hidden_layers:
+            raise AdapterError(f"tensor {name} targets layer {layer}, model has "
+                               f"{cfg.num_hidden_layers}")
+        full = f"model.layers.{layer}.{parent}.{module}"
+        if not _matches_target(targets, module, full):
+            raise AdapterError(f"tensor {name} is not covered by target_modules {targets}")
+        if layers is not None and layer not in layers:
+            raise AdapterError(f"tensor {name} is outside layers_to_transform {sorted(layers)}")
+        pairs.setdefault((layer, module), {})[which] = tensor
+    if not pairs:
+        raise AdapterError(f"{WEIGHTS_FILE} contains no LoRA weights")
+    weights: dict[tuple[int, str], LoraWeights] = {}
+    for (layer, module), ab in sorted(pairs.items()):
+        where = f"layer {layer} {module}"
+        if set(ab) != {"A", "B"}:
+            raise AdapterError(f"{where}: lora_{'A' if 'A' not in ab else 'B'} is missing")
+        a, b = ab["A"], ab["B"]
+        fin, fout = module_shape(cfg, module)
+        if tuple(a.shape) != (rank, fin):
+            raise AdapterError(f"{where}: lora_A shape {list(a.shape)}, expected {[rank, fin]}")
+        if tuple(b.shape) != (fout, rank):
+            raise AdapterError(f"{where}: lora_B shape {list(b.shape)}, expected {[fout, rank]}")
+        weights[(layer, module)] = LoraWeights(a.float(), b.float(), scale)
+    modules = tuple(m for m in TARGET_MODULES if any(k[1] == m for k in weights))
+    return LoraAdapter(
+        digest=digest or files.content_digest(),
+        rank=rank,
+        alpha=alpha,
+        use_rslora=rslora,
+        target_modules=modules,
+        weights=weights,
+    )

@@ -1,0 +1,109 @@
+"""Ragged causal attention over the paged KV cache for one mixed step.
+
+A step holds decode tokens (one query per sequence) and prefill chunks (many queries per
+sequence). Decodes are batched into one grouped matmul over their gathered block tables;
+each prefill chunk is one SDPA call (flash path when it has no cached prefix). There is no
+per-token Python loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSpan:
+    """One sequence's prefill chunk inside the flat token batch."""
+
+    row_start: int
+    q_len: int
+    prefix_len: int
+    """Tokens of this sequence already in the cache before the chunk."""
+    ctx_slots: torch.Tensor | None = None
+    """Flat cache slots of prefix + chunk [prefix_len + q_len]; None when prefix_len == 0."""
+    mask: torch.Tensor | None = None
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step layout, built once and shared by every layer."""
+
+    decode_rows: torch.Tensor | None = None  # [B] rows of decode tokens
+    decode_slots: torch.Tensor | None = None  # [B, Lmax] flat slots, padded
+    decode_mask: torch.Tensor | None = None  # [B, 1, 1, Lmax] additive float mask
+    prefills: list[PrefillSpan] = field(default_factory=list)
+
+    def finalize(
+        self,
+        decode_rows: list[int],
+        decode_tables: list[list[int]],
+        decode_lens: list[int],
+        block_size: int,
+        dtype: torch.dtype,
+    ) -> None:
+        """Build masks for prefill spans and the padded slot table for decodes."""
+        for span in self.prefills:
+            if span.prefix_len:
+                total = span.prefix_len + span.q_len
+                q_pos = torch.arange(span.q_len)[:, None] + span.prefix_len
+                span.mask = torch.arange(total)[None, :] <= q_pos
+        if not decode_rows:
+            return
+        width = max(len(t) for t in decode_tables)
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables],
+                              dtype=torch.long)
+        lmax = max(decode_lens)
+        slots = (tables[:, :, None] * block_size + torch.arange(block_size)).flatten(1)
+        lens = torch.tensor(decode_lens, dtype=torch.long)
+        mask = torch.zeros(len(decode_rows), lmax, dtype=dtype)
+        mask.masked_fill_(torch.arange(lmax)[None, :] >= lens[:, None], float("-inf"))
+        self.decode_rows = torch.tensor(decode_rows, dtype=torch.long)
+        self.decode_slots = slots[:, :lmax].contiguous()
+        self.decode_mask = mask[:, None, None, :]
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Attention for all T tokens of a step: q [T, H, D]; caches [slots, KVH, D].
+
+    The step's new K/V must already be written to the cache (decodes read them from it).
+    Returns [T, H, D].
+    """
+    _, heads, dim = q.shape
+    kv_heads = k_cache.shape[1]
+    group = heads // kv_heads
+    out = torch.empty_like(q)
+    for span in meta.prefills:
+        rows = slice(span.row_start, span.row_start + span.q_len)
+        qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, Lq, D]
+        if span.ctx_slots is None:
+            ks = k_new[rows].transpose(0, 1).unsqueeze(0)
+            vs = v_new[rows].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
+                                               enable_gqa=True)
+        else:
+            ks = k_cache[span.ctx_slots].transpose(0, 1).unsqueeze(0)
+            vs = v_cache[span.ctx_slots].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span.mask, scale=scale,
+                                               enable_gqa=True)
+        out[rows] = o[0].transpose(0, 1)
+    if meta.decode_rows is not None:
+        assert meta.decode_slots is not None and meta.decode_mask is not None
+        b = meta.decode_rows.shape[0]
+        qd = q[meta.decode_rows].view(b, kv_heads, group, dim)
+        kd = k_cache[meta.decode_slots].permute(0, 2, 3, 1)  # [B, KVH, D, L]
+        vd = v_cache[meta.decode_slots].transpose(1, 2)  # [B, KVH, L, D]
+        scores = torch.matmul(qd, kd) * scale + meta.decode_mask.to(qd.dtype)
+        probs = torch.softmax(scores.float(), dim=-1).to(qd.dtype)
+        out[meta.decode_rows] = torch.matmul(probs, vd).reshape(b, heads, dim)
+    return out

@@ -1,0 +1,139 @@
+"""Reading a Hugging Face model directory: config, safetensors shards, tokenizer, digest.
+
+Validation happens against the shapes the config implies, so a wrong or partial
+checkpoint fails at load time with the name of the first missing or mis-shaped tensor
+instead of producing garbage tokens later.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .config import ModelConfig
+from .errors import CheckpointError
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """Accept 'float32' / 'bfloat16' / 'float16' (or fp32/bf16/fp16) or a torch dtype."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise CheckpointError(f"dtype {dtype} is not supported")
+        return dtype
+    aliases = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+    name = aliases.get(dtype, dtype)
+    if name not in _DTYPES:
+        raise CheckpointError(f"dtype {dtype!r} is not supported (use fp32, bf16 or fp16)")
+    return _DTYPES[name]
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the engine needs, by Hugging Face name, with its shape."""
+    h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (v, h),
+        "model.norm.weight": (h,),
+    }
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (v, h)
+    for layer in range(cfg.num_hidden_layers):
+        p = f"model.layers.{layer}."
+        shapes |= {
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (cfg.q_size, h),
+            p + "self_attn.k_proj.weight": (cfg.kv_size, h),
+            p + "self_attn.v_proj.weight": (cfg.kv_size, h),
+            p + "self_attn.o_proj.weight": (h, cfg.q_size),
+            p + "mlp.gate_proj.weight": (i, h),
+            p + "mlp.up_proj.weight": (i, h),
+            p + "mlp.down_proj.weight": (h, i),
+        }
+    return shapes
+
+
+def _shard_files(model_dir: Path) -> dict[str, Path]:
+    """Map tensor name -> shard file, from the index or the single file."""
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{INDEX_FILE} has no weight_map")
+        files = {name: model_dir / shard for name, shard in weight_map.items()}
+        for shard in set(files.values()):
+            if not shard.is_file():
+                raise CheckpointError(f"shard {shard.name} named in {INDEX_FILE} is missing")
+        return files
+    single = model_dir / SINGLE_FILE
+    if not single.is_file():
+        raise CheckpointError(f"neither {SINGLE_FILE} nor {INDEX_FILE} found in model directory")
+    with safe_open(str(single), framework="pt") as f:
+        return {name: single for name in f.keys()}  # noqa: SIM118 - safe_open is not a dict
+
+
+@dataclass
+class Checkpoint:
+    """Validated weights of a base model, converted to the serving dtype."""
+
+    config: ModelConfig
+    tensors: dict[str, torch.Tensor]
+    digest: str
+    """sha256 over tensor names, dtypes, shapes and bytes in name order: independent of
+    how the checkpoint is sharded, so re-sharding does not invalidate KV."""
+
+
+def load_checkpoint(model_dir: str | Path, dtype: str | torch.dtype = "float32") -> Checkpoint:
+    """Load and validate `config.json` and the safetensors weights of a model directory."""
+    root = Path(model_dir)
+    if not root.is_dir():
+        raise CheckpointError("model directory does not exist")
+    cfg = ModelConfig.from_dir(root)
+    target = parse_dtype(dtype)
+    files = _shard_files(root)
+    shapes = expected_shapes(cfg)
+    for name, shape in shapes.items():
+        if name not in files:
+            raise CheckpointError(f"missing tensor {name} (expected shape {list(shape)})")
+    by_file: dict[Path, list[str]] = {}
+    for name in sorted(shapes):
+        by_file.setdefault(files[name], []).append(name)
+    tensors: dict[str, torch.Tensor] = {}
+    for file, names in by_file.items():
+        with safe_open(str(file), framework="pt") as f:
+            for name in names:
+                t = f.get_tensor(name)
+                if tuple(t.shape) != shapes[name]:
+                    raise CheckpointError(
+                        f"tensor {name} has shape {list(t.shape)}, expected {list(shapes[name])}"
+                    )
+                tensors[name] = t
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        digest.update(f"{name}|{t.dtype}|{list(t.shape)}\n".encode())
+        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        tensors[name] = t.to(target)
+    return Checkpoint(config=cfg, tensors=tensors, digest="sha256:" + digest.hexdigest())
+
+
+def load_tokenizer(model_dir: str | Path):  # -> tokenizers.Tokenizer | None
+    """Load `tokenizer.json` with the `tokenizers` library; None when the file is absent."""
+    from tokenizers import Tokenizer
+
+    file = Path(model_dir) / "tokenizer.json"
+    if not file.is_file():
+        return None
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as exc:  # tokenizers raises a bare Exception subclass
+        raise CheckpointError(f"tokenizer.json could not be parsed: {exc}") from exc

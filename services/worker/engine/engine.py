@@ -1,0 +1,435 @@
+"""The engine: base model + adapter pool + paged KV + scheduler, one `step()` at a time.
+
+Not thread-safe by design: the worker runs `step()` in one loop thread and relays
+`TokenEvent`s (returned, or pushed through `GenerationRequest.on_token`) to its streams.
+Control operations (adapter load/unload, invalidation) are called from that same thread
+between steps, which is what makes "in-flight sequences" a well-defined set for acks.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .adapter import AdapterFiles
+from .adapter_pool import AdapterPool, AdapterSlotInfo
+from .attention import AttentionMetadata, PrefillSpan
+from .compat import CacheScope, SharingPolicy
+from .errors import AdapterNotLoadedError, RequestError
+from .kv_cache import BlockPool, InvalidationResult, KVStorage
+from .lora_ops import Segments
+from .model import ForwardBatch, LlamaModel
+from .request import FinishReason, GenerationRequest, GenerationResult, TokenEvent
+from .sampling import find_stop, held_back, make_generator, sample_tokens
+from .scheduler import ScheduledChunk, Scheduler, SchedulerLimits
+from .sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Sizing of the engine's memory and batching."""
+
+    dtype: str = "float32"
+    block_size: int = 16
+    num_kv_blocks: int = 2048
+    max_lora_rank: int = 64
+    adapter_slots: int | None = 8
+    adapter_byte_budget: int | None = None
+    """When set (and adapter_slots is None), sizes the adapter pool by bytes."""
+    limits: SchedulerLimits = field(default_factory=SchedulerLimits)
+    sharing_policy: SharingPolicy = SharingPolicy.STRICT
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    running: int
+    waiting: int
+    free_kv_blocks: int
+    total_kv_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    preemptions: int
+    adapter_slots_free: int
+    adapter_padding_fraction: float
+    steps: int
+
+
+class Engine:
+    """Multi-LoRA generation over one base model."""
+
+    def __init__(self, model: LlamaModel, config: EngineConfig | None = None) -> None:
+        cfg = config or EngineConfig()
+        self.config = cfg
+        self.model = model
+        mc = model.cfg
+        self.kv = KVStorage(mc.num_hidden_layers, cfg.num_kv_blocks, cfg.block_size,
+                            mc.num_key_value_heads, mc.head_dim, model.dtype)
+        self.blocks = BlockPool(cfg.num_kv_blocks, cfg.sharing_policy)
+        self.adapters = AdapterPool(
+            mc,
+            max_rank=cfg.max_lora_rank,
+            num_slots=cfg.adapter_slots,
+            byte_budget=cfg.adapter_byte_budget,
+            dtype=model.dtype,
+        )
+        self.scheduler = Scheduler(self.blocks, cfg.block_size, cfg.limits, cfg.sharing_policy)
+        self._seqs: dict[str, Sequence] = {}
+        self._results: dict[str, GenerationResult] = {}
+        self._arrivals = itertools.count()
+        self._pending: list[TokenEvent] = []
+        self.steps = 0
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, config: EngineConfig | None = None) -> Engine:
+        cfg = config or EngineConfig()
+        return cls(LlamaModel.from_pretrained(model_dir, cfg.dtype), cfg)
+
+    @property
+    def base_digest(self) -> str:
+        return self.model.digest
+
+    @property
+    def tokenizer(self):  # -> tokenizers.Tokenizer | None
+        return self.model.tokenizer
+
+    # -- adapter control surface ---------------------------------------------------------
+
+    def load_adapter(self, source: AdapterFiles | str | Path, digest: str | None = None, *,
+                     pin: bool = False) -> AdapterSlotInfo:
+        """Validate and make an adapter resident (idempotent per digest)."""
+        return self.adapters.load(source, digest, pin=pin)
+
+    def unload_adapter(self, digest: str) -> InvalidationResult:
+        """Unload now: abort sequences using it, free its KV, zero its slot."""
+        result = self.invalidate_adapter(digest, hard=True, include_waiting=True)
+        self.adapters.unload(digest)
+        return result
+
+    def list_adapters(self) -> list[AdapterSlotInfo]:
+        return self.adapters.list()
+
+    # -- KV invalidation -----------------------------------------------------------------
+
+    def invalidate_adapter(self, digest: str, *, hard: bool = False,
+                           include_waiting: bool = False) -> InvalidationResult:
+        """Drop every cached block computed with this adapter version.
+
+        Soft (version switch): running sequences finish, and their blocks are freed then
+        instead of being cached. Hard (unload): those sequences are aborted now.
+        """
+        return self._invalidate(lambda s: s.adapter_digest == digest, hard, include_waiting)
+
+    def invalidate_tenant(self, tenant_key: str, *, hard: bool = True) -> InvalidationResult:
+        """Purge a tenant's KV: by default aborts its sequences, waiting ones included."""
+        return self._invalidate(lambda s: s.tenant_key == tenant_key, hard, hard)
+
+    def _invalidate(self, match: Callable[[CacheScope], bool], hard: bool,
+                    include_waiting: bool) -> InvalidationResult:
+        free_before = len(self.blocks.free)
+        _, held = self.blocks.invalidate(match)
+        held_set = set(held)
+        result = InvalidationResult()
+        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+            owns = match(seq.scope)
+            touches = bool(held_set.intersection(seq.block_table))
+            if not (owns or touches):
+                continue
+            seq.publish_blocks = False
+            waiting = seq.status is SequenceStatus.WAITING
+            if hard and (not waiting or include_waiting):
+                self._finish(seq, FinishReason.ABORT)
+                result.sequences_aborted += 1
+                result.aborted_request_ids.append(seq.request_id)
+        deferred: set[int] = set()
+        for seq in self.scheduler.running:
+            if not seq.publish_blocks:
+                deferred.update(b for b in seq.block_table if self.blocks.blocks[b].ref_count)
+        result.blocks_freed = len(self.blocks.free) - free_before
+        result.blocks_deferred = len(deferred)
+        return result
+
+    # -- requests ------------------------------------------------------------------------
+
+    def submit(self, request: GenerationRequest) -> str:
+        """Queue a request; it joins the batch at the next step."""
+        if request.request_id in self._seqs:
+            raise RequestError(f"duplicate request id {request.request_id}")
+        ids = request.prompt_token_ids
+        if ids is None:
+            if request.prompt is None:
+                raise RequestError("give prompt or prompt_token_ids")
+            if self.tokenizer is None:
+                raise RequestError("text prompts need a tokenizer.json in the model directory")
+            ids = self.tokenizer.encode(request.prompt).ids
+        ids = list(ids)
+        if not ids:
+            raise RequestError("prompt is empty")
+        if any(not 0 <= t < self.model.cfg.vocab_size for t in ids):
+            raise RequestError("prompt token id outside the vocabulary")
+        if request.sampling.stop and self.tokenizer is None:
+            raise RequestError("stop strings need a tokenizer")
+        capacity = self.config.num_kv_blocks * self.config.block_size
+        if len(ids) + request.sampling.max_tokens > capacity:
+            raise RequestError(f"prompt + max_tokens exceeds the KV capacity of {capacity} tokens")
+        slot = -1
+        if request.adapter_digest is not None:
+            if not self.adapters.is_loaded(request.adapter_digest):
+                raise AdapterNotLoadedError(f"adapter {request.adapter_digest} is not loaded")
+            slot = self.adapters.acquire(request.adapter_digest)
+        seq = Sequence(
+            request=request,
+            prompt_ids=ids,
+            scope=CacheScope(self.base_digest, request.adapter_digest, request.tenant_key,
+                             request.sharing_scope),
+            arrival=next(self._arrivals),
+            generator=make_generator(request.sampling.seed),
+            slot=slot,
+        )
+        self._seqs[request.request_id] = seq
+        self.scheduler.add(seq)
+        return request.request_id
+
+    def abort(self, request_id: str) -> bool:
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return False
+        self._finish(seq, FinishReason.ABORT)
+        return True
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def result(self, request_id: str) -> GenerationResult | None:
+        """The result of a finished request (kept until `pop_result`)."""
+        return self._results.get(request_id)
+
+    def pop_result(self, request_id: str) -> GenerationResult | None:
+        return self._results.pop(request_id, None)
+
+    # -- the step ------------------------------------------------------------------------
+
+    def step(self) -> list[TokenEvent]:
+        """Schedule, run one batched forward, sample, and return the step's events."""
+        plan = self.scheduler.schedule()
+        events, self._pending = self._pending, []
+        if not plan:
+            return events
+        batch = self._build_batch(plan)
+        logits = self.model.forward(batch, self.kv, self.adapters)
+        self.steps += 1
+        sampling = [c for c in plan if c.samples]
+        eos = self.model.cfg.eos_token_ids
+        tokens = sample_tokens(
+            logits,
+            [c.seq.request.sampling for c in sampling],
+            [c.seq.generator for c in sampling],
+            [len(c.seq.output_ids) < c.seq.request.sampling.min_tokens for c in sampling],
+            eos,
+        ) if sampling else []
+        for chunk in plan:
+            chunk.seq.num_computed += chunk.num_tokens
+            self.scheduler.publish_full_blocks(chunk.seq)
+        for chunk, token in zip(sampling, tokens, strict=True):
+            event = self._append_token(chunk.seq, token)
+            if chunk.seq.request.on_token is not None:
+                chunk.seq.request.on_token(event)
+            events.append(event)
+        return events
+
+    def _build_batch(self, plan: list[ScheduledChunk]) -> ForwardBatch:
+        bs = self.config.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        seq_lens: list[int] = []
+        slots: list[int] = []
+        lora_idx: list[int] = []
+        logits_rows: list[int] = []
+        decode_rows: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillSpan] = []
+        seg_lengths: list[int] = []
+        seg_slots: list[int] = []
+        row = 0
+        for chunk in plan:
+            seq, n = chunk.seq, chunk.num_tokens
+            start = seq.num_computed
+            end = start + n
+            toks = seq.tokens
+            ids.extend(toks[start:end])
+            positions.extend(range(start, end))
+            seq_lens.extend([end] * n)
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            lora_idx.extend([seq.slot] * n)
+            if seg_slots and seg_slots[-1] == seq.slot:
+                seg_lengths[-1] += n
+            else:
+                seg_lengths.append(n)
+                seg_slots.append(seq.slot)
+            if n == 1 and start > 0:
+                decode_rows.append(row)
+                decode_tables.append(table)
+                decode_lens.append(end)
+            else:
+                span = PrefillSpan(row_start=row, q_len=n, prefix_len=start)
+                if start:
+                    span.ctx_slots = self._slots_of(table, end)
+                prefills.append(span)
+            if chunk.samples:
+                logits_rows.append(row + n - 1)
+            row += n
+        meta = AttentionMetadata(prefills=prefills)
+        meta.finalize(decode_rows, decode_tables, decode_lens, bs, self.model.dtype)
+        used = tuple(sorted({s for s in seg_slots if s >= 0}))
+        has_prefill = bool(prefills)
+        return ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.long),
+            positions=torch.tensor(positions, dtype=torch.long),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.long),
+            slot_mapping=torch.tensor(slots, dtype=torch.long),
+            attention=meta,
+            logits_rows=torch.tensor(logits_rows, dtype=torch.long),
+            lora_indices=torch.tensor(lora_idx, dtype=torch.int32) if used else None,
+            lora_segments=Segments.from_lengths(seg_lengths, seg_slots)
+            if used and has_prefill else None,
+            lora_slots=used,
+        )
+
+    def _slots_of(self, table: list[int], length: int) -> torch.Tensor:
+        bs = self.config.block_size
+        t = torch.tensor(table, dtype=torch.long)
+        return (t[:, None] * bs + torch.arange(bs)).flatten()[:length]
+
+    # -- token handling ------------------------------------------------------------------
+
+    def _append_token(self, seq: Sequence, token: int) -> TokenEvent:
+        params = seq.request.sampling
+        seq.output_ids.append(token)
+        index = len(seq.output_ids) - 1
+        reason: FinishReason | None = None
+        if (token in self.model.cfg.eos_token_ids and not params.ignore_eos
+                and len(seq.output_ids) > params.min_tokens):
+            reason = FinishReason.STOP
+        text_delta = ""
+        tok = self.tokenizer
+        if tok is not None:
+            ids = seq.output_ids[:-1] if reason is FinishReason.STOP else seq.output_ids
+            prev_len = len(seq.text)
+            seq.text = tok.decode(ids)
+            if params.stop:
+                cut = find_stop(seq.text, params.stop, prev_len - max(map(len, params.stop)))
+                if cut is not None:
+                    seq.text = seq.text[:cut]
+                    reason = FinishReason.STOP
+            if reason is None and len(seq.output_ids) >= params.max_tokens:
+                reason = FinishReason.LENGTH
+            safe = len(seq.text) if reason else len(seq.text) - held_back(seq.text, params.stop)
+            safe = max(safe, seq.emitted_chars)
+            text_delta = seq.text[seq.emitted_chars:safe]
+            seq.emitted_chars = safe
+        elif reason is None and len(seq.output_ids) >= params.max_tokens:
+            reason = FinishReason.LENGTH
+        event = TokenEvent(seq.request_id, token, text_delta, index, reason is not None, reason)
+        if reason is not None:
+            self._finish(seq, reason, emit=False)
+        return event
+
+    def _finish(self, seq: Sequence, reason: FinishReason, *, emit: bool = True) -> None:
+        if seq.status is SequenceStatus.FINISHED:
+            return
+        self.scheduler.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        if seq.request.adapter_digest is not None:
+            self.adapters.release(seq.request.adapter_digest)
+        self._seqs.pop(seq.request_id, None)
+        self._results[seq.request_id] = GenerationResult(
+            request_id=seq.request_id,
+            token_ids=list(seq.output_ids),
+            text=seq.text,
+            finish_reason=reason,
+            prompt_tokens=len(seq.prompt_ids),
+            cached_prompt_tokens=seq.cached_prompt_tokens or 0,
+            preemptions=seq.preemptions,
+        )
+        if emit:
+            ev = TokenEvent(seq.request_id, None, "", len(seq.output_ids), True, reason)
+            if seq.request.on_token is not None:
+                seq.request.on_token(ev)
+            self._pending.append(ev)
+
+    # -- conveniences --------------------------------------------------------------------
+
+    def score(self, prompt_ids: list[int], adapter_digest: str | None = None) -> torch.Tensor:
+        """Next-token logits at every prompt position [L, vocab], outside the batch.
+
+        For regression sets (base vs. old vs. new adapter) and oracle checks; uses
+        temporary KV blocks and never touches the prefix cache.
+        """
+        slot = -1 if adapter_digest is None else self.adapters.acquire(adapter_digest)
+        seq = Sequence(
+            request=GenerationRequest(prompt_token_ids=list(prompt_ids)),
+            prompt_ids=list(prompt_ids),
+            scope=CacheScope(self.base_digest, adapter_digest, "score"),
+            arrival=-1,
+            generator=make_generator(0),
+            slot=slot,
+            publish_blocks=False,
+        )
+        try:
+            if not self.scheduler.grow(seq, len(prompt_ids)):
+                raise RequestError("not enough free KV blocks to score this prompt")
+            batch = self._build_batch([ScheduledChunk(seq, len(prompt_ids))])
+            batch.logits_rows = torch.arange(len(prompt_ids))
+            return self.model.forward(batch, self.kv, self.adapters)
+        finally:
+            self.scheduler.free_blocks(seq)
+            if adapter_digest is not None:
+                self.adapters.release(adapter_digest)
+
+    def run_until_idle(self) -> None:
+        while self.has_work:
+            self.step()
+
+    def generate(self, requests: Iterable[GenerationRequest]) -> list[GenerationResult]:
+        """Submit all, run to completion, return results in request order."""
+        ids = [self.submit(r) for r in requests]
+        self.run_until_idle()
+        out = []
+        for rid in ids:
+            res = self.pop_result(rid)
+            assert res is not None
+            out.append(res)
+        return out
+
+    def stream(self, request: GenerationRequest) -> Iterator[TokenEvent]:
+        """Submit and yield this request's events, stepping the whole batch meanwhile."""
+        rid = self.submit(request)
+        done = False
+        while not done:
+            for ev in self.step():
+                if ev.request_id == rid:
+                    yield ev
+                    done = done or ev.finished
+            if not done and not self.has_work:
+                break
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            free_kv_blocks=self.blocks.num_available,
+            total_kv_blocks=self.blocks.num_blocks,
+            prefix_cache_queries=self.blocks.queries,
+            prefix_cache_hits=self.blocks.hits,
+            preemptions=self.scheduler.preemptions,
+            adapter_slots_free=self.adapters.free_slots,
+            adapter_padding_fraction=self.adapters.padding_fraction(),
+            steps=self.steps,
+        )

@@ -1,0 +1,146 @@
+"""Llama-family decoder that runs one flat, ragged batch per step over the paged cache.
+
+All tokens of a step (prefill chunks and decodes of many sequences, many adapters) go
+through each projection as one [T, hidden] matmul; q|k|v and gate|up are fused so the
+base model costs two matmuls fewer per layer, and LoRA deltas are added into the fused
+outputs at column offsets by the multi-LoRA kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .adapter_pool import AdapterPool
+from .attention import AttentionMetadata, paged_attention
+from .checkpoint import load_checkpoint, load_tokenizer
+from .config import ModelConfig
+from .kv_cache import KVStorage
+from .lora_ops import Segments
+from .rope import RotaryEmbedding, apply_rotary
+
+
+@dataclass
+class ForwardBatch:
+    """Everything one step's forward needs, built by the engine from the schedule."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    seq_lens: torch.Tensor  # [T] length of each token's sequence after the step (dynamic rope)
+    slot_mapping: torch.Tensor  # [T] flat KV slot per token
+    attention: AttentionMetadata
+    logits_rows: torch.Tensor  # [S] rows whose next-token logits are needed
+    lora_indices: torch.Tensor | None = None  # [T] int32 slot, -1 = base
+    lora_segments: Segments | None = None  # set when the step has prefill (SGMV)
+    lora_slots: tuple[int, ...] = ()  # distinct slots >= 0 in the step
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: torch.Tensor  # [q + 2kv, hidden]
+    o: torch.Tensor
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32, as transformers does, then cast back."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class LlamaModel:
+    """Weights plus a forward over `ForwardBatch`; stateless between steps."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        tensors: dict[str, torch.Tensor],
+        digest: str,
+        tokenizer: object | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.digest = digest
+        self.tokenizer = tokenizer
+        self.dtype = tensors["model.embed_tokens.weight"].dtype
+        self.embed = tensors["model.embed_tokens.weight"]
+        self.norm = tensors["model.norm.weight"]
+        self.lm_head = self.embed if cfg.tie_word_embeddings else tensors["lm_head.weight"]
+        self.layers: list[LayerWeights] = []
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}."
+            self.layers.append(
+                LayerWeights(
+                    input_norm=tensors[p + "input_layernorm.weight"],
+                    post_norm=tensors[p + "post_attention_layernorm.weight"],
+                    qkv=torch.cat([tensors[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]),
+                    o=tensors[p + "self_attn.o_proj.weight"],
+                    gate_up=torch.cat(
+                        [tensors[p + "mlp.gate_proj.weight"], tensors[p + "mlp.up_proj.weight"]]
+                    ),
+                    down=tensors[p + "mlp.down_proj.weight"],
+                )
+            )
+        self.rope = RotaryEmbedding(cfg)
+        self.scale = cfg.head_dim**-0.5
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, dtype: str | torch.dtype = "float32"
+                        ) -> LlamaModel:
+        """Load config, weights (validated, digested) and tokenizer from an HF directory."""
+        ckpt = load_checkpoint(model_dir, dtype)
+        return cls(ckpt.config, ckpt.tensors, ckpt.digest, load_tokenizer(model_dir))
+
+    @torch.inference_mode()
+    def forward(
+        self, batch: ForwardBatch, kv: KVStorage, adapters: AdapterPool | None = None
+    ) -> torch.Tensor:
+        """Run one step; writes new K/V into `kv` and returns float32 logits [S, vocab]."""
+        cfg = self.cfg
+        t = batch.input_ids.shape[0]
+        qs, ks = cfg.q_size, cfg.kv_size
+        inter = cfg.intermediate_size
+        cos, sin = self.rope.cos_sin(batch.positions, batch.seq_lens, self.dtype)
+        use_lora = adapters is not None and bool(batch.lora_slots) and (
+            batch.lora_indices is not None
+        )
+        idx, seg, slots = batch.lora_indices, batch.lora_segments, list(batch.lora_slots)
+
+        def lora(layer: int, module: str, y: torch.Tensor, x: torch.Tensor, off: int = 0) -> None:
+            if use_lora and adapters.layer_has_lora(layer, module, slots):  # type: ignore[union-attr]
+                adapters.apply(layer, module, y, x, idx, seg, off)  # type: ignore[union-attr,arg-type]
+
+        h = self.embed[batch.input_ids]
+        for li, w in enumerate(self.layers):
+            x = rms_norm(h, w.input_norm, cfg.rms_norm_eps)
+            qkv = F.linear(x, w.qkv)
+            lora(li, "q_proj", qkv, x, 0)
+            lora(li, "k_proj", qkv, x, qs)
+            lora(li, "v_proj", qkv, x, qs + ks)
+            q = qkv[:, :qs].view(t, cfg.num_attention_heads, cfg.head_dim)
+            k = qkv[:, qs : qs + ks].view(t, cfg.num_key_value_heads, cfg.head_dim)
+            v = qkv[:, qs + ks :].view(t, cfg.num_key_value_heads, cfg.head_dim)
+            q = apply_rotary(q, cos, sin)
+            k = apply_rotary(k, cos, sin)
+            kv.write(li, batch.slot_mapping, k, v)
+            attn = paged_attention(q, k, v, kv.k[li], kv.v[li], batch.attention, self.scale)
+            attn = attn.reshape(t, qs)
+            o = F.linear(attn, w.o)
+            lora(li, "o_proj", o, attn)
+            h = h + o
+            x = rms_norm(h, w.post_norm, cfg.rms_norm_eps)
+            gu = F.linear(x, w.gate_up)
+            lora(li, "gate_proj", gu, x, 0)
+            lora(li, "up_proj", gu, x, inter)
+            act = F.silu(gu[:, :inter]) * gu[:, inter:]
+            d = F.linear(act, w.down)
+            lora(li, "down_proj", d, act)
+            h = h + d
+        last = rms_norm(h[batch.logits_rows], self.norm, cfg.rms_norm_eps)
+        return F.linear(last, self.lm_head).float()

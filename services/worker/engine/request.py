@@ -1,0 +1,113 @@
+"""The small values that cross the engine boundary: requests in, token events out.
+
+The gRPC worker builds `GenerationRequest`s and relays `TokenEvent`s; nothing else of the
+engine's internals needs to be visible to it.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .errors import RequestError
+
+
+class QosTier(enum.IntEnum):
+    """Scheduling priority; lower value is served (and kept under preemption) first."""
+
+    PREMIUM = 0
+    STANDARD = 1
+    BATCH = 2
+
+
+class FinishReason(enum.Enum):
+    LENGTH = "length"
+    """max_tokens reached."""
+    STOP = "stop"
+    """An EOS token or a stop string."""
+    ABORT = "abort"
+    """Cancelled by the caller, by an adapter unload, or by a hard tenant purge."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Decoding settings. temperature 0 means greedy."""
+
+    max_tokens: int = 16
+    min_tokens: int = 0
+    """EOS is masked until this many tokens exist (what generate's min_new_tokens does)."""
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise RequestError("max_tokens must be >= 1")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise RequestError("min_tokens must be within [0, max_tokens]")
+        if self.temperature < 0:
+            raise RequestError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise RequestError("top_p must be in (0, 1]")
+        if any(not s for s in self.stop):
+            raise RequestError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+_ids = itertools.count()
+
+
+@dataclass
+class GenerationRequest:
+    """One generation. Give `prompt_token_ids`, or `prompt` text when a tokenizer exists.
+
+    `adapter_digest` is the content digest of a resident adapter (None = base model);
+    `tenant_key` is the tenant isolation key and `sharing_scope` its compliance scope for
+    cross-tenant base-prefix sharing (None: shares with nobody). `on_token`, if set, is
+    called with each `TokenEvent` from inside `Engine.step`.
+    """
+
+    prompt_token_ids: list[int] | None = None
+    prompt: str | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    adapter_digest: str | None = None
+    tenant_key: str = "default"
+    sharing_scope: str | None = None
+    qos_tier: QosTier = QosTier.STANDARD
+    request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    on_token: Callable[[TokenEvent], None] | None = None
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One streamed step of a request: a token (or none, when finishing on abort)."""
+
+    request_id: str
+    token_id: int | None
+    text: str
+    """Newly releasable text. Text that could start a stop string is held back until it
+    is known not to be one."""
+    index: int
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+
+
+@dataclass
+class GenerationResult:
+    """The whole output of a finished request."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    """Prompt tokens served from the prefix cache (first admission only)."""
+    preemptions: int = 0

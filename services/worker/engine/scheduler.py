@@ -1,0 +1,195 @@
+"""Continuous batching: which sequences run in the next step, and with how many tokens.
+
+Every step re-plans from scratch: running sequences continue (decode = 1 token, prefill =
+a chunk), then waiting requests are admitted while the limits allow, so new requests join
+between decode steps. Priority is (QoS tier, arrival). When KV blocks run out, the least
+important running sequence is preempted by recompute: its blocks are released (full ones
+stay in the prefix cache) and it re-enters the waiting queue.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from .compat import SharingPolicy
+from .kv_cache import ROOT_HASH, BlockPool, block_hash
+from .sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    """Per-step limits."""
+
+    max_running: int = 64
+    """Sequences in flight at once."""
+    max_tokens_per_step: int = 2048
+    """Prefill + decode tokens in one forward."""
+    max_adapters_per_step: int = 32
+    """Distinct adapters among running sequences (bounds the per-step LoRA groups)."""
+
+    def __post_init__(self) -> None:
+        if self.max_tokens_per_step < self.max_running:
+            raise ValueError("max_tokens_per_step must be >= max_running (one decode each)")
+
+
+@dataclass
+class ScheduledChunk:
+    seq: Sequence
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when the chunk reaches the sequence's last token, so it yields logits."""
+        return self.seq.num_computed + self.num_tokens == self.seq.num_tokens
+
+
+class Scheduler:
+    """Owns the waiting/running queues and the block pool's per-sequence bookkeeping."""
+
+    def __init__(
+        self,
+        blocks: BlockPool,
+        block_size: int,
+        limits: SchedulerLimits,
+        policy: SharingPolicy = SharingPolicy.STRICT,
+    ) -> None:
+        self.blocks = blocks
+        self.block_size = block_size
+        self.limits = limits
+        self.policy = policy
+        self.waiting: list[Sequence] = []  # sorted by priority
+        self.running: list[Sequence] = []
+        self.preemptions = 0
+
+    # -- queue operations -------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        keys = [s.priority for s in self.waiting]
+        self.waiting.insert(bisect.bisect(keys, seq.priority), seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out of the queues and release its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        self.free_blocks(seq)
+
+    def free_blocks(self, seq: Sequence) -> None:
+        for bid in seq.block_table:
+            self.blocks.release(bid)
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_computed = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- planning ---------------------------------------------------------------------------
+
+    def _blocks_needed(self, seq: Sequence, new_tokens: int) -> int:
+        total = -(-(seq.num_computed + new_tokens) // self.block_size)
+        return max(0, total - len(seq.block_table))
+
+    def grow(self, seq: Sequence, new_tokens: int) -> bool:
+        need = self._blocks_needed(seq, new_tokens)
+        if need > self.blocks.num_available:
+            return False
+        for _ in range(need):
+            bid = self.blocks.allocate()
+            assert bid is not None
+            seq.block_table.append(bid)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.free_blocks(seq)
+        seq.preemptions += 1
+        self.preemptions += 1
+        self.add(seq)
+
+    def _match_prefix(self, seq: Sequence) -> None:
+        """Reuse cached full blocks of the sequence's tokens (all but the last token)."""
+        tokens = seq.tokens
+        key = seq.scope.partition_key(self.policy)
+        parent = ROOT_HASH
+        bs = self.block_size
+        for j in range((len(tokens) - 1) // bs):
+            h = block_hash(parent, tokens[j * bs : (j + 1) * bs], key)
+            bid = self.blocks.lookup(h, seq.scope) if seq.publish_blocks else None
+            if bid is None:
+                break
+            self.blocks.retain(bid)
+            seq.block_table.append(bid)
+            seq.block_hashes.append(h)
+            parent = h
+        seq.num_computed = len(seq.block_table) * bs
+        if seq.cached_prompt_tokens is None:
+            seq.cached_prompt_tokens = seq.num_computed
+
+    def schedule(self) -> list[ScheduledChunk]:
+        """Plan one step: continue running sequences, then admit waiting ones."""
+        lim = self.limits
+        budget = lim.max_tokens_per_step
+        plan: list[ScheduledChunk] = []
+        planned: set[int] = set()
+        # decodes before prefill chunks, each in priority order, so decodes are never starved
+        order = sorted(self.running, key=lambda s: (s.num_tokens - s.num_computed > 1, s.priority))
+        for seq in order:
+            if seq.status is not SequenceStatus.RUNNING or budget == 0:
+                continue
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            while not self.grow(seq, n):
+                victims = [s for s in self.running if id(s) not in planned and s is not seq]
+                victim = max(victims, key=lambda s: s.priority, default=None)
+                if victim is None or victim.priority < seq.priority:
+                    victim = seq
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            plan.append(ScheduledChunk(seq, n))
+            planned.add(id(seq))
+            budget -= n
+        adapters = {s.scope.adapter_digest for s in self.running} - {None}
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < lim.max_running:
+            seq = self.waiting[i]
+            digest = seq.scope.adapter_digest
+            if (digest is not None and digest not in adapters
+                    and len(adapters) >= lim.max_adapters_per_step):
+                i += 1  # adapter-aware: let a request whose adapter is already batched pass
+                continue
+            self._match_prefix(seq)
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            if not self.grow(seq, n):
+                self.free_blocks(seq)
+                break
+            self.waiting.pop(i)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            if digest is not None:
+                adapters.add(digest)
+            plan.append(ScheduledChunk(seq, n))
+            budget -= n
+        # adapter-aware grouping: contiguous token runs per slot (SGMV segments)
+        plan.sort(key=lambda c: (c.seq.slot, c.seq.arrival))
+        return plan
+
+    def publish_full_blocks(self, seq: Sequence) -> None:
+        """After a step: put newly completed blocks into the prefix cache."""
+        if not seq.publish_blocks:
+            return
+        bs = self.block_size
+        full = seq.num_computed // bs
+        tokens = seq.tokens
+        key = seq.scope.partition_key(self.policy)
+        for j in range(len(seq.block_hashes), full):
+            parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_HASH
+            h = block_hash(parent, tokens[j * bs : (j + 1) * bs], key)
+            self.blocks.publish(seq.block_table[j], h, seq.scope)
+            seq.block_hashes.append(h)
