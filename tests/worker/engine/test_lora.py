@@ -1,0 +1,171 @@
+"""Multi-LoRA: mixed batches against PEFT, adapter validation, the adapter pool."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+
+import pytest
+import torch
+
+from services.worker.engine import (
+    AdapterError,
+    AdapterFiles,
+    AdapterNotLoadedError,
+    AdapterPoolFullError,
+    Engine,
+    EngineConfig,
+    GenerationRequest,
+    SamplingParams,
+    SchedulerLimits,
+)
+
+from .tiny_llama import ADAPTERS
+
+PROMPTS = [
+    [5, 7, 9, 11, 13, 17, 19],
+    [23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 67],
+    [71, 73, 79, 83],
+    [4, 8, 15, 16, 23, 42, 10, 20, 30, 40, 50, 60, 70, 80, 90, 11, 12],
+]
+
+
+def peft_greedy(tiny, name: str | None, prompt: list[int], n: int) -> list[int]:
+    from peft import PeftModel
+
+    model = copy.deepcopy(tiny.hf)
+    if name is not None:
+        model = PeftModel.from_pretrained(model, tiny.adapters[name]).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False, attention_mask=torch.ones(1, len(prompt),
+                                                                        dtype=torch.long))
+    return out[0, len(prompt):].tolist()
+
+
+def make_engine(tiny, **kw) -> Engine:
+    cfg = dict(num_kv_blocks=256, block_size=4, adapter_slots=8, max_lora_rank=16)
+    cfg.update(kw)
+    return Engine.from_pretrained(tiny.path, EngineConfig(**cfg))
+
+
+def test_mixed_batch_matches_peft_per_adapter(tiny):
+    """Four adapters (ranks 2-16, attention and MLP, rsLoRA, layers_to_transform) plus the
+    base model in one continuous batch; each request equals PEFT for its adapter alone."""
+    eng = make_engine(tiny, limits=SchedulerLimits(max_running=16, max_tokens_per_step=40))
+    digests = {s.name: eng.load_adapter(tiny.adapters[s.name]).digest for s in ADAPTERS}
+    n = 8
+    reqs, expected = [], []
+    names: list[str | None] = [s.name for s in ADAPTERS] + [None]
+    for i, name in enumerate(names * 2):
+        prompt = PROMPTS[i % len(PROMPTS)]
+        reqs.append(GenerationRequest(
+            prompt_token_ids=prompt,
+            adapter_digest=None if name is None else digests[name],
+            sampling=SamplingParams(max_tokens=n, min_tokens=n)))
+        expected.append(peft_greedy(tiny, name, prompt, n))
+    results = eng.generate(reqs)
+    assert [r.token_ids for r in results] == expected
+    # the adapters really change the output
+    assert len({tuple(e) for e in expected[: len(names)]}) > 1
+    assert eng.stats().steps < len(reqs) * n  # batched, not one request at a time
+
+
+def test_adapter_logits_match_peft(tiny):
+    from peft import PeftModel
+
+    eng = make_engine(tiny)
+    for spec in ADAPTERS:
+        digest = eng.load_adapter(tiny.adapters[spec.name]).digest
+        peft = PeftModel.from_pretrained(copy.deepcopy(tiny.hf), tiny.adapters[spec.name])
+        with torch.no_grad():
+            ref = peft(torch.tensor([PROMPTS[3]])).logits[0]
+        torch.testing.assert_close(eng.score(PROMPTS[3], digest), ref, atol=1e-4, rtol=1e-4)
+
+
+def _adapter_copy(tiny, tmp_path, name="attn_r4", **config_changes):
+    dst = tmp_path / name
+    shutil.copytree(tiny.adapters[name], dst)
+    cfg = json.loads((dst / "adapter_config.json").read_text())
+    cfg.update(config_changes)
+    (dst / "adapter_config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"use_dora": True}, "DoRA"),
+        ({"bias": "lora_only"}, "bias='lora_only'"),
+        ({"target_modules": ["q_proj", "c_attn"]}, r"\['c_attn'\]"),
+        ({"target_modules": ["q_proj"]}, "not covered by target_modules"),
+        ({"layers_to_transform": [1]}, "outside layers_to_transform"),
+        ({"peft_type": "IA3"}, "IA3"),
+        ({"r": 3}, "lora_A shape"),
+        ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+    ],
+)
+def test_bad_adapters_refused(tiny, tmp_path, changes, message):
+    eng = make_engine(tiny)
+    with pytest.raises(AdapterError, match=message):
+        eng.load_adapter(_adapter_copy(tiny, tmp_path, **changes))
+    assert eng.list_adapters() == []
+
+
+def test_unknown_module_tensor_refused(tiny, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    dst = _adapter_copy(tiny, tmp_path)
+    w = load_file(dst / "adapter_model.safetensors")
+    w["base_model.model.model.layers.0.self_attn.rotary.lora_A.weight"] = torch.zeros(4, 64)
+    save_file(w, dst / "adapter_model.safetensors")
+    with pytest.raises(AdapterError, match="rotary"):
+        make_engine(tiny).load_adapter(dst)
+
+
+def test_rank_above_pool_max_refused(tiny):
+    eng = make_engine(tiny, max_lora_rank=8)
+    with pytest.raises(AdapterError, match="max_rank"):
+        eng.load_adapter(tiny.adapters["all_r16_rs"])
+
+
+def test_pool_load_unload_pin_evict(tiny):
+    eng = make_engine(tiny, adapter_slots=2)
+    pool = eng.adapters
+    a = eng.load_adapter(tiny.adapters["attn_r4"], pin=True)
+    again = eng.load_adapter(tiny.adapters["attn_r4"])
+    assert again.slot == a.slot and a.pinned and a.digest.startswith("sha256:")
+    b = eng.load_adapter(tiny.adapters["mlp_r8"])
+    assert pool.free_slots == 0
+    # rank 4 and 8 zero-padded to 16
+    assert 0.5 < pool.padding_fraction() < 0.8
+    # full: the unpinned idle adapter (b) is evicted, the pinned one never
+    c = eng.load_adapter(tiny.adapters["ko_r2_l1"])
+    assert c.slot == b.slot and not pool.is_loaded(b.digest) and pool.is_loaded(a.digest)
+    # an adapter in use is not evictable either
+    eng.submit(GenerationRequest(prompt_token_ids=[5, 6], adapter_digest=c.digest))
+    with pytest.raises(AdapterPoolFullError):
+        eng.load_adapter(tiny.adapters["mlp_r8"])
+    eng.run_until_idle()
+    # unload zeroes the slot's weights
+    eng.unload_adapter(c.digest)
+    assert all(int(s.ranks[c.slot]) == 0 and not s.a[c.slot].any() and not s.b[c.slot].any()
+               for layer in pool.slabs for s in layer.values())
+    with pytest.raises(AdapterNotLoadedError):
+        eng.submit(GenerationRequest(prompt_token_ids=[5], adapter_digest=c.digest))
+
+
+def test_load_from_bytes_with_registry_digest(tiny):
+    eng = make_engine(tiny)
+    files = AdapterFiles.from_dir(tiny.adapters["mlp_r8"])
+    info = eng.load_adapter(files, digest="sha256:" + "ab" * 32)
+    assert info.digest == "sha256:" + "ab" * 32
+    assert [i.digest for i in eng.list_adapters()] == [info.digest]
+
+
+def test_byte_budget_sizes_pool(tiny):
+    probe = make_engine(tiny, adapter_slots=1)
+    per_slot = probe.adapters.bytes_per_slot
+    eng = make_engine(tiny, adapter_slots=None, adapter_byte_budget=3 * per_slot + 5)
+    assert eng.adapters.num_slots == 3 and eng.adapters.byte_budget == 3 * per_slot

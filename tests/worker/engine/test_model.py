@@ -1,0 +1,121 @@
+"""Base model: logits against transformers, checkpoint formats and checkpoint errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from services.worker.engine import CheckpointError, Engine, EngineConfig, UnsupportedModelError
+from services.worker.engine.checkpoint import load_checkpoint
+
+from .tiny_llama import build_model
+
+PROMPT = [5, 7, 9, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 67, 71, 73]
+
+
+def engine_logits(path, ids, dtype="float32", block_size=4):
+    eng = Engine.from_pretrained(path, EngineConfig(dtype=dtype, num_kv_blocks=64,
+                                                    block_size=block_size))
+    return eng.score(ids)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"tie_word_embeddings": True},
+        {"rope_scaling": {"rope_type": "linear", "factor": 2.0}, "rope_theta": 500.0},
+        {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}, "max_position_embeddings": 12},
+        {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8}},
+        {"num_key_value_heads": 1, "head_dim": 32},
+    ],
+    ids=["plain", "tied", "linear", "dynamic", "llama3", "mqa-headdim"],
+)
+def test_base_logits_match_transformers(tmp_path, overrides):
+    hf = build_model(tmp_path, seed=3, **overrides)
+    ours = engine_logits(tmp_path, PROMPT)
+    with torch.no_grad():
+        ref = hf(torch.tensor([PROMPT])).logits[0].float()
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_sharded_checkpoint_loads_with_same_digest(tmp_path):
+    hf = build_model(tmp_path / "single", seed=4)
+    hf.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
+    single = load_checkpoint(tmp_path / "single")
+    sharded = load_checkpoint(tmp_path / "sharded")
+    assert single.digest == sharded.digest and single.digest.startswith("sha256:")
+    torch.testing.assert_close(engine_logits(tmp_path / "sharded", PROMPT),
+                               engine_logits(tmp_path / "single", PROMPT))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_close_to_fp32(tmp_path, dtype):
+    build_model(tmp_path, seed=5)
+    ref = engine_logits(tmp_path, PROMPT)
+    half = engine_logits(tmp_path, PROMPT, dtype=dtype)
+    assert half.dtype == torch.float32
+    assert (half - ref).abs().max() < 0.1 * ref.abs().max()
+
+
+def test_missing_tensor_is_named(tmp_path):
+    build_model(tmp_path, seed=6)
+    file = tmp_path / "model.safetensors"
+    tensors = load_file(file)
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, file)
+    with pytest.raises(CheckpointError, match=r"missing tensor model\.layers\.1\.mlp\.up_proj"):
+        load_checkpoint(tmp_path)
+
+
+def test_misshaped_tensor_is_named(tmp_path):
+    build_model(tmp_path, seed=6)
+    file = tmp_path / "model.safetensors"
+    tensors = load_file(file)
+    tensors["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(64, 64)
+    save_file(tensors, file)
+    with pytest.raises(CheckpointError, match=r"self_attn\.k_proj\.weight has shape \[64, 64\]"):
+        load_checkpoint(tmp_path)
+
+
+def test_missing_shard_and_weights(tmp_path):
+    hf = build_model(tmp_path / "a", seed=7)
+    hf.save_pretrained(tmp_path / "b", max_shard_size="40KB")
+    index = json.loads((tmp_path / "b" / "model.safetensors.index.json").read_text())
+    shard = sorted(set(index["weight_map"].values()))[-1]
+    (tmp_path / "b" / shard).unlink()
+    with pytest.raises(CheckpointError, match=shard):
+        load_checkpoint(tmp_path / "b")
+    (tmp_path / "a" / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"model\.safetensors"):
+        load_checkpoint(tmp_path / "a")
+
+
+def test_unsupported_config_refused(tmp_path):
+    build_model(tmp_path, seed=8)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError, match="yarn"):
+        load_checkpoint(tmp_path)
+
+
+def test_chunked_prefill_matches_single_pass(tiny):
+    """A prompt split over several steps (and blocks) gives the same tokens."""
+    from services.worker.engine import GenerationRequest, SamplingParams, SchedulerLimits
+
+    prompt = PROMPT * 2
+    outs = []
+    for budget in (256, 7):
+        eng = Engine.from_pretrained(tiny.path, EngineConfig(
+            num_kv_blocks=64, block_size=4,
+            limits=SchedulerLimits(max_running=4, max_tokens_per_step=budget)))
+        res = eng.generate([GenerationRequest(prompt_token_ids=prompt,
+                                              sampling=SamplingParams(max_tokens=6))])
+        outs.append(res[0].token_ids)
+    assert outs[0] == outs[1]
