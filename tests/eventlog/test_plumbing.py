@@ -1,0 +1,135 @@
+"""Contract suite of the event plumbing, run on Apache Kafka and on Tansu."""
+
+from __future__ import annotations
+
+import json
+import threading
+import uuid
+
+import pytest
+from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
+
+from services.config import Settings
+from services.contracts.codec import EventValidationError
+from services.contracts.events import AdapterDisabled, Envelope, TenantRef
+from services.eventlog import EventConsumer, EventProducer
+
+pytestmark = pytest.mark.slow
+
+TENANT = TenantRef(org="acme", team="ml", project="support")
+
+
+def disabled(version: int, adapter: str = "acme-support", seq: int | None = None) -> Envelope:
+    return Envelope.new(AdapterDisabled(adapter_id=adapter, version=version, reason="test"),
+                        stream=f"adapter/{adapter}", seq=seq or version, actor="tester",
+                        tenant=TENANT)
+
+
+def read_all(settings: Settings, reader: str, **kwargs: object) -> list[Envelope]:
+    seen: list[Envelope] = []
+    with EventConsumer(settings, [settings.adapter_events_topic], reader_id=reader,
+                       **kwargs) as consumer:  # type: ignore[arg-type]
+        consumer.catch_up(lambda r: seen.append(r.envelope))
+    return seen
+
+
+def test_round_trip_keeps_order_per_stream(any_broker_settings: Settings) -> None:
+    events = [disabled(v) for v in range(1, 51)]
+    with EventProducer(any_broker_settings) as producer:
+        positions = [producer.publish(e) for e in events]
+    assert len({p.partition for p in positions}) == 1, "one stream must stay in one partition"
+    seen = read_all(any_broker_settings, "reader-order")
+    assert [e.event_id for e in seen] == [e.event_id for e in events]
+    assert seen == events
+
+
+def test_catch_up_uses_own_barrier_and_never_hands_it_over(any_broker_settings: Settings) -> None:
+    with EventProducer(any_broker_settings) as producer:
+        producer.publish(disabled(1))
+        # another reader's barriers already on the log must not confuse this one
+        with EventConsumer(any_broker_settings, [any_broker_settings.adapter_events_topic],
+                           reader_id="other") as other:
+            other.catch_up(lambda r: None)
+        producer.publish(disabled(2))
+    seen = read_all(any_broker_settings, "reader-barrier")
+    assert [e.payload.version for e in seen] == [1, 2]
+    assert not any(e.is_barrier for e in seen)
+
+
+def test_producer_refuses_invalid_event_naming_the_field(any_broker_settings: Settings) -> None:
+    document = disabled(1).to_json()
+    document["payload"]["version"] = 0
+    with EventProducer(any_broker_settings) as producer, \
+            pytest.raises(EventValidationError) as err:
+        producer.publish(document)
+    assert err.value.field == "payload.version"
+    assert "payload.version" in str(err.value)
+    assert read_all(any_broker_settings, "reader-invalid") == []
+
+
+def test_invalid_record_goes_to_dead_letters_and_reading_goes_on(
+        any_broker_settings: Settings) -> None:
+    settings = any_broker_settings
+    raw = Producer({"bootstrap.servers": settings.kafka_bootstrap})
+    bad_schema = disabled(1).to_json()
+    bad_schema["payload"]["adapter_id"] = "NOT A SLUG"
+    raw.produce(settings.adapter_events_topic, key=b"adapter/acme-support", value=b"{not json")
+    raw.produce(settings.adapter_events_topic, key=b"adapter/acme-support",
+                value=json.dumps(bad_schema).encode())
+    raw.flush(10)
+    with EventProducer(settings) as producer:
+        producer.publish(disabled(2))
+    seen = read_all(settings, "reader-dlq")
+    assert [e.payload.version for e in seen] == [2]
+
+    dlq = Consumer({"bootstrap.servers": settings.kafka_bootstrap, "group.id": "unused",
+                    "enable.auto.commit": False})
+    partitions = dlq.list_topics(settings.dead_letter_topic, timeout=10) \
+        .topics[settings.dead_letter_topic].partitions
+    dlq.assign([TopicPartition(settings.dead_letter_topic, p, OFFSET_BEGINNING)
+                for p in partitions])
+    reasons = []
+    for _ in range(100):
+        message = dlq.poll(0.2)
+        if message is not None and message.error() is None:
+            reasons.append(dict(message.headers())["reason"].decode())
+        if len(reasons) == 2:
+            break
+    dlq.close()
+    assert any("not JSON" in r for r in reasons)
+    assert any("payload.adapter_id" in r for r in reasons)
+
+
+def test_redelivered_event_is_handled_once(any_broker_settings: Settings) -> None:
+    event = disabled(1)
+    with EventProducer(any_broker_settings) as producer:
+        producer.publish(event)
+        producer.publish(event)  # a retry after a lost ack lands twice on the log
+    seen = read_all(any_broker_settings, "reader-dedupe")
+    assert [e.event_id for e in seen] == [event.event_id]
+
+
+def test_assign_resumes_from_given_offsets(any_broker_settings: Settings) -> None:
+    settings = any_broker_settings
+    with EventProducer(settings) as producer:
+        first = producer.publish(disabled(1))
+        producer.publish(disabled(2))
+    start = {(first.topic, first.partition): first.offset + 1}
+    seen = read_all(settings, "reader-resume", start_offsets=start)
+    assert [e.payload.version for e in seen] == [2]
+
+
+def test_run_loop_stops_cleanly(any_broker_settings: Settings) -> None:
+    settings = any_broker_settings
+    got: list[Envelope] = []
+    stop = threading.Event()
+    consumer = EventConsumer(settings, [settings.adapter_events_topic], reader_id="runner")
+    thread = threading.Thread(target=consumer.run, args=(lambda r: (got.append(r.envelope),
+                                                                     stop.set()), stop))
+    thread.start()
+    with EventProducer(settings) as producer:
+        producer.publish(disabled(1))
+    thread.join(30)
+    consumer.close()
+    assert not thread.is_alive()
+    assert [e.payload.version for e in got] == [1]
