@@ -9,12 +9,14 @@ import threading
 import typer
 from rich.console import Console
 
+from services.audit.cli import audit_app
 from services.config import Settings
 
 app = typer.Typer(help="loraplane: multi-tenant LoRA adapter platform", no_args_is_help=True)
 serve_app = typer.Typer(help="Run one loraplane process in the foreground.",
                         no_args_is_help=True)
 app.add_typer(serve_app, name="serve")
+app.add_typer(audit_app, name="audit")
 console = Console()
 
 
@@ -121,6 +123,14 @@ def serve_audit() -> None:
         projector.run(stop)
     finally:
         projector.close()
+
+
+@serve_app.command("registry")
+def serve_registry() -> None:
+    """The registry: REST control plane and single writer of the adapter log."""
+    from services.registry.server import serve
+
+    serve(_settings())
 
 
 @app.command()

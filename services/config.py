@@ -69,6 +69,17 @@ class Settings(BaseSettings):
     )
     lease_interval_s: float = Field(2.0, gt=0)
     lease_ttl_s: float = Field(5.0, gt=0)
+    blob_dir: Path = Field(
+        Path(".loraplane/blobs"), description="Content-addressed blob store (sha256/ab/abcd…)."
+    )
+    max_upload_bytes: int = Field(512 * 1024 * 1024, ge=1)
+    max_lora_rank: int = Field(128, ge=1)
+    allowed_dtypes: list[str] = Field(default_factory=lambda: ["float16", "bfloat16", "float32"])
+    auth_tokens: str | None = Field(
+        None,
+        description='JSON list of {"sha256": hex of the token, "role": admin|publisher|reader|'
+        'worker, "tenant": "org/team/project" for publishers}. Tokens are stored hashed.',
+    )
 
     # --- worker / router / audit --------------------------------------------------------
     worker_id: str | None = None
@@ -79,6 +90,12 @@ class Settings(BaseSettings):
     router_port: int = 8782
     audit_metrics_port: int = 8783
     audit_batch_size: int = Field(500, ge=1)
+    audit_signing_key: str | None = Field(
+        None, description="Ed25519 private key (32-byte seed, hex) that signs Merkle checkpoints."
+    )
+    audit_checkpoint_every: int = Field(
+        1000, ge=1, description="Events per partition between signed Merkle checkpoints."
+    )
 
     log_level: str = "INFO"
 

@@ -9,6 +9,7 @@ data. The Tansu broker is started on demand for the plumbing contract suite.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from collections.abc import Iterator
@@ -104,10 +105,8 @@ def drop_isolation(settings: Settings, database_url: str | None) -> None:
     futures = admin.delete_topics([settings.adapter_events_topic, settings.worker_events_topic,
                                    settings.dead_letter_topic], operation_timeout=10)
     for future in futures.values():
-        try:
+        with contextlib.suppress(Exception):
             future.result(10)
-        except Exception:  # noqa: BLE001 - best effort cleanup
-            pass
     if database_url and settings.database_url:
         schema = settings.database_url.rsplit("%3D", 1)[1]
         with psycopg.connect(_libpq(database_url), autocommit=True) as conn:
