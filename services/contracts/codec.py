@@ -94,7 +94,15 @@ def validate_document(document: Mapping[str, Any]) -> None:
     if event_type not in PAYLOAD_TYPES:
         raise EventValidationError(event_type, "type", f"unknown event type {event_type!r}")
     for error in _validator(event_type).iter_errors(dict(document)):
-        raise EventValidationError(event_type, _dotted(error.instance_path), error.message)
+        field, message = _dotted(error.instance_path), error.message
+        # An optional object fails as a whole ("anyOf"); the model knows the inner field.
+        try:
+            Envelope.model_validate(document)
+        except ValidationError as exc:
+            inner = _dotted(exc.errors()[0]["loc"])
+            if inner.startswith(field) and inner != field:
+                field, message = inner, exc.errors()[0]["msg"]
+        raise EventValidationError(event_type, field, message)
 
 
 def to_envelope(document: Mapping[str, Any]) -> Envelope:

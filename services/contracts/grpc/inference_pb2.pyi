@@ -1,11 +1,9 @@
-from collections.abc import Iterable as _Iterable
-from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar
-
-from google.protobuf import descriptor as _descriptor
-from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -34,7 +32,7 @@ FINISH_REASON_STOP: FinishReason
 FINISH_REASON_ABORTED: FinishReason
 
 class TenantSignature(_message.Message):
-    __slots__ = ("compliance_scope", "org_id", "project_id", "qos_tier", "region_hint", "team_id", "user_id")
+    __slots__ = ("org_id", "team_id", "project_id", "user_id", "compliance_scope", "region_hint", "qos_tier")
     ORG_ID_FIELD_NUMBER: _ClassVar[int]
     TEAM_ID_FIELD_NUMBER: _ClassVar[int]
     PROJECT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -49,7 +47,7 @@ class TenantSignature(_message.Message):
     compliance_scope: str
     region_hint: str
     qos_tier: QosTier
-    def __init__(self, org_id: str | None = ..., team_id: str | None = ..., project_id: str | None = ..., user_id: str | None = ..., compliance_scope: str | None = ..., region_hint: str | None = ..., qos_tier: QosTier | str | None = ...) -> None: ...
+    def __init__(self, org_id: _Optional[str] = ..., team_id: _Optional[str] = ..., project_id: _Optional[str] = ..., user_id: _Optional[str] = ..., compliance_scope: _Optional[str] = ..., region_hint: _Optional[str] = ..., qos_tier: _Optional[_Union[QosTier, str]] = ...) -> None: ...
 
 class AdapterRef(_message.Message):
     __slots__ = ("alias", "pinned")
@@ -57,7 +55,7 @@ class AdapterRef(_message.Message):
     PINNED_FIELD_NUMBER: _ClassVar[int]
     alias: str
     pinned: PinnedVersion
-    def __init__(self, alias: str | None = ..., pinned: PinnedVersion | _Mapping | None = ...) -> None: ...
+    def __init__(self, alias: _Optional[str] = ..., pinned: _Optional[_Union[PinnedVersion, _Mapping]] = ...) -> None: ...
 
 class PinnedVersion(_message.Message):
     __slots__ = ("adapter_id", "version")
@@ -65,10 +63,10 @@ class PinnedVersion(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     adapter_id: str
     version: int
-    def __init__(self, adapter_id: str | None = ..., version: int | None = ...) -> None: ...
+    def __init__(self, adapter_id: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "seed", "stop", "temperature", "top_p")
+    __slots__ = ("max_tokens", "temperature", "top_p", "seed", "stop")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -79,10 +77,10 @@ class SamplingParams(_message.Message):
     top_p: float
     seed: int
     stop: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, max_tokens: int | None = ..., temperature: float | None = ..., top_p: float | None = ..., seed: int | None = ..., stop: _Iterable[str] | None = ...) -> None: ...
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("adapter", "request_id", "sampling", "tenant", "text", "token_ids", "trace_id")
+    __slots__ = ("request_id", "tenant", "adapter", "text", "token_ids", "sampling", "trace_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
@@ -97,44 +95,44 @@ class GenerateRequest(_message.Message):
     token_ids: TokenIds
     sampling: SamplingParams
     trace_id: str
-    def __init__(self, request_id: str | None = ..., tenant: TenantSignature | _Mapping | None = ..., adapter: AdapterRef | _Mapping | None = ..., text: str | None = ..., token_ids: TokenIds | _Mapping | None = ..., sampling: SamplingParams | _Mapping | None = ..., trace_id: str | None = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[_Union[TenantSignature, _Mapping]] = ..., adapter: _Optional[_Union[AdapterRef, _Mapping]] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., trace_id: _Optional[str] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
     IDS_FIELD_NUMBER: _ClassVar[int]
     ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, ids: _Iterable[int] | None = ...) -> None: ...
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("final", "token")
+    __slots__ = ("token", "final")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
     token: TokenChunk
     final: FinalUsage
-    def __init__(self, token: TokenChunk | _Mapping | None = ..., final: FinalUsage | _Mapping | None = ...) -> None: ...
+    def __init__(self, token: _Optional[_Union[TokenChunk, _Mapping]] = ..., final: _Optional[_Union[FinalUsage, _Mapping]] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
-    __slots__ = ("index", "text", "token_id")
+    __slots__ = ("index", "token_id", "text")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     index: int
     token_id: int
     text: str
-    def __init__(self, index: int | None = ..., token_id: int | None = ..., text: str | None = ...) -> None: ...
+    def __init__(self, index: _Optional[int] = ..., token_id: _Optional[int] = ..., text: _Optional[str] = ...) -> None: ...
 
 class ServedAdapter(_message.Message):
-    __slots__ = ("adapter_id", "sha256", "version")
+    __slots__ = ("adapter_id", "version", "sha256")
     ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
     adapter_id: str
     version: int
     sha256: str
-    def __init__(self, adapter_id: str | None = ..., version: int | None = ..., sha256: str | None = ...) -> None: ...
+    def __init__(self, adapter_id: _Optional[str] = ..., version: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
 
 class FinalUsage(_message.Message):
-    __slots__ = ("base_model_digest", "cached_prompt_tokens", "completion_tokens", "finish_reason", "prompt_tokens", "served_adapter", "time_to_first_token_ms", "total_ms", "trace_id", "worker_id")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens", "served_adapter", "base_model_digest", "trace_id", "worker_id", "finish_reason", "time_to_first_token_ms", "total_ms")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -155,4 +153,4 @@ class FinalUsage(_message.Message):
     finish_reason: FinishReason
     time_to_first_token_ms: float
     total_ms: float
-    def __init__(self, prompt_tokens: int | None = ..., completion_tokens: int | None = ..., cached_prompt_tokens: int | None = ..., served_adapter: ServedAdapter | _Mapping | None = ..., base_model_digest: str | None = ..., trace_id: str | None = ..., worker_id: str | None = ..., finish_reason: FinishReason | str | None = ..., time_to_first_token_ms: float | None = ..., total_ms: float | None = ...) -> None: ...
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., served_adapter: _Optional[_Union[ServedAdapter, _Mapping]] = ..., base_model_digest: _Optional[str] = ..., trace_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., time_to_first_token_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
