@@ -11,6 +11,7 @@ from services.worker.engine import (
     SharingPolicy,
 )
 
+FIXED8 = SamplingParams(max_tokens=8, min_tokens=8)
 PROMPT = list(range(10, 27))  # 17 tokens: 4 full blocks of 4 are cacheable
 
 
@@ -36,7 +37,7 @@ def test_same_tenant_same_adapter_reuses(tiny):
     assert second.cached_prompt_tokens == 16
     assert second.token_ids == first.token_ids
     # a longer prompt sharing the prefix reuses the shared full blocks only
-    assert run(eng, adapter=x, prompt=PROMPT[:9] + [90, 91, 92]).cached_prompt_tokens == 8
+    assert run(eng, adapter=x, prompt=[*PROMPT[:9], 90, 91, 92]).cached_prompt_tokens == 8
 
 
 def test_strict_never_reuses_across_tenant_or_adapter(tiny):
@@ -106,9 +107,9 @@ def test_hard_tenant_purge_aborts_and_frees_everything(tiny):
                                  sampling=SamplingParams(max_tokens=8), on_token=events.append))
     # globex reuses acme's shared blocks: purging acme must not leave them behind
     eng.submit(GenerationRequest(prompt_token_ids=PROMPT, tenant_key="globex", request_id="g",
-                                 sharing_scope="public", sampling=SamplingParams(max_tokens=8, min_tokens=8)))
+                                 sharing_scope="public", sampling=FIXED8))
     eng.submit(GenerationRequest(prompt_token_ids=[50, 51, 52], tenant_key="initech",
-                                 request_id="i", sampling=SamplingParams(max_tokens=8, min_tokens=8)))
+                                 request_id="i", sampling=FIXED8))
     eng.step()
     eng.submit(GenerationRequest(prompt_token_ids=PROMPT, tenant_key="acme", request_id="w",
                                  sampling=SamplingParams(max_tokens=2)))
