@@ -12,7 +12,8 @@ from rich.console import Console
 from services.audit.cli import audit_app
 from services.config import Settings
 
-app = typer.Typer(help="loraplane: multi-tenant LoRA adapter platform", no_args_is_help=True)
+app = typer.Typer(help="loraplane: multi-tenant LoRA adapter platform", no_args_is_help=True,
+                  pretty_exceptions_show_locals=False)
 serve_app = typer.Typer(help="Run one loraplane process in the foreground.",
                         no_args_is_help=True)
 app.add_typer(serve_app, name="serve")

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -57,18 +59,34 @@ def tansu_bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         broker.stop()
 
 
+@contextlib.contextmanager
+def service_dir(prefix: str) -> Iterator[Path]:
+    """A scratch folder outside pytest's tmp tree.
+
+    PostgreSQL runs as an unprivileged user that must traverse the path; pytest resets its
+    own tmp root to mode 0700 whenever a pytest session starts (the kernel suite starts
+    one), which would cut a running server off from its data.
+    """
+    path = Path(tempfile.mkdtemp(prefix=f"loraplane-{prefix}-"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
-def database_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def database_url() -> Iterator[str]:
     given = os.environ.get("LORAPLANE_TEST_DATABASE_URL")
     if given:
         yield given
         return
-    server = LocalPostgres(tmp_path_factory.mktemp("pg"))
-    server.start()
-    try:
-        yield server.url
-    finally:
-        server.stop()
+    with service_dir("pg") as where:
+        server = LocalPostgres(where)
+        server.start()
+        try:
+            yield server.url
+        finally:
+            server.stop()
 
 
 def _libpq(url: str) -> str:

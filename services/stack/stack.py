@@ -164,8 +164,9 @@ def _redact(url: str) -> str:
 def _env_of(settings: Settings) -> dict[str, str]:
     """The settings as LORAPLANE_* variables, for the service subprocesses."""
     env = {}
-    for name, value in settings.model_dump(exclude_none=True).items():
-        env[f"LORAPLANE_{name.upper()}"] = str(value)
+    for name, value in settings.model_dump(mode="json", exclude_none=True).items():
+        text = value if isinstance(value, str) else json.dumps(value)
+        env[f"LORAPLANE_{name.upper()}"] = text
     return env
 
 
