@@ -69,6 +69,8 @@ class Settings(BaseSettings):
     )
     lease_interval_s: float = Field(2.0, gt=0)
     lease_ttl_s: float = Field(5.0, gt=0)
+    registry_write_timeout_s: float = Field(
+        10.0, gt=0, description="How long a registry write waits on the broker before 503.")
     blob_dir: Path = Field(
         Path(".loraplane/blobs"), description="Content-addressed blob store (sha256/ab/abcd…)."
     )

@@ -75,6 +75,8 @@ class BaseModelRegistered(Payload):
     name: AdapterId
     digest: Sha256Hex
     config: dict[str, Any]
+    idempotency_key: str | None = Field(
+        None, max_length=128, description="Client Idempotency-Key of the command (with the actor).")
 
 
 class AdapterVersionPublished(Payload):
@@ -93,6 +95,8 @@ class AdapterVersionPublished(Payload):
     qos_tier: QosTier = "silver"
     owner: str = Field(min_length=1, max_length=256)
     rollback_to: Version | None = None
+    idempotency_key: str | None = Field(
+        None, max_length=128, description="Client Idempotency-Key of the command (with the actor).")
 
 
 class SplitEntry(_Frozen):
@@ -107,6 +111,8 @@ class TrafficSplitChanged(Payload):
     alias: AdapterId
     split: list[SplitEntry] = Field(min_length=1)
     previous: list[SplitEntry] = Field(default_factory=list)
+    idempotency_key: str | None = Field(
+        None, max_length=128, description="Client Idempotency-Key of the command (with the actor).")
 
 
 class AdapterVersionSwitched(Payload):
@@ -116,6 +122,8 @@ class AdapterVersionSwitched(Payload):
     from_version: Version | None
     to_version: Version
     alias: AdapterId | None = None
+    idempotency_key: str | None = Field(
+        None, max_length=128, description="Client Idempotency-Key of the command (with the actor).")
 
 
 class AdapterRolledBack(Payload):
@@ -123,24 +131,32 @@ class AdapterRolledBack(Payload):
     from_version: Version
     to_version: Version
     reason: str = Field(max_length=1024)
+    idempotency_key: str | None = Field(
+        None, max_length=128, description="Client Idempotency-Key of the command (with the actor).")
 
 
 class AdapterDisabled(Payload):
     adapter_id: AdapterId
     version: Version
     reason: str = Field(max_length=1024)
+    idempotency_key: str | None = Field(
+        None, max_length=128, description="Client Idempotency-Key of the command (with the actor).")
 
 
 class AdapterEnabled(Payload):
     adapter_id: AdapterId
     version: Version
     reason: str = Field("", max_length=1024)
+    idempotency_key: str | None = Field(
+        None, max_length=128, description="Client Idempotency-Key of the command (with the actor).")
 
 
 class TenantPurgeRequested(Payload):
     purge_id: str = Field(min_length=1, max_length=64)
     deadline_s: float = Field(gt=0, le=86400)
     hard: bool = Field(True, description="Abort running sequences instead of letting them end.")
+    idempotency_key: str | None = Field(
+        None, max_length=128, description="Client Idempotency-Key of the command (with the actor).")
 
 
 class RegistryLease(Payload):
