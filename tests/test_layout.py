@@ -1,0 +1,69 @@
+"""Repository shape and the docker-compose file stay true to the code."""
+
+from __future__ import annotations
+
+import subprocess
+
+import typer.main
+import yaml
+
+from services.cli import app
+from services.config import Settings
+from tests.conftest import REPO
+
+TOP_LEVEL = {"services", "kernels", "migrations", "schemas", "tests", "bench",
+             "docker-compose.yml", "README.md", "Makefile", ".ci", "pyproject.toml"}
+
+
+def test_top_level_is_exactly_the_documented_layout() -> None:
+    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True,
+                             check=True).stdout.split()
+    top = {path.split("/", 1)[0] for path in tracked}
+    assert top - {".gitignore"} <= TOP_LEVEL
+    assert {"services", "kernels", "migrations", "schemas", "tests", "bench",
+            "docker-compose.yml", "README.md", "Makefile", ".ci"} <= top
+
+
+def test_readme_opens_with_the_two_commands() -> None:
+    head = "\n".join((REPO / "README.md").read_text().splitlines()[:30])
+    assert "make demo" in head and "make test" in head
+
+
+def _is_group(command: object) -> bool:
+    return hasattr(command, "list_commands")
+
+
+def _resolve(argv: list[str]) -> object:
+    """The command `loraplane ARGV` runs (typer carries its own click, so duck-typed)."""
+    command = typer.main.get_command(app)
+    for word in argv:
+        assert _is_group(command), f"{word!r}: {command.name} has no subcommands"
+        sub = command.get_command(None, word)  # type: ignore[attr-defined]
+        assert sub is not None, f"loraplane has no command {' '.join(argv)}"
+        command = sub
+    return command
+
+
+def test_compose_commands_and_env_keys_are_real() -> None:
+    compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())
+    fields = set(Settings.model_fields)
+    ours = {name: svc for name, svc in compose["services"].items()
+            if svc.get("image") == "loraplane:dev"}
+    assert {"migrate", "registry", "audit"} <= set(ours)
+    for name, service in ours.items():
+        command = service["command"]
+        assert command[0] == "loraplane", name
+        assert not _is_group(_resolve(command[1:])), f"{name}: incomplete command"
+        for key in service.get("environment", {}):
+            assert key.startswith("LORAPLANE_"), f"{name}: {key} is not a loraplane setting"
+            assert key.removeprefix("LORAPLANE_").lower() in fields, f"{name}: unknown {key}"
+    assert compose["services"]["kafka"]["image"].startswith("apache/kafka:")
+    assert "KAFKA_PROCESS_ROLES" in compose["services"]["kafka"]["environment"]
+
+
+def test_dockerfile_environment_names_real_settings() -> None:
+    text = (REPO / "services" / "Dockerfile").read_text()
+    fields = set(Settings.model_fields)
+    for word in text.replace("=", " ").split():
+        if word.startswith("LORAPLANE_"):
+            assert word.removeprefix("LORAPLANE_").lower() in fields, word
