@@ -53,3 +53,31 @@ def test_barrier_written_by_a_transactional_producer(settings: Settings) -> None
                            reader_id="registry") as consumer:
             consumer.catch_up(lambda r: seen.append(r.envelope), producer=producer)
     assert [e.payload.version for e in seen] == [1]
+
+
+def test_group_mode_commits_after_handling_and_resumes(settings: Settings) -> None:
+    with EventProducer(settings) as producer:
+        producer.publish(disabled(1))
+        producer.publish(disabled(2))
+    group = "loraplane-test-group"
+    first: list[int] = []
+    consumer = EventConsumer(settings, [settings.adapter_events_topic], reader_id="g1",
+                             group_id=group)
+    for _ in range(100):
+        for record in consumer.poll(timeout=0.2):
+            first.append(record.envelope.payload.version)
+        if len(first) == 2:
+            break
+    consumer.close()  # commits what was handled and leaves the group
+    assert first == [1, 2]
+    with EventProducer(settings) as producer:
+        producer.publish(disabled(3))
+    second: list[int] = []
+    consumer = EventConsumer(settings, [settings.adapter_events_topic], reader_id="g2",
+                             group_id=group)
+    for _ in range(100):
+        second.extend(r.envelope.payload.version for r in consumer.poll(timeout=0.2))
+        if second:
+            break
+    consumer.close()
+    assert second == [3], "a restarted group member resumes after the committed offset"
