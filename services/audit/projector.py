@@ -1,59 +1,156 @@
 """The audit projector: folds both topics into PostgreSQL exactly once.
 
-Each batch (rows, dead letters and the consumer offsets covering them) is one
-transaction; on start the projector seeks to the stored offsets, so a crash anywhere
-leaves neither a gap nor a duplicate. It needs no consumer group.
+Each batch is one transaction holding the event rows (with their chain links), the
+current-state and history rows folded from them, any Merkle checkpoints that fell due,
+the chain heads, the dead letters, and the consumer offsets covering all of it. On start
+(and after any failure) the projector drops its consumer and seeks to the stored
+offsets, so a crash at any point leaves neither a gap nor a duplicate: either the whole
+batch and its offsets committed, or none of it did and it is read again.
+
+A transaction-scoped advisory lock plus a check that the stored offsets are still the
+ones this process last wrote fences a second projector of the same name: the loser
+rolls back and re-reads from the winner's offsets instead of writing a fork. It needs
+no consumer group.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Engine, func, select
+from sqlalchemy import Connection, Engine, Table, delete, func, select, text
 from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.exc import SQLAlchemyError
 
+from services.audit import fold
 from services.audit.chain import GENESIS, link
-from services.audit.tables import consumer_offsets, dead_letters, events
+from services.audit.merkle import CompactRange, checkpoint_message, leaf_hash
+from services.audit.signing import CheckpointSigner, load_signer
+from services.audit.tables import (
+    adapter_versions,
+    adapters,
+    aliases,
+    chain_heads,
+    checkpoints,
+    consumer_offsets,
+    dead_letters,
+    events,
+    purges,
+    request_traces,
+    split_history,
+    version_history,
+    worker_acks,
+    worker_adapters,
+    worker_heartbeats,
+    workers,
+)
 from services.config import Settings
-from services.contracts.codec import canonical_bytes
 from services.eventlog.consumer import EventConsumer, Record, Rejected
+from services.eventlog.errors import EventLogError
 
 log = logging.getLogger(__name__)
 
+PartitionKey = tuple[str, int]
+
+
+class ProjectionConflict(RuntimeError):
+    """The stored offsets moved under us: another projector of the same name wrote."""
+
+
+@dataclass
+class PartitionHead:
+    """One partition's chain head and Merkle compact range after `size` events."""
+
+    head: bytes = GENESIS
+    tree: CompactRange = field(default_factory=CompactRange)
+
+    @property
+    def size(self) -> int:
+        return self.tree.size
+
+    def copy(self) -> PartitionHead:
+        return PartitionHead(self.head, CompactRange(self.tree.size, self.tree.frontier))
+
+
+def _pk(table: Table) -> list[str]:
+    return [c.name for c in table.primary_key.columns]
+
+
+def upsert(conn: Connection, table: Table, rows: Sequence[dict[str, Any]]) -> None:
+    """Insert or overwrite whole rows by primary key (keys are unique within `rows`)."""
+    if not rows:
+        return
+    keys = _pk(table)
+    stmt = insert(table)
+    conn.execute(stmt.on_conflict_do_update(
+        index_elements=keys,
+        set_={c.name: stmt.excluded[c.name] for c in table.columns if c.name not in keys}),
+        list(rows))
+
 
 class AuditProjector:
-    def __init__(self, settings: Settings, engine: Engine, *, name: str = "audit") -> None:
+    def __init__(self, settings: Settings, engine: Engine, *, name: str = "audit",
+                 signer: CheckpointSigner | None = None) -> None:
         self.settings = settings
         self.engine = engine
         self.name = name
+        self.signer = signer
         self._rejected: list[Rejected] = []
-        self._heads: dict[tuple[str, int], bytes] = {}
+        self._heads: dict[PartitionKey, PartitionHead] = {}
+        self._committed: dict[PartitionKey, int] = {}
         self._consumer: EventConsumer | None = None
         self.on_batch: Callable[[int], None] | None = None
+        self.before_commit: Callable[[Connection], None] | None = None
+        """Test hook: runs inside the batch transaction after every write, before commit."""
 
-    def _stored_offsets(self) -> dict[tuple[str, int], int]:
-        with self.engine.connect() as conn:
-            rows = conn.execute(select(consumer_offsets.c.topic, consumer_offsets.c.partition,
-                                       consumer_offsets.c.next_offset)
-                                .where(consumer_offsets.c.consumer == self.name))
-            return {(r.topic, r.partition): r.next_offset for r in rows}
+    # --- state kept in PostgreSQL --------------------------------------------------------
 
-    def _chain_heads(self) -> dict[tuple[str, int], bytes]:
-        last = (select(events.c.topic, events.c.partition, func.max(events.c.id).label("id"))
-                .group_by(events.c.topic, events.c.partition).subquery())
-        with self.engine.connect() as conn:
-            rows = conn.execute(select(events.c.topic, events.c.partition, events.c.hash)
-                                .join(last, events.c.id == last.c.id))
-            return {(r.topic, r.partition): bytes(r.hash) for r in rows}
+    def _stored_offsets(self, conn: Connection) -> dict[PartitionKey, int]:
+        rows = conn.execute(select(consumer_offsets.c.topic, consumer_offsets.c.partition,
+                                   consumer_offsets.c.next_offset)
+                            .where(consumer_offsets.c.consumer == self.name))
+        return {(r.topic, r.partition): r.next_offset for r in rows}
+
+    def _load_heads(self, conn: Connection) -> dict[PartitionKey, PartitionHead]:
+        heads = {(r.topic, r.partition): PartitionHead(
+                     bytes(r.head_hash), CompactRange.from_bytes(r.size, bytes(r.frontier)))
+                 for r in conn.execute(select(chain_heads))}
+        sizes = conn.execute(select(events.c.topic, events.c.partition,
+                                    func.max(events.c.chain_index).label("last"))
+                             .group_by(events.c.topic, events.c.partition))
+        for r in sizes:
+            key = (r.topic, r.partition)
+            if key not in heads or heads[key].size != r.last + 1:
+                log.warning("rebuilding chain head of %s[%d] from its rows", *key)
+                heads[key] = self._rebuild_head(conn, key)
+        return heads
+
+    @staticmethod
+    def _rebuild_head(conn: Connection, key: PartitionKey) -> PartitionHead:
+        head = PartitionHead()
+        rows = conn.execute(select(events.c.hash, events.c.canonical)
+                            .where(events.c.topic == key[0], events.c.partition == key[1])
+                            .order_by(events.c.chain_index)).yield_per(2000)
+        for r in rows:
+            head.tree.append(leaf_hash(bytes(r.canonical)))
+            head.head = bytes(r.hash)
+        return head
 
     def open(self) -> None:
-        self._heads = self._chain_heads()
+        if self.signer is None:
+            self.signer = load_signer(self.settings)
+        with self.engine.connect() as conn:
+            self._heads = self._load_heads(conn)
+            self._committed = self._stored_offsets(conn)
+        self._rejected = []
         self._consumer = EventConsumer(
             self.settings, self.settings.topics, reader_id=f"loraplane-{self.name}",
-            start_offsets=self._stored_offsets(), on_rejected=self._rejected.append,
+            start_offsets=self._committed, on_rejected=self._rejected.append,
             **{"fetch.wait.max.ms": 50})
 
     @property
@@ -63,71 +160,230 @@ class AuditProjector:
         assert self._consumer is not None
         return self._consumer
 
+    # --- one batch ------------------------------------------------------------------------
+
     def project_batch(self, timeout: float = 0.5) -> int:
         """Poll one batch and commit it with its offsets; returns events written."""
+        try:
+            return self._project_batch(timeout)
+        except BaseException:
+            # The consumer's position and dedupe memory are past what was committed:
+            # drop them so the next batch starts again from the stored offsets.
+            self.close()
+            raise
+
+    def _project_batch(self, timeout: float) -> int:
         consumer = self.consumer
-        before = consumer.positions()
         records = consumer.poll(timeout=timeout, max_records=self.settings.audit_batch_size)
         positions = consumer.positions()
-        if positions == before and not self._rejected:
+        changed = {k: o for k, o in positions.items() if self._committed.get(k) != o}
+        if not changed and not self._rejected and not records:
             return 0
         rejected, self._rejected = self._rejected, []
+        heads: dict[PartitionKey, PartitionHead] = {}
         with self.engine.begin() as conn:
-            known = set()
-            if records:
-                known = set(conn.execute(select(events.c.event_id).where(
-                    events.c.event_id.in_([r.envelope.event_id for r in records]))).scalars())
-            heads = dict(self._heads)
-            rows = [self._row(record, heads) for record in records
-                    if record.envelope.event_id not in known]
+            conn.execute(text("SELECT pg_advisory_xact_lock(hashtext(:lock))"),
+                         {"lock": f"loraplane-audit-projector/{self.name}"})
+            if self._stored_offsets(conn) != self._committed:
+                raise ProjectionConflict(f"offsets of projector {self.name!r} moved: "
+                                         "another instance is writing")
+            fresh = self._fresh(conn, records)
+            rows, due = self._chain(fresh, heads)
             if rows:
                 conn.execute(insert(events), rows)
+            self._fold(conn, fresh)
+            self._write_heads(conn, heads, due)
             if rejected:
                 conn.execute(insert(dead_letters).on_conflict_do_nothing(
                     constraint="uq_dead_letters_position"), [
                     {"consumer": self.name, "topic": r.topic, "partition": r.partition,
                      "offset": r.offset, "key": r.key, "value": r.value, "reason": r.reason}
                     for r in rejected])
-            changed = [{"consumer": self.name, "topic": t, "partition": p, "next_offset": o}
-                       for (t, p), o in positions.items() if before.get((t, p)) != o]
             if changed:
                 stmt = insert(consumer_offsets)
                 conn.execute(stmt.on_conflict_do_update(
                     index_elements=["consumer", "topic", "partition"],
                     set_={"next_offset": stmt.excluded.next_offset, "updated_at": func.now()}),
-                    changed)
-        self._heads = heads
+                    [{"consumer": self.name, "topic": t, "partition": p, "next_offset": o}
+                     for (t, p), o in changed.items()])
+            if self.before_commit is not None:
+                self.before_commit(conn)
+        self._heads.update(heads)
+        self._committed.update(changed)
         if self.on_batch is not None:
             self.on_batch(len(rows))
         return len(rows)
 
+    def _fresh(self, conn: Connection, records: list[Record]) -> list[Record]:
+        """Records whose event_id is neither stored nor earlier in this batch."""
+        if not records:
+            return []
+        seen = set(conn.execute(select(events.c.event_id).where(
+            events.c.event_id.in_([r.envelope.event_id for r in records]))).scalars())
+        fresh = []
+        for record in records:
+            if record.envelope.event_id not in seen:
+                seen.add(record.envelope.event_id)
+                fresh.append(record)
+        return fresh
+
+    def _chain(self, records: Iterable[Record], heads: dict[PartitionKey, PartitionHead]
+               ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """Event rows linked into their partition chains, and the checkpoints that fell due."""
+        rows: list[dict[str, Any]] = []
+        due: list[dict[str, Any]] = []
+        every = self.settings.audit_checkpoint_every
+        assert self.signer is not None
+        for record in records:
+            key = (record.topic, record.partition)
+            head = heads.get(key)
+            if head is None:
+                head = heads[key] = (self._heads[key].copy() if key in self._heads
+                                     else PartitionHead())
+            canonical = record.value
+            prev, index = head.head, head.size
+            head.head = link(prev, canonical)
+            head.tree.append(leaf_hash(canonical))
+            envelope = record.envelope
+            tenant = envelope.tenant
+            rows.append({
+                "topic": record.topic, "partition": record.partition, "offset": record.offset,
+                "event_id": envelope.event_id, "type": envelope.type,
+                "schema_version": envelope.schema_version, "stream": envelope.stream,
+                "seq": envelope.seq, "actor": envelope.actor,
+                "tenant_org": tenant.org if tenant else None,
+                "tenant_team": tenant.team if tenant else None,
+                "tenant_project": tenant.project if tenant else None,
+                "trace_id": envelope.trace_id, "payload": json.loads(canonical)["payload"],
+                "canonical": canonical, "occurred_at": envelope.occurred_at,
+                "prev_hash": prev, "hash": head.head, "chain_index": index,
+            })
+            if head.size % every == 0:
+                due.append(self._checkpoint(key, head))
+        return rows, due
+
+    def _checkpoint(self, key: PartitionKey, head: PartitionHead) -> dict[str, Any]:
+        assert self.signer is not None
+        root = head.tree.root()
+        message = checkpoint_message(key[0], key[1], head.size, root, head.head)
+        return {"topic": key[0], "partition": key[1], "tree_size": head.size, "root": root,
+                "chain_head": head.head, "public_key": self.signer.public_key,
+                "signature": self.signer.sign(message)}
+
+    def _write_heads(self, conn: Connection, heads: dict[PartitionKey, PartitionHead],
+                     due: list[dict[str, Any]]) -> None:
+        if heads:
+            stmt = insert(chain_heads)
+            conn.execute(stmt.on_conflict_do_update(
+                index_elements=["topic", "partition"],
+                set_={"size": stmt.excluded.size, "head_hash": stmt.excluded.head_hash,
+                      "frontier": stmt.excluded.frontier, "updated_at": func.now()}),
+                [{"topic": t, "partition": p, "size": h.size, "head_hash": h.head,
+                  "frontier": h.tree.to_bytes()} for (t, p), h in heads.items()])
+        if due:
+            conn.execute(insert(checkpoints).on_conflict_do_nothing(
+                constraint="uq_checkpoints_size"), due)
+
+    # --- current state ----------------------------------------------------------------------
+
     @staticmethod
-    def _row(record: Record, heads: dict[tuple[str, int], bytes]) -> dict[str, Any]:
-        envelope = record.envelope
-        document = envelope.to_json()
-        canonical = canonical_bytes(document)
-        key = (record.topic, record.partition)
-        prev = heads.get(key, GENESIS)
-        heads[key] = link(prev, canonical)
-        tenant = envelope.tenant
-        return {
-            "topic": record.topic, "partition": record.partition, "offset": record.offset,
-            "event_id": envelope.event_id, "type": envelope.type,
-            "schema_version": envelope.schema_version, "stream": envelope.stream,
-            "seq": envelope.seq, "actor": envelope.actor,
-            "tenant_org": tenant.org if tenant else None,
-            "tenant_team": tenant.team if tenant else None,
-            "tenant_project": tenant.project if tenant else None,
-            "trace_id": envelope.trace_id, "payload": document["payload"],
-            "canonical": canonical, "occurred_at": envelope.occurred_at,
-            "prev_hash": prev, "hash": heads[key],
-        }
+    def _load_state(conn: Connection, keys: fold.TouchedKeys) -> fold.BatchState:
+        state = fold.BatchState()
+        if keys.adapter_ids:
+            ids = sorted(keys.adapter_ids)
+            for r in conn.execute(select(adapters).where(adapters.c.adapter_id.in_(ids))):
+                state.adapters[r.adapter_id] = dict(r._mapping)
+            for r in conn.execute(select(adapter_versions)
+                                  .where(adapter_versions.c.adapter_id.in_(ids))):
+                state.versions[(r.adapter_id, r.version)] = dict(r._mapping)
+        if keys.aliases:
+            for r in conn.execute(select(aliases).where(aliases.c.alias.in_(
+                    sorted(keys.aliases)))):
+                state.aliases[r.alias] = dict(r._mapping)
+        if keys.worker_ids:
+            ids = sorted(keys.worker_ids)
+            for r in conn.execute(select(workers).where(workers.c.worker_id.in_(ids))):
+                state.workers[r.worker_id] = dict(r._mapping)
+            for r in conn.execute(select(worker_adapters)
+                                  .where(worker_adapters.c.worker_id.in_(ids))):
+                state.worker_adapters.setdefault(r.worker_id, {})[
+                    (r.adapter_id, r.version)] = dict(r._mapping)
+        return state
+
+    def _fold(self, conn: Connection, records: list[Record]) -> None:
+        if not records:
+            return
+        envelopes = [r.envelope for r in records]
+        state = self._load_state(conn, fold.touched_keys(envelopes))
+        for envelope in envelopes:
+            fold.apply(state, envelope)
+        upsert(conn, adapters, [state.adapters[k] for k in sorted(state.dirty_adapters)])
+        upsert(conn, adapter_versions, [state.versions[k] for k in sorted(state.dirty_versions)])
+        upsert(conn, aliases, [state.aliases[k] for k in sorted(state.dirty_aliases)])
+        upsert(conn, workers, [state.workers[k] for k in sorted(state.dirty_workers)])
+        if state.dirty_worker_adapters:
+            conn.execute(delete(worker_adapters).where(
+                worker_adapters.c.worker_id.in_(sorted(state.dirty_worker_adapters))))
+            held = [row for w in sorted(state.dirty_worker_adapters)
+                    for row in state.worker_adapters.get(w, {}).values()]
+            if held:
+                conn.execute(insert(worker_adapters), held)
+        for table, rows in ((version_history, state.version_history),
+                            (split_history, state.split_history),
+                            (worker_heartbeats, state.worker_heartbeats),
+                            (worker_acks, state.worker_acks),
+                            (request_traces, state.request_traces)):
+            if rows:
+                conn.execute(insert(table), rows)
+        if state.purges:
+            conn.execute(insert(purges).on_conflict_do_nothing(index_elements=["purge_id"]),
+                         state.purges)
+
+    # --- the loop -------------------------------------------------------------------------
+
+    def checkpoint_now(self) -> list[dict[str, Any]]:
+        """Sign the current head of every partition not yet covered by a checkpoint.
+
+        Periodic checkpoints fall at multiples of `audit_checkpoint_every`; this one is
+        for publishing (or proving) the tail in between. It locks like a batch does.
+        """
+        if self.signer is None:
+            self.signer = load_signer(self.settings)
+        with self.engine.begin() as conn:
+            conn.execute(text("SELECT pg_advisory_xact_lock(hashtext(:lock))"),
+                         {"lock": f"loraplane-audit-projector/{self.name}"})
+            heads = self._load_heads(conn)
+            signed = {(r.topic, r.partition, r.tree_size)
+                      for r in conn.execute(select(checkpoints.c.topic, checkpoints.c.partition,
+                                                   checkpoints.c.tree_size))}
+            due = [self._checkpoint(k, h) for k, h in sorted(heads.items())
+                   if h.size and (k[0], k[1], h.size) not in signed]
+            if due:
+                conn.execute(insert(checkpoints).on_conflict_do_nothing(
+                    constraint="uq_checkpoints_size"), due)
+        return due
 
     def run(self, stop: threading.Event) -> None:
+        """Project until `stop`; any failure drops the consumer and resumes from Postgres."""
+        backoff = 0.5
+        last_log, written = time.monotonic(), 0
         while not stop.is_set():
-            self.project_batch()
+            try:
+                written += self.project_batch()
+                backoff = 0.5
+            except (SQLAlchemyError, EventLogError, ProjectionConflict, OSError) as exc:
+                log.error("audit batch failed (%s); resuming from stored offsets in %.1fs",
+                          exc, backoff)
+                self.close()
+                stop.wait(backoff)
+                backoff = min(backoff * 2, 10.0)
+            if time.monotonic() - last_log > 10 and written:
+                log.info("projected %d events", written)
+                last_log, written = time.monotonic(), 0
 
     def close(self) -> None:
         if self._consumer is not None:
-            self._consumer.close()
-            self._consumer = None
+            try:
+                self._consumer.close()
+            finally:
+                self._consumer = None

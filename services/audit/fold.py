@@ -1,0 +1,391 @@
+"""The pure fold from events to current-state and history rows. No SQL in here.
+
+The projector loads the current rows of every key a batch touches (adapters, aliases,
+workers) into a `BatchState`, applies each event in log order with `apply`, and writes
+back only what changed plus the append-only rows. Folding in memory keeps a batch at a
+handful of statements however many events it holds, and keeps the rules testable
+without a database.
+
+Payloads are read by field name with defaults (`getattr`), because producers may add
+optional fields at any time; a missing field is a NULL, never a crash.
+
+Activation rule (shared with the `rollback_candidates` view and the registry's default
+rollback target): a version becomes an adapter's active version only through
+AdapterVersionSwitched.to_version or AdapterRolledBack.to_version; the version that was
+active before is deactivated. Traffic splits are recorded in the lineage but do not
+change the active version.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from services.contracts.events import Envelope
+
+Row = dict[str, Any]
+VersionKey = tuple[str, int]
+
+
+def _get(obj: Any, name: str, default: Any = None) -> Any:
+    return getattr(obj, name, default)
+
+
+@dataclass(frozen=True)
+class TouchedKeys:
+    """The keys whose current rows a batch must load before folding."""
+
+    adapter_ids: frozenset[str]
+    aliases: frozenset[str]
+    worker_ids: frozenset[str]
+
+
+def touched_keys(envelopes: Iterable[Envelope]) -> TouchedKeys:
+    adapter_ids: set[str] = set()
+    alias_names: set[str] = set()
+    worker_ids: set[str] = set()
+    for envelope in envelopes:
+        p = envelope.payload
+        if isinstance(a := _get(p, "adapter_id"), str) and envelope.type in ADAPTER_STATE_TYPES:
+            adapter_ids.add(a)
+        if envelope.type == "TrafficSplitChanged":
+            alias_names.add(_get(p, "alias"))
+            for entry in [*(_get(p, "split") or ()), *(_get(p, "previous") or ())]:
+                adapter_ids.add(_get(entry, "adapter_id"))
+        if isinstance(w := _get(p, "worker_id"), str):
+            worker_ids.add(w)
+    return TouchedKeys(frozenset(adapter_ids), frozenset(alias_names), frozenset(worker_ids))
+
+
+ADAPTER_STATE_TYPES = frozenset({"AdapterVersionPublished", "AdapterVersionSwitched",
+                                 "AdapterRolledBack", "AdapterDisabled", "AdapterEnabled"})
+
+
+@dataclass
+class BatchState:
+    """Current rows of the touched keys, changed in place, plus rows to append."""
+
+    adapters: dict[str, Row] = field(default_factory=dict)
+    versions: dict[VersionKey, Row] = field(default_factory=dict)
+    aliases: dict[str, Row] = field(default_factory=dict)
+    workers: dict[str, Row] = field(default_factory=dict)
+    worker_adapters: dict[str, dict[VersionKey, Row]] = field(default_factory=dict)
+    dirty_adapters: set[str] = field(default_factory=set)
+    dirty_versions: set[VersionKey] = field(default_factory=set)
+    dirty_aliases: set[str] = field(default_factory=set)
+    dirty_workers: set[str] = field(default_factory=set)
+    dirty_worker_adapters: set[str] = field(default_factory=set)
+    version_history: list[Row] = field(default_factory=list)
+    split_history: list[Row] = field(default_factory=list)
+    worker_heartbeats: list[Row] = field(default_factory=list)
+    worker_acks: list[Row] = field(default_factory=list)
+    purges: list[Row] = field(default_factory=list)
+    request_traces: list[Row] = field(default_factory=list)
+
+    # --- rows, created on first touch ---------------------------------------------------
+
+    def adapter(self, adapter_id: str, envelope: Envelope) -> Row:
+        row = self.adapters.get(adapter_id)
+        if row is None:
+            tenant = envelope.tenant
+            row = self.adapters[adapter_id] = {
+                "adapter_id": adapter_id, "tenant_org": tenant.org if tenant else None,
+                "tenant_team": tenant.team if tenant else None,
+                "tenant_project": tenant.project if tenant else None,
+                "latest_version": None, "active_version": None,
+                "previous_active_version": None}
+        row["updated_at"] = envelope.occurred_at
+        row["last_event_id"] = envelope.event_id
+        self.dirty_adapters.add(adapter_id)
+        return row
+
+    def version(self, adapter_id: str, version: int, envelope: Envelope) -> Row:
+        key = (adapter_id, version)
+        row = self.versions.get(key)
+        if row is None:  # an event about a version whose publish we have not seen
+            row = self.versions[key] = {
+                "adapter_id": adapter_id, "version": version, **dict.fromkeys(
+                    ("label", "base_model", "base_model_digest", "sha256", "config_sha256",
+                     "size_bytes", "rank", "qos_tier", "owner", "rollback_to", "tenant_org",
+                     "tenant_team", "tenant_project", "published_at", "published_by",
+                     "publish_event_id", "first_activated_at", "last_activated_at",
+                     "deactivated_at", "disabled_at", "disabled_reason")),
+                "status": "published", "is_active": False, "disabled": False}
+        row["updated_at"] = envelope.occurred_at
+        self.dirty_versions.add(key)
+        return row
+
+    def worker(self, worker_id: str, envelope: Envelope) -> Row:
+        row = self.workers.get(worker_id)
+        if row is None:
+            row = self.workers[worker_id] = {
+                "worker_id": worker_id, "address": None, "base_model": None,
+                "base_model_digest": None, "first_seen_at": envelope.occurred_at,
+                "last_heartbeat_at": None, "last_event_at": envelope.occurred_at,
+                "free_slots": None, "free_kv_blocks": None, "lease_epoch": None}
+        if row["last_event_at"] is None or envelope.occurred_at > row["last_event_at"]:
+            row["last_event_at"] = envelope.occurred_at
+        self.dirty_workers.add(worker_id)
+        return row
+
+    def history(self, envelope: Envelope, adapter_id: str, version: int, action: str,
+                **extra: Any) -> None:
+        self.version_history.append({
+            "event_id": envelope.event_id, "adapter_id": adapter_id, "version": version,
+            "action": action, "at": envelope.occurred_at, "actor": envelope.actor,
+            "alias": extra.get("alias"), "weight": extra.get("weight"),
+            "reason": extra.get("reason")})
+
+
+def _status(row: Row) -> str:
+    if row["disabled"]:
+        return "disabled"
+    if row["is_active"]:
+        return "active"
+    return "inactive" if row["first_activated_at"] is not None else "published"
+
+
+def _activate(state: BatchState, envelope: Envelope, adapter_id: str, to_version: int,
+              from_hint: int | None) -> None:
+    adapter = state.adapter(adapter_id, envelope)
+    at = envelope.occurred_at
+    previous = adapter["active_version"] if adapter["active_version"] is not None else from_hint
+    if previous is not None and previous != to_version:
+        old = state.version(adapter_id, previous, envelope)
+        old["is_active"] = False
+        old["deactivated_at"] = at
+        old["status"] = _status(old)
+        state.history(envelope, adapter_id, previous, "deactivated")
+        adapter["previous_active_version"] = previous
+    new = state.version(adapter_id, to_version, envelope)
+    new["is_active"] = True
+    new["first_activated_at"] = new["first_activated_at"] or at
+    new["last_activated_at"] = at
+    new["status"] = _status(new)
+    adapter["active_version"] = to_version
+    state.history(envelope, adapter_id, to_version, "activated")
+
+
+def _on_published(state: BatchState, e: Envelope) -> None:
+    p = e.payload
+    adapter_id, version = _get(p, "adapter_id"), _get(p, "version")
+    adapter = state.adapter(adapter_id, e)
+    if adapter["latest_version"] is None or version > adapter["latest_version"]:
+        adapter["latest_version"] = version
+    row = state.version(adapter_id, version, e)
+    tenant = e.tenant
+    row.update({
+        "label": _get(p, "label"), "base_model": _get(p, "base_model"),
+        "base_model_digest": _get(p, "base_model_digest"), "sha256": _get(p, "sha256"),
+        "config_sha256": _get(p, "config_sha256"), "size_bytes": _get(p, "size_bytes"),
+        "rank": _get(p, "rank"), "qos_tier": _get(p, "qos_tier"), "owner": _get(p, "owner"),
+        "rollback_to": _get(p, "rollback_to"),
+        "tenant_org": tenant.org if tenant else None,
+        "tenant_team": tenant.team if tenant else None,
+        "tenant_project": tenant.project if tenant else None,
+        "published_at": e.occurred_at, "published_by": e.actor, "publish_event_id": e.event_id})
+    state.history(e, adapter_id, version, "published")
+
+
+def _split_rows(split: Any) -> list[Row]:
+    return [{"adapter_id": _get(s, "adapter_id"), "version": _get(s, "version"),
+             "weight": _get(s, "weight")} for s in (split or ())]
+
+
+def _on_split(state: BatchState, e: Envelope) -> None:
+    p = e.payload
+    alias = _get(p, "alias")
+    new = _split_rows(_get(p, "split"))
+    current = state.aliases.get(alias)
+    previous = current["split"] if current else _split_rows(_get(p, "previous"))
+    state.aliases[alias] = {"alias": alias, "split": new, "changed_at": e.occurred_at,
+                            "changed_by": e.actor, "event_id": e.event_id}
+    state.dirty_aliases.add(alias)
+    for position, entry in enumerate(new):
+        state.split_history.append({"event_id": e.event_id, "alias": alias,
+                                    "position": position, **entry,
+                                    "changed_at": e.occurred_at, "actor": e.actor})
+        state.history(e, entry["adapter_id"], entry["version"], "split", alias=alias,
+                      weight=entry["weight"])
+    kept = {(s["adapter_id"], s["version"]) for s in new}
+    for entry in previous:
+        if (entry["adapter_id"], entry["version"]) not in kept:
+            state.history(e, entry["adapter_id"], entry["version"], "split", alias=alias,
+                          weight=0)
+
+
+def _on_switched(state: BatchState, e: Envelope) -> None:
+    p = e.payload
+    _activate(state, e, _get(p, "adapter_id"), _get(p, "to_version"), _get(p, "from_version"))
+
+
+def _on_rolled_back(state: BatchState, e: Envelope) -> None:
+    p = e.payload
+    adapter_id, reason = _get(p, "adapter_id"), _get(p, "reason")
+    from_version, to_version = _get(p, "from_version"), _get(p, "to_version")
+    if from_version is not None:
+        state.version(adapter_id, from_version, e)
+        state.history(e, adapter_id, from_version, "rolled_back", reason=reason)
+    state.version(adapter_id, to_version, e)
+    state.history(e, adapter_id, to_version, "rollback_target", reason=reason)
+    _activate(state, e, adapter_id, to_version, from_version)
+
+
+def _on_disabled(state: BatchState, e: Envelope) -> None:
+    p = e.payload
+    row = state.version(_get(p, "adapter_id"), _get(p, "version"), e)
+    row.update(disabled=True, disabled_at=e.occurred_at, disabled_reason=_get(p, "reason"))
+    row["status"] = _status(row)
+    state.history(e, row["adapter_id"], row["version"], "disabled", reason=_get(p, "reason"))
+
+
+def _on_enabled(state: BatchState, e: Envelope) -> None:
+    p = e.payload
+    row = state.version(_get(p, "adapter_id"), _get(p, "version"), e)
+    row["disabled"] = False
+    row["status"] = _status(row)
+    state.history(e, row["adapter_id"], row["version"], "enabled", reason=_get(p, "reason"))
+
+
+def _on_purge_requested(state: BatchState, e: Envelope) -> None:
+    p = e.payload
+    tenant = e.tenant
+    deadline_s = float(_get(p, "deadline_s", 60.0))
+    state.purges.append({
+        "purge_id": _get(p, "purge_id"), "tenant_org": tenant.org if tenant else None,
+        "tenant_team": tenant.team if tenant else None,
+        "tenant_project": tenant.project if tenant else None,
+        "requested_at": e.occurred_at, "requested_by": e.actor, "deadline_s": deadline_s,
+        "deadline_at": e.occurred_at + timedelta(seconds=deadline_s),
+        "hard": bool(_get(p, "hard", True)), "event_id": e.event_id})
+
+
+def _worker_set(state: BatchState, worker_id: str) -> dict[VersionKey, Row]:
+    state.dirty_worker_adapters.add(worker_id)
+    return state.worker_adapters.setdefault(worker_id, {})
+
+
+def _on_heartbeat(state: BatchState, e: Envelope) -> None:
+    p = e.payload
+    worker_id = _get(p, "worker_id")
+    row = state.worker(worker_id, e)
+    row.update({"address": _get(p, "address"), "base_model": _get(p, "base_model"),
+                "base_model_digest": _get(p, "base_model_digest"),
+                "free_slots": _get(p, "free_slots"), "free_kv_blocks": _get(p, "free_kv_blocks"),
+                "lease_epoch": _get(p, "lease_epoch")})
+    if row["last_heartbeat_at"] is None or e.occurred_at >= row["last_heartbeat_at"]:
+        row["last_heartbeat_at"] = e.occurred_at
+    state.worker_heartbeats.append({"event_id": e.event_id, "worker_id": worker_id,
+                                    "at": e.occurred_at})
+    # a heartbeat is the worker's own full list: it replaces what acks implied
+    held = _worker_set(state, worker_id)
+    snapshot: dict[VersionKey, Row] = {}
+    for loaded in _get(p, "loaded") or ():
+        key = (_get(loaded, "adapter_id"), _get(loaded, "version"))
+        before = held.get(key)
+        snapshot[key] = {"worker_id": worker_id, "adapter_id": key[0], "version": key[1],
+                         "sha256": _get(loaded, "sha256"), "tier": _get(loaded, "tier"),
+                         "since": before["since"] if before else e.occurred_at,
+                         "source": "heartbeat"}
+    held.clear()
+    held.update(snapshot)
+
+
+def _ack(state: BatchState, e: Envelope, **columns: Any) -> None:
+    p = e.payload
+    state.worker(_get(p, "worker_id"), e)
+    row = dict.fromkeys(("adapter_id", "version", "adapter_sha256", "purge_id", "tenant_key",
+                         "reason", "error", "load_ms", "kv_blocks_freed", "adapters_unloaded",
+                         "sequences_aborted", "refcounts_zero"))
+    row.update(event_id=e.event_id, worker_id=_get(p, "worker_id"), type=e.type,
+               at=e.occurred_at, **columns)
+    state.worker_acks.append(row)
+
+
+def _on_loaded(state: BatchState, e: Envelope) -> None:
+    p = e.payload
+    worker_id, key = _get(p, "worker_id"), (_get(p, "adapter_id"), _get(p, "version"))
+    _ack(state, e, adapter_id=key[0], version=key[1], adapter_sha256=_get(p, "sha256"),
+         load_ms=_get(p, "load_ms"))
+    _worker_set(state, worker_id)[key] = {
+        "worker_id": worker_id, "adapter_id": key[0], "version": key[1],
+        "sha256": _get(p, "sha256"), "tier": _get(p, "tier"), "since": e.occurred_at,
+        "source": "loaded"}
+
+
+def _on_load_failed(state: BatchState, e: Envelope) -> None:
+    p = e.payload
+    _ack(state, e, adapter_id=_get(p, "adapter_id"), version=_get(p, "version"),
+         error=_get(p, "error"))
+
+
+def _on_unloaded(state: BatchState, e: Envelope) -> None:
+    p = e.payload
+    worker_id, key = _get(p, "worker_id"), (_get(p, "adapter_id"), _get(p, "version"))
+    _ack(state, e, adapter_id=key[0], version=key[1], adapter_sha256=_get(p, "sha256"),
+         reason=_get(p, "reason"))
+    _worker_set(state, worker_id).pop(key, None)
+
+
+def _on_kv_invalidated(state: BatchState, e: Envelope) -> None:
+    p = e.payload
+    _ack(state, e, adapter_sha256=_get(p, "adapter_sha256"), tenant_key=_get(p, "tenant_key"),
+         reason=_get(p, "reason"), kv_blocks_freed=_get(p, "blocks_freed"),
+         sequences_aborted=_get(p, "sequences_aborted"))
+
+
+def _on_tenant_purged(state: BatchState, e: Envelope) -> None:
+    p = e.payload
+    _ack(state, e, purge_id=_get(p, "purge_id"), kv_blocks_freed=_get(p, "kv_blocks_freed"),
+         adapters_unloaded=_get(p, "adapters_unloaded"),
+         sequences_aborted=_get(p, "sequences_aborted"),
+         refcounts_zero=_get(p, "refcounts_zero"))
+
+
+def _on_request_served(state: BatchState, e: Envelope) -> None:
+    p = e.payload
+    worker_id = _get(p, "worker_id")
+    state.worker(worker_id, e)
+    for ordinal, r in enumerate(_get(p, "requests") or ()):
+        tenant = _get(r, "tenant")
+        state.request_traces.append({
+            "event_id": e.event_id, "ordinal": ordinal, "request_id": _get(r, "request_id"),
+            "trace_id": _get(r, "trace_id"), "worker_id": worker_id,
+            "tenant_org": _get(tenant, "org"), "tenant_team": _get(tenant, "team"),
+            "tenant_project": _get(tenant, "project"), "user_id": _get(r, "user_id"),
+            "adapter_id": _get(r, "adapter_id"), "version": _get(r, "version"),
+            "adapter_sha256": _get(r, "adapter_sha256"),
+            "base_model_digest": _get(r, "base_model_digest"),
+            "prompt_tokens": _get(r, "prompt_tokens"),
+            "completion_tokens": _get(r, "completion_tokens"),
+            "started_at": _get(r, "started_at"), "finished_at": _get(r, "finished_at"),
+            "status": _get(r, "status", "ok")})
+
+
+HANDLERS = {
+    "AdapterVersionPublished": _on_published,
+    "TrafficSplitChanged": _on_split,
+    "AdapterVersionSwitched": _on_switched,
+    "AdapterRolledBack": _on_rolled_back,
+    "AdapterDisabled": _on_disabled,
+    "AdapterEnabled": _on_enabled,
+    "TenantPurgeRequested": _on_purge_requested,
+    "WorkerHeartbeat": _on_heartbeat,
+    "AdapterLoaded": _on_loaded,
+    "AdapterLoadFailed": _on_load_failed,
+    "AdapterUnloaded": _on_unloaded,
+    "KVInvalidated": _on_kv_invalidated,
+    "TenantPurged": _on_tenant_purged,
+    "RequestServed": _on_request_served,
+}
+"""Event type → fold step. Types not listed (BaseModelRegistered, RegistryLease) live in
+the events table only."""
+
+
+def apply(state: BatchState, envelope: Envelope) -> None:
+    handler = HANDLERS.get(envelope.type)
+    if handler is not None:
+        handler(state, envelope)
+

@@ -1,0 +1,44 @@
+"""Audit fixtures: a projector on the test's own topics and schema, and a drain helper."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+from sqlalchemy import Engine, func, select
+
+from services.audit.projector import AuditProjector
+from services.audit.tables import events
+from services.config import Settings
+
+SIGNING_KEY = "11" * 32
+
+
+@pytest.fixture
+def audit_settings(migrated_settings: Settings) -> Settings:
+    """Small checkpoint interval so short tests get several signed checkpoints."""
+    return migrated_settings.model_copy(update={"audit_checkpoint_every": 8,
+                                                "audit_signing_key": SIGNING_KEY})
+
+
+@pytest.fixture
+def projector(audit_settings: Settings, db_engine: Engine) -> Iterator[AuditProjector]:
+    value = AuditProjector(audit_settings, db_engine)
+    yield value
+    value.close()
+
+
+def count_events(engine: Engine) -> int:
+    with engine.connect() as conn:
+        return int(conn.execute(select(func.count()).select_from(events)).scalar_one())
+
+
+def drain(projector: AuditProjector, expected: int, timeout_s: float = 60.0) -> None:
+    """Project until `expected` events are stored, then one more batch for stragglers."""
+    deadline = time.monotonic() + timeout_s
+    while count_events(projector.engine) < expected:
+        assert time.monotonic() < deadline, (
+            f"only {count_events(projector.engine)} of {expected} events projected")
+        projector.project_batch(timeout=0.2)
+    projector.project_batch(timeout=0.2)
