@@ -1,0 +1,1 @@
+"""The registry: REST control plane and single writer of the adapter event log."""

@@ -1,0 +1,153 @@
+"""The registry's FastAPI app: wiring only (routes, dependencies, errors, lifespan).
+
+The lifespan starts a `RegistryNode`, which fences older instances, replays the log to a
+barrier of its own in the background (`/readyz` is 503 until then, `/healthz` answers at
+once) and then leases every `lease_interval_s`. Shutdown stops the node cleanly.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from services.config import Settings
+from services.registry.auth import TokenBook
+from services.registry.blobstore import LocalBlobStore
+from services.registry.domain import Refusal
+from services.registry.metrics import RegistryMetrics
+from services.registry.node import RegistryNode, WritesUnavailable
+from services.registry.routes import adapters, aliases, base_models, blobs, health, purges
+from services.registry.validation import UploadRejected
+
+log = logging.getLogger("loraplane.registry")
+
+REFUSAL_STATUS = {"not_found": 404, "conflict": 409, "precondition": 412, "invalid": 422,
+                  "forbidden": 403}
+MULTIPART_SLACK_BYTES = 1024 * 1024
+"""Room for form fields and adapter_config.json on top of the weights limit."""
+
+
+class BodyLimit:
+    """413 for a request body over the limit, counted as it streams in.
+
+    A declared Content-Length over the limit is refused before reading; a chunked body is
+    cut off at the limit, and whatever the app answered is replaced by the 413.
+    """
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            await _too_large(send, self.limit)
+            return
+        seen = 0
+        exceeded = False
+        started = False
+
+        async def limited_receive() -> Message:
+            nonlocal seen, exceeded
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    exceeded = True
+                    return {"type": "http.disconnect"}
+            return message
+
+        async def guarded_send(message: Message) -> None:
+            nonlocal started
+            if exceeded:
+                if not started:
+                    started = True
+                    await _too_large(send, self.limit)
+                return
+            started = True
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, guarded_send)
+        except Exception:
+            if not exceeded:
+                raise
+            if not started:
+                await _too_large(send, self.limit)
+
+
+async def _too_large(send: Send, limit: int) -> None:
+    body = (b'{"detail":"request body over the upload limit of %d bytes","code":"too_large"}'
+            % limit)
+    await send({"type": "http.response.start", "status": 413,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _error(status: int, code: str, detail: str, **extra: Any) -> JSONResponse:
+    headers = extra.pop("headers", None)
+    return JSONResponse({"detail": detail, "code": code, **extra}, status_code=status,
+                        headers=headers)
+
+
+def create_app(settings: Settings, *, registry_id: str | None = None) -> FastAPI:
+    """One registry instance; `registry_id` names it in leases and barriers."""
+    metrics = RegistryMetrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        node = RegistryNode(settings, metrics, registry_id)
+        app.state.node = node
+        node.start()
+        try:
+            yield
+        finally:
+            node.stop()
+
+    app = FastAPI(
+        title="loraplane registry",
+        version="1",
+        summary="Publishes, validates, splits traffic, rolls back and purges LoRA adapters; "
+                "the single writer of the adapter event log.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.tokens = TokenBook.from_setting(settings.auth_tokens)
+    app.state.blobs = LocalBlobStore(settings.blob_dir)
+    if not len(app.state.tokens):
+        log.warning("no LORAPLANE_AUTH_TOKENS configured: every API call will answer 401")
+    for module in (adapters, base_models, aliases, purges, blobs, health):
+        app.include_router(module.router)
+
+    @app.exception_handler(Refusal)
+    async def refused(_: Request, exc: Refusal) -> JSONResponse:
+        return _error(REFUSAL_STATUS[exc.kind], exc.kind, exc.message)
+
+    @app.exception_handler(UploadRejected)
+    async def rejected(_: Request, exc: UploadRejected) -> JSONResponse:
+        extra = {"tensor": exc.tensor} if exc.tensor else {}
+        return _error(exc.status, "too_large" if exc.status == 413 else "invalid_adapter",
+                      exc.message, **extra)
+
+    @app.exception_handler(WritesUnavailable)
+    async def unavailable(_: Request, exc: WritesUnavailable) -> JSONResponse:
+        return _error(503, "fenced" if exc.fenced else "unavailable", exc.message,
+                      headers={"Retry-After": str(exc.retry_after_s)})
+
+    @app.exception_handler(ValidationError)
+    async def invalid(_: Request, exc: ValidationError) -> JSONResponse:
+        return _error(422, "invalid", str(exc))
+
+    app.add_middleware(BodyLimit, limit=settings.max_upload_bytes + MULTIPART_SLACK_BYTES)
+    return app

@@ -1,0 +1,147 @@
+"""Content-addressed blob store: `sha256/ab/abcdef…`, written atomically, verified on read.
+
+Content addressing is what makes publishing safe without a distributed transaction: a blob
+is stored before its event is emitted, and if the emit fails (broker down, fenced) the blob
+is an orphan nobody references. It is harmless: the same bytes published later map to the
+same path, and a sweep may delete unreferenced blobs at any time.
+
+`BlobStore` is the interface; `LocalBlobStore` is the directory implementation. An
+S3-compatible store implements the same four methods (multipart upload to a temporary key,
+then copy to the digest key) and runs the same contract tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Protocol
+
+_DIGEST = re.compile(r"^[0-9a-f]{64}$")
+CHUNK_BYTES = 1 << 20
+
+
+class BlobNotFound(KeyError):
+    pass
+
+
+class BlobCorrupted(RuntimeError):
+    """Stored bytes no longer hash to their name: never hand them out."""
+
+
+def check_digest(digest: str) -> str:
+    if not _DIGEST.match(digest):
+        raise ValueError(f"not a sha256 hex digest: {digest!r}")
+    return digest
+
+
+class BlobWriter(Protocol):
+    """An upload in progress: bytes go to a temporary place until `commit`."""
+
+    def write(self, data: bytes) -> int: ...
+
+    def commit(self) -> str:
+        """Move the bytes under their digest (atomic, idempotent); returns the digest."""
+        ...
+
+    def discard(self) -> None: ...
+
+
+class BlobStore(Protocol):
+    def writer(self) -> BlobWriter: ...
+
+    def exists(self, digest: str) -> bool: ...
+
+    def size(self, digest: str) -> int: ...
+
+    def read(self, digest: str) -> Iterator[bytes]:
+        """Chunks of the blob; raises BlobCorrupted after the last chunk if the digest
+        does not match (callers that forward bytes must be able to abort)."""
+        ...
+
+
+class LocalBlobWriter:
+    def __init__(self, store: LocalBlobStore) -> None:
+        self._store = store
+        store.tmp_dir.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(dir=store.tmp_dir, prefix="upload-")
+        self._path = Path(name)
+        self._file: IO[bytes] = os.fdopen(fd, "wb")
+        self._hash = hashlib.sha256()
+        self._done = False
+
+    def write(self, data: bytes) -> int:
+        self._hash.update(data)
+        return self._file.write(data)
+
+    def commit(self) -> str:
+        digest = self._hash.hexdigest()
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        target = self._store.path_of(digest)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(self._path, target)  # atomic; same bytes if it already existed
+        self._done = True
+        return digest
+
+    def discard(self) -> None:
+        if not self._done:
+            self._file.close()
+            with contextlib.suppress(FileNotFoundError):
+                self._path.unlink()
+            self._done = True
+
+
+class LocalBlobStore:
+    """Blobs under `root/sha256/ab/<digest>`; temporary files under `root/tmp`."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.tmp_dir = self.root / "tmp"
+        (self.root / "sha256").mkdir(parents=True, exist_ok=True)
+
+    def path_of(self, digest: str) -> Path:
+        check_digest(digest)
+        return self.root / "sha256" / digest[:2] / digest
+
+    def writer(self) -> LocalBlobWriter:
+        return LocalBlobWriter(self)
+
+    def put(self, data: bytes) -> str:
+        writer = self.writer()
+        try:
+            writer.write(data)
+            return writer.commit()
+        finally:
+            writer.discard()
+
+    def exists(self, digest: str) -> bool:
+        return self.path_of(digest).is_file()
+
+    def size(self, digest: str) -> int:
+        try:
+            return self.path_of(digest).stat().st_size
+        except FileNotFoundError:
+            raise BlobNotFound(digest) from None
+
+    def read(self, digest: str) -> Iterator[bytes]:
+        try:
+            handle = self.path_of(digest).open("rb")
+        except FileNotFoundError:
+            raise BlobNotFound(digest) from None
+        return self._verified(handle, digest)
+
+    @staticmethod
+    def _verified(handle: IO[bytes], digest: str) -> Iterator[bytes]:
+        hasher = hashlib.sha256()
+        with handle:
+            while chunk := handle.read(CHUNK_BYTES):
+                hasher.update(chunk)
+                yield chunk
+        if hasher.hexdigest() != digest:
+            raise BlobCorrupted(f"blob {digest} is corrupted on disk")

@@ -1,0 +1,143 @@
+"""Request dependencies: the instance, who is calling, what they may touch, request headers.
+
+Every check that more than one route needs lives here, so a handler reads as the command
+it performs: role and tenant scope, If-Match, Idempotency-Key, trace id.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from typing import Annotated
+
+from fastapi import Depends, Header, HTTPException, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from services.contracts.events import TenantRef
+from services.registry.auth import Principal, Role, TokenBook
+from services.registry.blobstore import LocalBlobStore
+from services.registry.domain import Adapter
+from services.registry.node import RegistryNode
+
+bearer = HTTPBearer(auto_error=False, description="A registry token (stored hashed).")
+
+
+def get_node(request: Request) -> RegistryNode:
+    node: RegistryNode = request.app.state.node
+    return node
+
+
+def get_blobs(request: Request) -> LocalBlobStore:
+    blobs: LocalBlobStore = request.app.state.blobs
+    return blobs
+
+
+def get_tokens(request: Request) -> TokenBook:
+    tokens: TokenBook = request.app.state.tokens
+    return tokens
+
+
+Node = Annotated[RegistryNode, Depends(get_node)]
+Blobs = Annotated[LocalBlobStore, Depends(get_blobs)]
+
+
+def _unauthorized(message: str) -> HTTPException:
+    return HTTPException(401, message, headers={"WWW-Authenticate": 'Bearer realm="loraplane"'})
+
+
+def current_principal(
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
+    tokens: Annotated[TokenBook, Depends(get_tokens)],
+) -> Principal:
+    """401 when no token or an unknown one: the caller is not identified."""
+    if credentials is None or not credentials.credentials:
+        raise _unauthorized("missing bearer token")
+    principal = tokens.resolve(credentials.credentials)
+    if principal is None:
+        raise _unauthorized("unknown bearer token")
+    return principal
+
+
+class RequireRole:
+    """403 when the caller is known but its role may not do this."""
+
+    def __init__(self, *roles: Role) -> None:
+        self.roles = roles
+
+    def __call__(
+        self, principal: Annotated[Principal, Depends(current_principal)]
+    ) -> Principal:
+        if principal.role not in self.roles:
+            raise HTTPException(403, f"role {principal.role} may not do this "
+                                     f"(needs {' or '.join(self.roles)})")
+        return principal
+
+
+Writer = Annotated[Principal, Depends(RequireRole("admin", "publisher"))]
+Reader = Annotated[Principal, Depends(RequireRole("admin", "publisher", "reader"))]
+Admin = Annotated[Principal, Depends(RequireRole("admin"))]
+BlobReader = Annotated[Principal, Depends(RequireRole("admin", "worker"))]
+
+
+def ensure_write_scope(principal: Principal, tenant: TenantRef | None) -> None:
+    if tenant is None:
+        if principal.role != "admin":
+            raise HTTPException(403, "only an admin may change resources without a tenant")
+        return
+    if not principal.may_write_for(tenant):
+        raise HTTPException(403, f"token is not scoped to tenant {tenant.key}")
+
+
+def ensure_read_scope(principal: Principal, tenant: TenantRef | None) -> None:
+    if not principal.may_read_for(tenant):
+        raise HTTPException(403, "token is not scoped to this tenant")
+
+
+def writable_adapter(node: RegistryNode, principal: Principal, adapter_id: str) -> Adapter:
+    """The adapter, if it exists (404) and the caller may change it (403)."""
+    with node.state_lock:
+        adapter = node.state.adapter(adapter_id)
+    ensure_write_scope(principal, adapter.tenant)
+    return adapter
+
+
+_ETAG = re.compile(r'^(?:W/)?"?(\d{1,18})"?$')
+
+
+def expected_version(
+    if_match: Annotated[str | None, Header(
+        alias="If-Match", description="The resource's etag (stream version), e.g. \"3\"")] = None,
+) -> int | None:
+    """If-Match as an integer stream version; `*` or absent means no precondition."""
+    if if_match is None or if_match.strip() == "*":
+        return None
+    m = _ETAG.match(if_match.strip())
+    if m is None:
+        raise HTTPException(412, f"If-Match {if_match!r} is not an etag of this resource")
+    return int(m[1])
+
+
+def idempotency_key(
+    key: Annotated[str | None, Header(
+        alias="Idempotency-Key", max_length=128, pattern=r"^[\x21-\x7e]+$",
+        description="Retrying with the same key returns the first answer, emits nothing")
+    ] = None,
+) -> str | None:
+    return key or None
+
+
+_TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}$")
+
+
+def trace_id(
+    traceparent: Annotated[str | None, Header(description="W3C trace context")] = None,
+) -> str:
+    m = _TRACEPARENT.match(traceparent or "")
+    if m and m[1] != "0" * 32:
+        return m[1]
+    return uuid.uuid4().hex
+
+
+ExpectedVersion = Annotated[int | None, Depends(expected_version)]
+IdempotencyKey = Annotated[str | None, Depends(idempotency_key)]
+TraceId = Annotated[str, Depends(trace_id)]

@@ -1,0 +1,1 @@
+"""One router per resource; `app.py` mounts them under `/v1`."""

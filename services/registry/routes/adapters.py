@@ -1,0 +1,284 @@
+"""Adapters and their versions: publish, list, read, switch, roll back, disable, enable."""
+
+from __future__ import annotations
+
+from typing import IO, Annotated, Literal
+
+from fastapi import APIRouter, File, Form, Path, Query, Response, UploadFile
+from pydantic import BaseModel, Field
+
+from services.contracts.events import AdapterVersionPublished, TenantRef
+from services.registry.deps import (
+    Blobs,
+    ExpectedVersion,
+    IdempotencyKey,
+    Node,
+    Reader,
+    TraceId,
+    Writer,
+    ensure_read_scope,
+    ensure_write_scope,
+    writable_adapter,
+)
+from services.registry.domain import (
+    PublishRequest,
+    adapter_stream,
+    precheck_publish,
+    publish_version,
+    roll_back,
+    set_disabled,
+    switch_active,
+)
+from services.registry.node import Committed
+from services.registry.validation import (
+    UnpackedAdapter,
+    UploadRejected,
+    unpack_archive,
+    validate_adapter,
+)
+from services.registry.views import (
+    AdapterChange,
+    AdapterView,
+    ErrorBody,
+    Page,
+    VersionView,
+    adapter_view,
+    change_view,
+    published_view,
+    version_view,
+)
+
+router = APIRouter(prefix="/v1/adapters", tags=["adapters"])
+
+ID_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,127}$"
+SLUG_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,62}$"
+AdapterIdPath = Annotated[str, Path(pattern=ID_PATTERN)]
+VersionPath = Annotated[int, Path(ge=1, le=2**31)]
+
+ERRORS: dict[int | str, dict[str, object]] = {
+    code: {"model": ErrorBody} for code in (401, 403, 404, 409, 412, 422, 503)}
+
+
+def _answer(response: Response, committed: Committed) -> None:
+    if committed.replayed:
+        response.headers["Idempotent-Replayed"] = "true"
+    response.headers["ETag"] = f'"{committed.envelope.seq}"'
+
+
+def _read_upload(upload: UploadFile, limit: int, what: str) -> tuple[IO[bytes], int]:
+    handle = upload.file
+    handle.seek(0, 2)
+    size = handle.tell()
+    handle.seek(0)
+    if size > limit:
+        raise UploadRejected(f"{what} is {size} bytes, over the {limit}-byte limit", status=413)
+    return handle, size
+
+
+def _adapter_files(adapter_config: UploadFile | None, adapter_model: UploadFile | None,
+                   archive: UploadFile | None, limit: int) -> UnpackedAdapter:
+    if archive is not None:
+        if adapter_config is not None or adapter_model is not None:
+            raise UploadRejected("send either archive or adapter_config + adapter_model")
+        handle, _ = _read_upload(archive, limit, "archive")
+        return unpack_archive(handle, limit)
+    if adapter_config is None or adapter_model is None:
+        raise UploadRejected("adapter_config and adapter_model (or one archive) are required")
+    config, _ = _read_upload(adapter_config, 1024 * 1024, "adapter_config")
+    weights, size = _read_upload(adapter_model, limit, "adapter_model")
+    return UnpackedAdapter(config.read(), weights, size)
+
+
+@router.post("/{adapter_id}/versions", status_code=201, response_model=VersionView,
+             responses={**ERRORS, 413: {"model": ErrorBody}})
+def publish(
+    adapter_id: AdapterIdPath,
+    response: Response,
+    principal: Writer,
+    node: Node,
+    blobs: Blobs,
+    expected: ExpectedVersion,
+    key: IdempotencyKey,
+    trace: TraceId,
+    org: Annotated[str, Form(pattern=SLUG_PATTERN)],
+    team: Annotated[str, Form(pattern=SLUG_PATTERN)],
+    project: Annotated[str, Form(pattern=SLUG_PATTERN)],
+    owner: Annotated[str, Form(min_length=1, max_length=256)],
+    base_model: Annotated[str, Form(pattern=ID_PATTERN)],
+    label: Annotated[str, Form(min_length=1, max_length=128)],
+    qos_tier: Annotated[Literal["platinum", "gold", "silver", "bronze"], Form()] = "silver",
+    rollback_to: Annotated[int | None, Form(ge=1, le=2**31)] = None,
+    adapter_config: Annotated[UploadFile | None, File(description="adapter_config.json")] = None,
+    adapter_model: Annotated[UploadFile | None, File(
+        description="adapter_model.safetensors")] = None,
+    archive: Annotated[UploadFile | None, File(
+        description="a .tar.gz of the adapter directory, instead of the two files")] = None,
+) -> VersionView:
+    """Validate a PEFT LoRA adapter, store it by digest, emit AdapterVersionPublished."""
+    tenant = TenantRef(org=org, team=team, project=project)
+    ensure_write_scope(principal, tenant)
+    request = PublishRequest(adapter_id=adapter_id, tenant=tenant, owner=owner,
+                             base_model=base_model, label=label, qos_tier=qos_tier,
+                             rollback_to=rollback_to)
+    expect = (AdapterVersionPublished.event_type(), adapter_stream(adapter_id))
+    with node.state_lock:
+        prior = node.state.prior_answer(principal.actor, key, *expect)
+        if prior is None:
+            base = precheck_publish(node.state, request, expected)
+            base_config = dict(base.config)
+    if prior is not None:
+        _answer(response, Committed(prior.envelope, prior.position, replayed=True))
+        return published_view(prior.envelope, prior.position)
+
+    settings = node.settings
+    try:
+        files = _adapter_files(adapter_config, adapter_model, archive, settings.max_upload_bytes)
+        writer = blobs.writer()
+        try:
+            facts = validate_adapter(files.config, files.weights, files.weights_size,
+                                     base_config, max_rank=settings.max_lora_rank,
+                                     allowed_dtypes=list(settings.allowed_dtypes), sink=writer)
+            writer.commit()
+        finally:
+            writer.discard()
+    except UploadRejected as exc:
+        node.metrics.uploads_rejected.labels(str(exc.status)).inc()
+        raise
+    blobs.put(files.config)
+    node.metrics.upload_bytes.inc(facts.size_bytes)
+    committed = node.execute(
+        "publish", lambda s: publish_version(s, request, facts, expected, key),
+        actor=principal.actor, idempotency_key=key, expect=expect, trace_id=trace)
+    _answer(response, committed)
+    return published_view(committed.envelope, committed.position)
+
+
+@router.get("", response_model=Page[AdapterView], responses=ERRORS)
+def list_adapters(
+    principal: Reader, node: Node,
+    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+    cursor: Annotated[str | None, Query(max_length=128)] = None,
+) -> Page[AdapterView]:
+    """Adapters the caller may read, by id; `next_cursor` pages on."""
+    with node.state_lock:
+        adapters = sorted((a for a in node.state.adapters.values()
+                           if a.versions and principal.may_read_for(a.tenant)
+                           and (cursor is None or a.adapter_id > cursor)),
+                          key=lambda a: a.adapter_id)
+        items = [adapter_view(a) for a in adapters[:limit]]
+    more = len(adapters) > limit
+    return Page[AdapterView](items=items, next_cursor=items[-1].adapter_id if more else None)
+
+
+@router.get("/{adapter_id}", response_model=AdapterView, responses=ERRORS)
+def get_adapter(adapter_id: AdapterIdPath, principal: Reader, node: Node,
+                response: Response) -> AdapterView:
+    with node.state_lock:
+        adapter = node.state.adapter(adapter_id)
+        ensure_read_scope(principal, adapter.tenant)
+        view = adapter_view(adapter)
+    response.headers["ETag"] = f'"{view.etag}"'
+    return view
+
+
+@router.get("/{adapter_id}/versions", response_model=Page[VersionView], responses=ERRORS)
+def list_versions(
+    adapter_id: AdapterIdPath, principal: Reader, node: Node,
+    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+    cursor: Annotated[int | None, Query(ge=0, le=2**31,
+                                        description="Last version of the previous page")] = None,
+) -> Page[VersionView]:
+    with node.state_lock:
+        adapter = node.state.adapter(adapter_id)
+        ensure_read_scope(principal, adapter.tenant)
+        numbers = sorted(n for n in adapter.versions if cursor is None or n > cursor)
+        items = [version_view(adapter, adapter.versions[n]) for n in numbers[:limit]]
+    more = len(numbers) > limit
+    return Page[VersionView](items=items, next_cursor=str(items[-1].version) if more else None)
+
+
+@router.get("/{adapter_id}/versions/{version}", response_model=VersionView, responses=ERRORS)
+def get_version(adapter_id: AdapterIdPath, version: VersionPath, principal: Reader,
+                node: Node) -> VersionView:
+    with node.state_lock:
+        adapter = node.state.adapter(adapter_id)
+        ensure_read_scope(principal, adapter.tenant)
+        return version_view(adapter, node.state.version(adapter_id, version))
+
+
+class SwitchBody(BaseModel):
+    version: int = Field(ge=1, le=2**31)
+
+
+class RollbackBody(BaseModel):
+    to_version: int | None = Field(None, ge=1, le=2**31,
+                                   description="Default: the previous stable version")
+    reason: str = Field(min_length=1, max_length=1024)
+
+
+class ReasonBody(BaseModel):
+    reason: str = Field("", max_length=1024)
+
+
+def _change(response: Response, committed: Committed) -> AdapterChange:
+    _answer(response, committed)
+    return change_view(committed.envelope, committed.position)
+
+
+@router.put("/{adapter_id}/active", response_model=AdapterChange, responses=ERRORS)
+def switch(adapter_id: AdapterIdPath, body: SwitchBody, principal: Writer, node: Node,
+           response: Response, expected: ExpectedVersion, key: IdempotencyKey,
+           trace: TraceId) -> AdapterChange:
+    """Make a version the adapter's active one (AdapterVersionSwitched)."""
+    writable_adapter(node, principal, adapter_id)
+    committed = node.execute(
+        "switch", lambda s: switch_active(s, adapter_id, body.version, expected, key),
+        actor=principal.actor, idempotency_key=key,
+        expect=("AdapterVersionSwitched", adapter_stream(adapter_id)), trace_id=trace)
+    return _change(response, committed)
+
+
+@router.post("/{adapter_id}/rollback", response_model=AdapterChange, responses=ERRORS)
+def rollback(adapter_id: AdapterIdPath, body: RollbackBody, principal: Writer, node: Node,
+             response: Response, expected: ExpectedVersion, key: IdempotencyKey,
+             trace: TraceId) -> AdapterChange:
+    """Roll the active version back (AdapterRolledBack); default target in domain.py."""
+    writable_adapter(node, principal, adapter_id)
+    committed = node.execute(
+        "rollback", lambda s: roll_back(s, adapter_id, body.to_version, body.reason, expected,
+                                        key),
+        actor=principal.actor, idempotency_key=key,
+        expect=("AdapterRolledBack", adapter_stream(adapter_id)), trace_id=trace)
+    return _change(response, committed)
+
+
+def _toggle(disabled: bool, adapter_id: str, version: int, body: ReasonBody,
+            principal: Writer, node: Node, response: Response, expected: int | None,
+            key: str | None, trace: str) -> AdapterChange:
+    writable_adapter(node, principal, adapter_id)
+    event_type = "AdapterDisabled" if disabled else "AdapterEnabled"
+    committed = node.execute(
+        "disable" if disabled else "enable",
+        lambda s: set_disabled(s, adapter_id, version, disabled, body.reason, expected, key),
+        actor=principal.actor, idempotency_key=key,
+        expect=(event_type, adapter_stream(adapter_id)), trace_id=trace)
+    return _change(response, committed)
+
+
+@router.post("/{adapter_id}/versions/{version}/disable", response_model=AdapterChange,
+             responses=ERRORS)
+def disable(adapter_id: AdapterIdPath, version: VersionPath, body: ReasonBody,
+            principal: Writer, node: Node, response: Response, expected: ExpectedVersion,
+            key: IdempotencyKey, trace: TraceId) -> AdapterChange:
+    """A disabled version is never served, active or in a split."""
+    return _toggle(True, adapter_id, version, body, principal, node, response, expected, key,
+                   trace)
+
+
+@router.post("/{adapter_id}/versions/{version}/enable", response_model=AdapterChange,
+             responses=ERRORS)
+def enable(adapter_id: AdapterIdPath, version: VersionPath, body: ReasonBody,
+           principal: Writer, node: Node, response: Response, expected: ExpectedVersion,
+           key: IdempotencyKey, trace: TraceId) -> AdapterChange:
+    return _toggle(False, adapter_id, version, body, principal, node, response, expected, key,
+                   trace)

@@ -1,0 +1,83 @@
+"""Aliases: traffic splits over adapter versions (canary 5 → 25 → 50 → 100)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, HTTPException, Path, Query, Response
+from pydantic import BaseModel, Field
+
+from services.contracts.events import SplitEntry
+from services.registry.deps import (
+    ExpectedVersion,
+    IdempotencyKey,
+    Node,
+    Reader,
+    TraceId,
+    Writer,
+    ensure_read_scope,
+    ensure_write_scope,
+)
+from services.registry.domain import alias_stream, set_split
+from services.registry.views import AliasView, ErrorBody, Page, alias_view, split_changed_view
+
+router = APIRouter(prefix="/v1/aliases", tags=["aliases"])
+ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorBody} for code in (401, 403, 404, 409, 412, 422, 503)}
+AliasPath = Annotated[str, Path(pattern=r"^[a-z0-9][a-z0-9._-]{0,127}$")]
+
+
+class SplitBody(BaseModel):
+    split: list[SplitEntry] = Field(min_length=1, max_length=64,
+                                    description="Weights in percent, summing to 100")
+
+
+@router.put("/{alias}", response_model=AliasView, responses=ERRORS)
+def put_split(alias: AliasPath, body: SplitBody, principal: Writer, node: Node,
+              response: Response, expected: ExpectedVersion, key: IdempotencyKey,
+              trace: TraceId) -> AliasView:
+    """Set the alias's traffic split (TrafficSplitChanged)."""
+    with node.state_lock:
+        current = node.state.aliases.get(alias)
+        tenants = {node.state.adapters[e.adapter_id].tenant for e in body.split
+                   if e.adapter_id in node.state.adapters}
+    if current is not None:
+        ensure_write_scope(principal, current.tenant)
+    for tenant in tenants:
+        ensure_write_scope(principal, tenant)
+    committed = node.execute(
+        "split", lambda s: set_split(s, alias, body.split, expected, key),
+        actor=principal.actor, idempotency_key=key,
+        expect=("TrafficSplitChanged", alias_stream(alias)), trace_id=trace)
+    if committed.replayed:
+        response.headers["Idempotent-Replayed"] = "true"
+    response.headers["ETag"] = f'"{committed.envelope.seq}"'
+    return split_changed_view(committed.envelope, committed.position)
+
+
+@router.get("", response_model=Page[AliasView], responses=ERRORS)
+def list_aliases(
+    principal: Reader, node: Node,
+    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+    cursor: Annotated[str | None, Query(max_length=128)] = None,
+) -> Page[AliasView]:
+    with node.state_lock:
+        aliases = sorted((a for a in node.state.aliases.values()
+                          if principal.may_read_for(a.tenant)
+                          and (cursor is None or a.alias > cursor)), key=lambda a: a.alias)
+        items = [alias_view(a) for a in aliases[:limit]]
+    return Page[AliasView](items=items,
+                           next_cursor=items[-1].alias if len(aliases) > limit else None)
+
+
+@router.get("/{alias}", response_model=AliasView, responses=ERRORS)
+def get_alias(alias: AliasPath, principal: Reader, node: Node,
+              response: Response) -> AliasView:
+    with node.state_lock:
+        found = node.state.aliases.get(alias)
+        if found is None:
+            raise HTTPException(404, f"alias {alias!r} does not exist")
+        ensure_read_scope(principal, found.tenant)
+        view = alias_view(found)
+    response.headers["ETag"] = f'"{view.etag}"'
+    return view

@@ -1,0 +1,62 @@
+"""Base models: adapters are validated against a registered base model's config.json."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, HTTPException, Path, Response
+from pydantic import BaseModel, Field
+
+from services.registry.deps import Admin, IdempotencyKey, Node, Reader, TraceId
+from services.registry.domain import base_model_stream, register_base_model
+from services.registry.validation import BaseModelShape
+from services.registry.views import (
+    BaseModelView,
+    ErrorBody,
+    base_model_registered_view,
+    base_model_view,
+)
+
+router = APIRouter(prefix="/v1/base-models", tags=["base models"])
+ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorBody} for code in (401, 403, 404, 409, 422, 503)}
+NamePath = Annotated[str, Path(pattern=r"^[a-z0-9][a-z0-9._-]{0,127}$")]
+
+
+class BaseModelBody(BaseModel):
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]{0,127}$")
+    digest: str = Field(pattern=r"^[0-9a-f]{64}$", description="sha256 of the base weights")
+    config: dict[str, Any] = Field(description="The model's config.json")
+
+
+@router.post("", status_code=201, response_model=BaseModelView, responses=ERRORS)
+def register(body: BaseModelBody, principal: Admin, node: Node, response: Response,
+             key: IdempotencyKey, trace: TraceId) -> BaseModelView:
+    """Register a base model (admin); its config must give the projection shapes."""
+    try:
+        BaseModelShape.from_config(body.config)
+    except ValueError as exc:
+        raise HTTPException(422, str(exc)) from exc
+    committed = node.execute(
+        "register_base_model",
+        lambda s: register_base_model(s, body.name, body.digest, body.config, key),
+        actor=principal.actor, idempotency_key=key,
+        expect=("BaseModelRegistered", base_model_stream(body.name)), trace_id=trace)
+    if committed.replayed:
+        response.headers["Idempotent-Replayed"] = "true"
+    return base_model_registered_view(committed.envelope, committed.position)
+
+
+@router.get("", response_model=list[BaseModelView], responses=ERRORS)
+def list_base_models(principal: Reader, node: Node) -> list[BaseModelView]:
+    with node.state_lock:
+        return [base_model_view(m) for _, m in sorted(node.state.base_models.items())]
+
+
+@router.get("/{name}", response_model=BaseModelView, responses=ERRORS)
+def get_base_model(name: NamePath, principal: Reader, node: Node) -> BaseModelView:
+    with node.state_lock:
+        model = node.state.base_models.get(name)
+        if model is None:
+            raise HTTPException(404, f"base model {name!r} is not registered")
+        return base_model_view(model)

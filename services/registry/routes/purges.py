@@ -1,0 +1,67 @@
+"""Tenant purges: request one, then watch worker acknowledgements arrive against a deadline."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Annotated, Any
+
+from fastapi import APIRouter, HTTPException, Path
+from pydantic import BaseModel, Field
+
+from services.contracts.events import TenantPurgeRequested, TenantRef, uuid7
+from services.registry.deps import (
+    IdempotencyKey,
+    Node,
+    Reader,
+    TraceId,
+    Writer,
+    ensure_read_scope,
+    ensure_write_scope,
+)
+from services.registry.domain import request_purge, tenant_stream
+from services.registry.views import ErrorBody, PurgeView, event_ref, purge_view
+
+router = APIRouter(prefix="/v1", tags=["purges"])
+ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorBody} for code in (401, 403, 404, 409, 422, 503)}
+Slug = Annotated[str, Path(pattern=r"^[a-z0-9][a-z0-9._-]{0,62}$")]
+
+
+class PurgeBody(BaseModel):
+    deadline_s: float = Field(60.0, gt=0, le=86400,
+                              description="Workers must acknowledge within this many seconds")
+    hard: bool = Field(True, description="Abort the tenant's running sequences")
+
+
+@router.post("/tenants/{org}/{team}/{project}/purge", status_code=202,
+             response_model=PurgeView, responses=ERRORS)
+def purge_tenant(org: Slug, team: Slug, project: Slug, principal: Writer, node: Node,
+                 key: IdempotencyKey, trace: TraceId,
+                 body: PurgeBody | None = None) -> PurgeView:
+    """Emit TenantPurgeRequested; workers free the tenant's KV and adapters and ack."""
+    body = body or PurgeBody()
+    tenant = TenantRef(org=org, team=team, project=project)
+    ensure_write_scope(principal, tenant)
+    purge_id = uuid7().hex
+    committed = node.execute(
+        "purge", lambda s: request_purge(s, tenant, purge_id, body.deadline_s, body.hard, key),
+        actor=principal.actor, idempotency_key=key,
+        expect=(TenantPurgeRequested.event_type(), tenant_stream(tenant)), trace_id=trace)
+    payload = committed.envelope.payload
+    assert isinstance(payload, TenantPurgeRequested)
+    with node.state_lock:
+        purge = node.state.purges[payload.purge_id]
+        return purge_view(purge, datetime.now(UTC),
+                          event_ref(committed.envelope, committed.position))
+
+
+@router.get("/purges/{purge_id}", response_model=PurgeView, responses=ERRORS)
+def get_purge(purge_id: Annotated[str, Path(max_length=64)], principal: Reader,
+              node: Node) -> PurgeView:
+    """Acks folded from worker-events (TenantPurged), and whether the deadline was met."""
+    with node.state_lock:
+        purge = node.state.purges.get(purge_id)
+        if purge is None:
+            raise HTTPException(404, f"purge {purge_id!r} does not exist")
+        ensure_read_scope(principal, purge.tenant)
+        return purge_view(purge, datetime.now(UTC))

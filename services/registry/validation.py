@@ -1,0 +1,420 @@
+"""Checks on an uploaded PEFT LoRA adapter, before anything is stored or emitted.
+
+The safetensors file is never loaded as tensors: its header (8-byte little-endian length,
+then JSON) gives every tensor's name, dtype, shape and byte range, which is enough to check
+PEFT naming against the declared target modules and the A/B shapes against `r` and the
+registered base model's config.json. The data is then streamed once, in chunks: hashed
+(sha256), scanned for NaN/Inf by exponent bits (no float conversion, so bf16 needs no
+special support), and copied to the caller's sink (the blob store's temporary file).
+
+The rules mirror what a worker's engine accepts (`services/worker/engine/adapter.py`),
+so the registry never publishes an adapter a worker would refuse; this module keeps no
+torch dependency, which is why the projection shape table is restated here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import tarfile
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import IO, Any
+
+import numpy as np
+
+from services.registry.domain import ArtifactFacts
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+MAX_CONFIG_BYTES = 1024 * 1024
+CHUNK_BYTES = 1 << 20
+
+ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+TARGET_MODULES = ATTENTION_MODULES + MLP_MODULES
+_PARENT = {m: "self_attn" for m in ATTENTION_MODULES} | {m: "mlp" for m in MLP_MODULES}
+
+_TENSOR_NAME = re.compile(
+    r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_(A|B)"
+    r"(?:\.[\w-]+)?\.weight$"
+)
+
+# safetensors dtype → (numpy-style name, item size, unsigned view, exponent mask)
+_DTYPES: dict[str, tuple[str, int, Any, int]] = {
+    "F16": ("float16", 2, np.uint16, 0x7C00),
+    "BF16": ("bfloat16", 2, np.uint16, 0x7F80),
+    "F32": ("float32", 4, np.uint32, 0x7F800000),
+    "F64": ("float64", 8, np.uint64, 0x7FF0000000000000),
+}
+
+
+class UploadRejected(Exception):
+    """An upload that may not be stored; `status` is 413 or 422, `tensor` names the culprit."""
+
+    def __init__(self, message: str, *, status: int = 422, tensor: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.tensor = tensor
+
+
+# --- the base model ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BaseModelShape:
+    """The dimensions of a Llama-family base model that LoRA shapes depend on."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    num_hidden_layers: int
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> BaseModelShape:
+        """Read config.json; raises ValueError naming the missing or bad field."""
+        def positive(key: str, default: Any = None) -> int:
+            raw = config.get(key, default)
+            if isinstance(raw, bool) or not isinstance(raw, int) or raw <= 0:
+                raise ValueError(f"config.json: {key} must be a positive integer, got {raw!r}")
+            return raw
+
+        hidden = positive("hidden_size")
+        heads = positive("num_attention_heads")
+        kv_heads = positive("num_key_value_heads", config.get("num_key_value_heads") or heads)
+        head_dim = positive("head_dim", config.get("head_dim") or hidden // heads or None)
+        if heads % kv_heads:
+            raise ValueError("config.json: num_attention_heads must be a multiple of "
+                             "num_key_value_heads")
+        return cls(hidden, positive("intermediate_size"), heads, kv_heads, head_dim,
+                   positive("num_hidden_layers"))
+
+    def module_shape(self, module: str) -> tuple[int, int]:
+        """(in_features, out_features) of one projection."""
+        h, i = self.hidden_size, self.intermediate_size
+        q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
+        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}[module]
+
+
+# --- adapter_config.json -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    rank: int
+    alpha: float
+    targets: tuple[str, ...] | str
+    """A list of module names, or PEFT's regex string (full match on the module path)."""
+    layers: frozenset[int] | None
+
+
+def parse_lora_config(raw: bytes) -> LoraConfig:
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise UploadRejected(f"{CONFIG_FILE} is larger than {MAX_CONFIG_BYTES} bytes")
+    try:
+        conf = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UploadRejected(f"{CONFIG_FILE} is not valid JSON: {exc}") from exc
+    if not isinstance(conf, dict):
+        raise UploadRejected(f"{CONFIG_FILE} must be a JSON object")
+    if conf.get("peft_type", "LORA") != "LORA":
+        raise UploadRejected(f"peft_type {conf.get('peft_type')!r} is not supported (only LORA)")
+    for key, why in (("use_dora", "DoRA is not supported"),
+                     ("rank_pattern", "per-module ranks are not supported"),
+                     ("alpha_pattern", "per-module alphas are not supported"),
+                     ("modules_to_save", "it replaces base weights"),
+                     ("layer_replication", "it is not supported")):
+        if conf.get(key):
+            raise UploadRejected(f"{CONFIG_FILE}: {key} is set ({why})")
+    if conf.get("bias", "none") != "none":
+        raise UploadRejected(f"{CONFIG_FILE}: bias={conf.get('bias')!r} (only 'none')")
+    rank = conf.get("r")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
+        raise UploadRejected(f"{CONFIG_FILE}: r must be a positive integer, got {rank!r}")
+    alpha = conf.get("lora_alpha", rank)
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float):
+        raise UploadRejected(f"{CONFIG_FILE}: lora_alpha must be a number")
+    targets = conf.get("target_modules")
+    if isinstance(targets, str):
+        try:
+            re.compile(targets)
+        except re.error as exc:
+            raise UploadRejected(f"{CONFIG_FILE}: target_modules regex is invalid: {exc}") from exc
+        declared: tuple[str, ...] | str = targets
+    elif isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets):
+        unknown = sorted(set(targets) - set(TARGET_MODULES))
+        if unknown:
+            raise UploadRejected(f"{CONFIG_FILE}: target_modules {unknown} are not projections "
+                                 f"of a Llama-family model ({list(TARGET_MODULES)})")
+        declared = tuple(targets)
+    else:
+        raise UploadRejected(f"{CONFIG_FILE}: target_modules must be a non-empty list or a "
+                             "regex string")
+    layers_raw = conf.get("layers_to_transform")
+    layers: frozenset[int] | None = None
+    if isinstance(layers_raw, int) and not isinstance(layers_raw, bool):
+        layers = frozenset({layers_raw})
+    elif isinstance(layers_raw, list) and all(isinstance(x, int) for x in layers_raw):
+        layers = frozenset(layers_raw)
+    elif layers_raw is not None:
+        raise UploadRejected(f"{CONFIG_FILE}: layers_to_transform must be integers")
+    return LoraConfig(rank, float(alpha), declared, layers)
+
+
+def _covers(targets: tuple[str, ...] | str, module: str, path: str) -> bool:
+    if isinstance(targets, str):
+        return targets == "all-linear" or re.fullmatch(targets, path) is not None
+    return module in targets
+
+
+# --- the safetensors header ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+@dataclass(frozen=True)
+class SafetensorsLayout:
+    header: bytes
+    """The 8 length bytes and the JSON header, exactly as read (they are hashed too)."""
+    tensors: tuple[TensorEntry, ...]
+    """Sorted by byte offset; together they cover the data region exactly."""
+    data_bytes: int
+
+
+def read_header(source: IO[bytes], total_size: int) -> SafetensorsLayout:
+    """Parse the header from the start of `source`; leaves the stream at the data region."""
+    prefix = source.read(8)
+    if len(prefix) < 8:
+        raise UploadRejected(f"{WEIGHTS_FILE} is too short to be safetensors")
+    length = int.from_bytes(prefix, "little")
+    if length > MAX_HEADER_BYTES or length > total_size - 8:
+        raise UploadRejected(f"{WEIGHTS_FILE}: header length {length} is impossible")
+    raw = source.read(length)
+    try:
+        header = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UploadRejected(f"{WEIGHTS_FILE}: header is not valid JSON: {exc}") from exc
+    if not isinstance(header, dict):
+        raise UploadRejected(f"{WEIGHTS_FILE}: header must be a JSON object")
+    entries = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = str(info["dtype"])
+            shape = tuple(int(d) for d in info["shape"])
+            begin, end = (int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise UploadRejected(f"tensor {name}: malformed header entry", tensor=name) from exc
+        if any(d < 0 for d in shape) or begin < 0 or end < begin:
+            raise UploadRejected(f"tensor {name}: negative shape or offsets", tensor=name)
+        entries.append(TensorEntry(name, dtype, shape, begin, end))
+    entries.sort(key=lambda e: (e.begin, e.end))
+    data_bytes = total_size - 8 - length
+    cursor = 0
+    for entry in entries:
+        if entry.begin != cursor:
+            raise UploadRejected(f"tensor {entry.name}: data offsets overlap or leave a gap",
+                                 tensor=entry.name)
+        size = _DTYPES[entry.dtype][1] if entry.dtype in _DTYPES else None
+        if size is not None and entry.end - entry.begin != size * int(np.prod(entry.shape)):
+            raise UploadRejected(f"tensor {entry.name}: byte range does not match shape "
+                                 f"{list(entry.shape)} of {entry.dtype}", tensor=entry.name)
+        cursor = entry.end
+    if cursor != data_bytes:
+        raise UploadRejected(f"{WEIGHTS_FILE}: data region is {data_bytes} bytes, tensors "
+                             f"cover {cursor}")
+    return SafetensorsLayout(prefix + raw, tuple(entries), data_bytes)
+
+
+# --- naming and shapes ---------------------------------------------------------------------
+
+
+def check_tensors(layout: SafetensorsLayout, lora: LoraConfig, base: BaseModelShape, *,
+                  max_rank: int, allowed_dtypes: list[str]) -> tuple[tuple[str, ...], str]:
+    """PEFT naming, coverage, shapes, rank and dtype; returns (modules, dtype)."""
+    if lora.rank > max_rank:
+        raise UploadRejected(f"{CONFIG_FILE}: r={lora.rank} exceeds the maximum rank {max_rank}")
+    if not layout.tensors:
+        raise UploadRejected(f"{WEIGHTS_FILE} contains no tensors")
+    dtypes = set()
+    pairs: dict[tuple[int, str], dict[str, TensorEntry]] = {}
+    for entry in layout.tensors:
+        m = _TENSOR_NAME.match(entry.name)
+        if m is None:
+            raise UploadRejected(f"tensor {entry.name} is not a PEFT LoRA weight of a decoder "
+                                 "layer projection", tensor=entry.name)
+        layer, parent, module, which = int(m[1]), m[2], m[3], m[4]
+        if module not in TARGET_MODULES or _PARENT[module] != parent:
+            raise UploadRejected(f"tensor {entry.name} targets {parent}.{module}, which the "
+                                 "base model lacks", tensor=entry.name)
+        if layer >= base.num_hidden_layers:
+            raise UploadRejected(f"tensor {entry.name} targets layer {layer}; the base model has "
+                                 f"{base.num_hidden_layers}", tensor=entry.name)
+        path = f"model.layers.{layer}.{parent}.{module}"
+        if not _covers(lora.targets, module, path):
+            raise UploadRejected(f"tensor {entry.name} is not covered by target_modules "
+                                 f"{lora.targets!r}", tensor=entry.name)
+        if lora.layers is not None and layer not in lora.layers:
+            raise UploadRejected(f"tensor {entry.name} is outside layers_to_transform",
+                                 tensor=entry.name)
+        if entry.dtype not in _DTYPES or _DTYPES[entry.dtype][0] not in allowed_dtypes:
+            name = _DTYPES[entry.dtype][0] if entry.dtype in _DTYPES else entry.dtype
+            raise UploadRejected(f"tensor {entry.name} has dtype {name}; allowed: "
+                                 f"{allowed_dtypes}", tensor=entry.name)
+        dtypes.add(entry.dtype)
+        if which in pairs.setdefault((layer, module), {}):
+            raise UploadRejected(f"tensor {entry.name} duplicates another lora_{which}",
+                                 tensor=entry.name)
+        pairs[(layer, module)][which] = entry
+        fin, fout = base.module_shape(module)
+        want = (lora.rank, fin) if which == "A" else (fout, lora.rank)
+        if entry.shape != want:
+            raise UploadRejected(f"tensor {entry.name} has shape {list(entry.shape)}, expected "
+                                 f"{list(want)} (r={lora.rank}, {module} {fin}->{fout})",
+                                 tensor=entry.name)
+    if len(dtypes) > 1:
+        raise UploadRejected(f"{WEIGHTS_FILE} mixes dtypes {sorted(dtypes)}")
+    layers = sorted(lora.layers) if lora.layers is not None else range(base.num_hidden_layers)
+    present = {module for _, module in pairs}
+    declared = lora.targets if isinstance(lora.targets, tuple) else tuple(sorted(present))
+    for module in declared:
+        for layer in layers:
+            ab = pairs.get((layer, module), {})
+            for which in ("A", "B"):
+                if which not in ab:
+                    name = (f"base_model.model.model.layers.{layer}.{_PARENT[module]}.{module}"
+                            f".lora_{which}.weight")
+                    raise UploadRejected(f"tensor {name} is missing", tensor=name)
+    modules = tuple(m for m in TARGET_MODULES if m in present)
+    return modules, _DTYPES[dtypes.pop()][0]
+
+
+# --- the data ------------------------------------------------------------------------------
+
+
+def scan_data(source: IO[bytes], layout: SafetensorsLayout, hasher: Any,
+              sink: IO[bytes] | None) -> None:
+    """Stream every tensor's bytes once: hash, copy to `sink`, refuse NaN/Inf by name."""
+    for entry in layout.tensors:
+        _, item, view, mask = _DTYPES[entry.dtype]
+        remaining = entry.end - entry.begin
+        step = CHUNK_BYTES - CHUNK_BYTES % item
+        while remaining:
+            chunk = source.read(min(step, remaining))
+            if not chunk:
+                raise UploadRejected(f"{WEIGHTS_FILE} ends inside tensor {entry.name}",
+                                     tensor=entry.name)
+            if len(chunk) % item:
+                rest = source.read(item - len(chunk) % item)
+                chunk += rest
+            remaining -= len(chunk)
+            hasher.update(chunk)
+            if sink is not None:
+                sink.write(chunk)
+            bits = np.frombuffer(chunk, dtype=np.dtype(view).newbyteorder("<"))
+            if np.any((bits & view(mask)) == view(mask)):
+                raise UploadRejected(f"tensor {entry.name} contains NaN or Inf",
+                                     tensor=entry.name)
+
+
+def validate_adapter(config_bytes: bytes, weights: IO[bytes], weights_size: int,
+                     base_config: Mapping[str, Any], *, max_rank: int,
+                     allowed_dtypes: list[str], sink: IO[bytes] | None = None) -> ArtifactFacts:
+    """Every check, in order of cost; the weights are read once and copied to `sink`."""
+    lora = parse_lora_config(config_bytes)
+    try:
+        base = BaseModelShape.from_config(base_config)
+    except ValueError as exc:
+        raise UploadRejected(f"registered base model: {exc}") from exc
+    layout = read_header(weights, weights_size)
+    modules, dtype = check_tensors(layout, lora, base, max_rank=max_rank,
+                                   allowed_dtypes=allowed_dtypes)
+    hasher = hashlib.sha256(layout.header)
+    if sink is not None:
+        sink.write(layout.header)
+    scan_data(weights, layout, hasher, sink)
+    if weights.read(1):
+        raise UploadRejected(f"{WEIGHTS_FILE} has bytes after its last tensor")
+    return ArtifactFacts(
+        sha256=hasher.hexdigest(),
+        config_sha256=hashlib.sha256(config_bytes).hexdigest(),
+        size_bytes=weights_size,
+        rank=lora.rank,
+        lora_alpha=lora.alpha,
+        target_modules=modules,
+        dtype=dtype,
+    )
+
+
+# --- tarballs ------------------------------------------------------------------------------
+
+
+@dataclass
+class UnpackedAdapter:
+    config: bytes
+    weights: IO[bytes]
+    weights_size: int
+
+
+def unpack_archive(archive: IO[bytes], max_bytes: int) -> UnpackedAdapter:
+    """Read the two adapter files out of a .tar.gz without writing anything to a path.
+
+    Any absolute or `..` member name, link, device or FIFO refuses the whole archive:
+    a tarball that tries it is hostile, whatever else it holds. Members may sit at the top
+    or under one directory. Decompressed sizes are capped (a gzip bomb is a 413).
+    """
+    config: bytes | None = None
+    weights: IO[bytes] | None = None
+    size = 0
+    try:
+        with tarfile.open(fileobj=archive, mode="r:gz") as tar:
+            for member in tar:
+                name = member.name
+                parts = [p for p in name.replace("\\", "/").split("/") if p not in ("", ".")]
+                if name.startswith(("/", "\\")) or ".." in parts or re.match(r"^[A-Za-z]:", name):
+                    raise UploadRejected(f"archive member {name!r} escapes the adapter directory")
+                if member.issym() or member.islnk():
+                    raise UploadRejected(f"archive member {name!r} is a link")
+                if member.isdir():
+                    continue
+                if not member.isfile():
+                    raise UploadRejected(f"archive member {name!r} is not a regular file")
+                if len(parts) > 2:
+                    raise UploadRejected(f"archive member {name!r} is nested too deep")
+                base = parts[-1]
+                if base not in (CONFIG_FILE, WEIGHTS_FILE):
+                    continue
+                if member.size > max_bytes:
+                    raise UploadRejected(f"archive member {name!r} is {member.size} bytes, over "
+                                         f"the {max_bytes}-byte limit", status=413)
+                handle = tar.extractfile(member)
+                assert handle is not None
+                if base == CONFIG_FILE:
+                    config = handle.read(MAX_CONFIG_BYTES + 1)
+                else:
+                    spool = tempfile.SpooledTemporaryFile(max_size=8 * CHUNK_BYTES)  # noqa: SIM115 (returned)
+                    while chunk := handle.read(CHUNK_BYTES):
+                        spool.write(chunk)
+                    size = spool.tell()
+                    spool.seek(0)
+                    weights = spool
+    except (tarfile.TarError, EOFError, OSError, ValueError) as exc:
+        raise UploadRejected(f"archive is not a valid .tar.gz: {exc}") from exc
+    if config is None or weights is None:
+        raise UploadRejected(f"archive must contain {CONFIG_FILE} and {WEIGHTS_FILE}")
+    return UnpackedAdapter(config, weights, size)

@@ -1,0 +1,229 @@
+"""What the API answers: response models, rendered from folded state or from an event.
+
+A command's answer is rendered from its event (and where it landed), never from the state
+at answer time, so the answer to a retried Idempotency-Key is byte-for-byte the first one.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Generic, TypeVar
+
+from pydantic import BaseModel, Field
+
+from services.contracts.events import (
+    AdapterVersionPublished,
+    BaseModelRegistered,
+    Envelope,
+    SplitEntry,
+    TenantRef,
+    TrafficSplitChanged,
+)
+from services.registry.domain import (
+    Adapter,
+    AdapterVersion,
+    Alias,
+    LogPosition,
+    Purge,
+    rollback_target,
+)
+from services.registry.domain import BaseModel as BaseModelState
+
+T = TypeVar("T")
+
+
+class EventRef(BaseModel):
+    """The event a change produced and where it sits in the log."""
+
+    event_id: str
+    type: str
+    stream: str
+    seq: int
+    topic: str | None = None
+    partition: int | None = None
+    offset: int | None = None
+
+
+def event_ref(envelope: Envelope, position: LogPosition | None) -> EventRef:
+    return EventRef(event_id=str(envelope.event_id), type=envelope.type, stream=envelope.stream,
+                    seq=envelope.seq, topic=position.topic if position else None,
+                    partition=position.partition if position else None,
+                    offset=position.offset if position else None)
+
+
+class Page(BaseModel, Generic[T]):
+    items: list[T]
+    next_cursor: str | None = Field(None, description="Pass as `cursor` for the next page.")
+
+
+class VersionView(BaseModel):
+    adapter_id: str
+    version: int
+    label: str
+    tenant: TenantRef | None
+    owner: str
+    base_model: str
+    base_model_digest: str
+    sha256: str = Field(description="Digest of adapter_model.safetensors (blob name)")
+    config_sha256: str = Field(description="Digest of adapter_config.json (blob name)")
+    size_bytes: int
+    rank: int
+    lora_alpha: float
+    target_modules: list[str]
+    dtype: str
+    qos_tier: str
+    rollback_to: int | None
+    published_at: datetime
+    disabled: bool = False
+    disabled_reason: str = ""
+    active: bool = False
+    event: EventRef | None = None
+
+
+def _version_fields(p: AdapterVersionPublished) -> dict[str, Any]:
+    return p.model_dump(exclude={"idempotency_key"})
+
+
+def published_view(envelope: Envelope, position: LogPosition | None) -> VersionView:
+    """The 201 answer to a publish, as it was at publish time."""
+    assert isinstance(envelope.payload, AdapterVersionPublished)
+    return VersionView(**_version_fields(envelope.payload), tenant=envelope.tenant,
+                       published_at=envelope.occurred_at,
+                       event=event_ref(envelope, position))
+
+
+def version_view(adapter: Adapter, version: AdapterVersion) -> VersionView:
+    p = version.published
+    return VersionView(
+        **_version_fields(p), tenant=adapter.tenant, published_at=version.published_at,
+        disabled=version.disabled, disabled_reason=version.disabled_reason,
+        active=adapter.active_version == p.version,
+        event=EventRef(event_id=version.event_id, type=AdapterVersionPublished.event_type(),
+                       stream=f"adapter/{adapter.adapter_id}", seq=version.seq,
+                       topic=version.position.topic if version.position else None,
+                       partition=version.position.partition if version.position else None,
+                       offset=version.position.offset if version.position else None))
+
+
+class AdapterView(BaseModel):
+    adapter_id: str
+    tenant: TenantRef | None
+    etag: int = Field(description="Stream version; send as If-Match for optimistic concurrency")
+    active_version: int | None
+    latest_version: int
+    versions: int
+    disabled_versions: list[int]
+    rollback_target: int | None = Field(description="Where a rollback without to_version goes")
+
+
+def adapter_view(adapter: Adapter) -> AdapterView:
+    return AdapterView(
+        adapter_id=adapter.adapter_id, tenant=adapter.tenant, etag=adapter.seq,
+        active_version=adapter.active_version, latest_version=adapter.latest_version,
+        versions=len(adapter.versions),
+        disabled_versions=sorted(n for n, v in adapter.versions.items() if v.disabled),
+        rollback_target=rollback_target(adapter))
+
+
+class AdapterChange(BaseModel):
+    """Answer to switch, rollback, disable and enable: the event's fields and position."""
+
+    adapter_id: str
+    type: str
+    version: int | None = None
+    from_version: int | None = None
+    to_version: int | None = None
+    reason: str = ""
+    event: EventRef
+
+
+def change_view(envelope: Envelope, position: LogPosition | None) -> AdapterChange:
+    fields = envelope.payload.model_dump(exclude={"idempotency_key", "alias"})
+    return AdapterChange(**fields, type=envelope.type, event=event_ref(envelope, position))
+
+
+class BaseModelView(BaseModel):
+    name: str
+    digest: str
+    config: dict[str, Any]
+    registered_at: datetime
+    event: EventRef | None = None
+
+
+def base_model_view(model: BaseModelState) -> BaseModelView:
+    return BaseModelView(name=model.name, digest=model.digest, config=model.config,
+                         registered_at=model.registered_at)
+
+
+def base_model_registered_view(envelope: Envelope,
+                               position: LogPosition | None) -> BaseModelView:
+    assert isinstance(envelope.payload, BaseModelRegistered)
+    p = envelope.payload
+    return BaseModelView(name=p.name, digest=p.digest, config=p.config,
+                         registered_at=envelope.occurred_at, event=event_ref(envelope, position))
+
+
+class AliasView(BaseModel):
+    alias: str
+    tenant: TenantRef | None
+    etag: int = Field(description="Stream version; send as If-Match")
+    split: list[SplitEntry]
+    changed_at: datetime
+    event: EventRef | None = None
+
+
+def alias_view(alias: Alias) -> AliasView:
+    return AliasView(alias=alias.alias, tenant=alias.tenant, etag=alias.seq,
+                     split=list(alias.split), changed_at=alias.changed_at)
+
+
+def split_changed_view(envelope: Envelope, position: LogPosition | None) -> AliasView:
+    assert isinstance(envelope.payload, TrafficSplitChanged)
+    return AliasView(alias=envelope.payload.alias, tenant=envelope.tenant, etag=envelope.seq,
+                     split=list(envelope.payload.split), changed_at=envelope.occurred_at,
+                     event=event_ref(envelope, position))
+
+
+class PurgeAckView(BaseModel):
+    worker_id: str
+    acked_at: datetime
+    on_time: bool
+    kv_blocks_freed: int
+    adapters_unloaded: int
+    sequences_aborted: int
+    refcounts_zero: bool
+
+
+class PurgeView(BaseModel):
+    purge_id: str
+    tenant: TenantRef | None
+    requested_at: datetime
+    deadline: datetime
+    deadline_s: float
+    hard: bool
+    status: str = Field(description="met | missed | pending")
+    expected_workers: list[str] = Field(
+        description="Workers with a fresh heartbeat when the purge was requested")
+    acks: list[PurgeAckView]
+    event: EventRef | None = None
+
+
+def purge_view(purge: Purge, now: datetime, event: EventRef | None = None) -> PurgeView:
+    return PurgeView(
+        purge_id=purge.purge_id, tenant=purge.tenant, requested_at=purge.requested_at,
+        deadline=purge.deadline, deadline_s=purge.deadline_s, hard=purge.hard,
+        status=purge.status(now), expected_workers=list(purge.expected_workers),
+        acks=[PurgeAckView(worker_id=a.worker_id, acked_at=a.acked_at,
+                           on_time=a.acked_at <= purge.deadline,
+                           kv_blocks_freed=a.kv_blocks_freed,
+                           adapters_unloaded=a.adapters_unloaded,
+                           sequences_aborted=a.sequences_aborted,
+                           refcounts_zero=a.refcounts_zero)
+              for a in sorted(purge.acks.values(), key=lambda a: a.acked_at)],
+        event=event)
+
+
+class ErrorBody(BaseModel):
+    detail: str
+    code: str
+    tensor: str | None = None
