@@ -15,8 +15,13 @@ from services.config import Settings
 from services.stack.brokers import ApacheKafka
 from tests.conftest import isolated_settings
 from tests.registry.artifacts import build_adapter
-from tests.registry.conftest import RunningRegistry, domain_events, publish, register_base, \
-    registry_settings
+from tests.registry.conftest import (
+    RunningRegistry,
+    domain_events,
+    publish,
+    register_base,
+    registry_settings,
+)
 
 pytestmark = pytest.mark.slow
 

@@ -9,8 +9,13 @@ import pytest
 from services.config import Settings
 from services.registry.domain import RegistryState
 from tests.registry.artifacts import build_adapter
-from tests.registry.conftest import RunningRegistry, domain_events, log_events, publish, \
-    register_base
+from tests.registry.conftest import (
+    RunningRegistry,
+    domain_events,
+    log_events,
+    publish,
+    register_base,
+)
 
 pytestmark = pytest.mark.slow
 
