@@ -96,7 +96,7 @@ class Log:
     def heartbeat(self, worker: str, loaded: list[tuple[str, int]]) -> Envelope:
         return self.add(WorkerHeartbeat(
             worker_id=worker, address=f"{worker}:8781", base_model="tiny-llama",
-            base_model_digest=BASE_DIGEST, free_slots=8 - len(loaded), free_kv_blocks=1000,
+            base_model_digest=BASE_DIGEST, free_slots=max(0, 8 - len(loaded)), free_kv_blocks=1000,
             loaded=[LoadedAdapter(adapter_id=a, version=v, sha256=digest(a, v))
                     for a, v in loaded]), f"worker/{worker}", worker)
 
