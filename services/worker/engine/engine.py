@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer
 
 from .adapter import AdapterFiles
 from .adapter_pool import AdapterPool, AdapterSlotInfo
@@ -93,7 +94,7 @@ class Engine:
         return self.model.digest
 
     @property
-    def tokenizer(self):  # -> tokenizers.Tokenizer | None
+    def tokenizer(self) -> Tokenizer | None:
         return self.model.tokenizer
 
     # -- adapter control surface ---------------------------------------------------------

@@ -72,10 +72,13 @@ def test_mixed_batch_matches_peft_per_adapter(tiny):
     assert eng.stats().steps < len(reqs) * n  # batched, not one request at a time
 
 
-def test_adapter_logits_match_peft(tiny):
+@pytest.mark.parametrize("max_rank", [16, 64, 128])
+def test_adapter_logits_match_peft(tiny, max_rank):
+    """Whatever the slab stacking (q|k|v in one slab, k|v, or none), PEFT's logits."""
     from peft import PeftModel
 
-    eng = make_engine(tiny)
+    eng = make_engine(tiny, max_lora_rank=max_rank)
+    assert len(eng.adapters.groups) == {16: 4, 64: 5, 128: 7}[max_rank]
     for spec in ADAPTERS:
         digest = eng.load_adapter(tiny.adapters[spec.name]).digest
         peft = PeftModel.from_pretrained(copy.deepcopy(tiny.hf), tiny.adapters[spec.name])
