@@ -1,0 +1,155 @@
+"""Exactly-once projection under crashes, and dead letters for bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from confluent_kafka import Producer
+from sqlalchemy import Connection, Engine, text
+
+from services.audit.projector import AuditProjector
+from services.audit.verify import verify_store
+from services.config import Settings
+from tests.audit.conftest import count_events, drain
+from tests.audit.scenario import mixed, produce
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def assert_exactly_once(engine: Engine, produced: list) -> None:
+    """Every produced event stored once, chains gap-free, state rows not doubled."""
+    with engine.connect() as conn:
+        ids = [r[0] for r in conn.execute(text("SELECT event_id FROM events"))]
+        assert len(ids) == len(set(ids)) == len(produced)
+        assert set(ids) == {e.event_id for e in produced}
+        gaps = conn.execute(text(
+            'SELECT topic, "partition", count(*) AS n, max(chain_index) AS last '
+            'FROM events GROUP BY 1, 2')).all()
+        assert all(r.n == r.last + 1 for r in gaps), gaps
+        traces = conn.execute(text("SELECT count(*) FROM request_traces")).scalar_one()
+        expected = sum(len(e.payload.requests) for e in produced if e.type == "RequestServed")
+        assert traces == expected
+        beats = conn.execute(text("SELECT count(*) FROM worker_heartbeats")).scalar_one()
+        assert beats == sum(1 for e in produced if e.type == "WorkerHeartbeat")
+    report = verify_store(engine)
+    assert report.ok, [p.describe() for p in report.problems]
+
+
+def test_failure_between_insert_and_commit_loses_and_duplicates_nothing(
+        audit_settings: Settings, projector: AuditProjector, db_engine: Engine) -> None:
+    produced = list(mixed(1500, seed=3))
+    produce(audit_settings, produced)
+    settings = audit_settings.model_copy(update={"audit_batch_size": 200})
+    crashing = AuditProjector(settings, db_engine)
+    batches = 0
+
+    def explode(conn: Connection) -> None:
+        nonlocal batches
+        batches += 1
+        if batches in (2, 5):  # rows, state, checkpoints and offsets all written: now die
+            assert conn.execute(text("SELECT count(*) FROM events")).scalar_one() > 0
+            raise RuntimeError("injected crash before commit")
+
+    crashing.before_commit = explode
+    failures = 0
+    deadline = time.monotonic() + 60
+    while count_events(db_engine) < len(produced):
+        assert time.monotonic() < deadline
+        try:
+            crashing.project_batch(timeout=0.2)
+        except RuntimeError:
+            failures += 1  # project_batch dropped its consumer; the next call re-seeks
+    crashing.project_batch(timeout=0.2)
+    crashing.close()
+    assert failures == 2
+    assert_exactly_once(db_engine, produced)
+
+
+def _env(settings: Settings) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LORAPLANE_")}
+    for name in ("database_url", "kafka_bootstrap", "adapter_events_topic",
+                 "worker_events_topic", "dead_letter_topic", "state_dir", "audit_batch_size",
+                 "audit_checkpoint_every", "audit_signing_key"):
+        env[f"LORAPLANE_{name.upper()}"] = str(getattr(settings, name))
+    env["LORAPLANE_LOG_LEVEL"] = "WARNING"
+    return env
+
+
+def _serve(settings: Settings) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "audit"],
+                            cwd=REPO, env=_env(settings), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+
+
+def _wait_for(engine: Engine, at_least: int, proc: subprocess.Popen[bytes],
+              timeout_s: float = 90) -> int:
+    deadline = time.monotonic() + timeout_s
+    while (n := count_events(engine)) < at_least:
+        assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+        assert time.monotonic() < deadline, f"stuck at {n} of {at_least}"
+        time.sleep(0.02)
+    return n
+
+
+def test_sigkill_mid_projection_then_restart_gives_every_event_exactly_once(
+        audit_settings: Settings, db_engine: Engine) -> None:
+    produced = list(mixed(6000, seed=11))
+    produce(audit_settings, produced)
+    settings = audit_settings.model_copy(update={"audit_batch_size": 300,
+                                                "audit_checkpoint_every": 100})
+    kills = []
+    for target in (900, 3000):
+        proc = _serve(settings)
+        seen = _wait_for(db_engine, target, proc)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        kills.append((seen, count_events(db_engine)))
+    proc = _serve(settings)
+    try:
+        _wait_for(db_engine, len(produced), proc)
+        time.sleep(0.5)  # let it poll past the end: nothing more may appear
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
+    assert all(stored < len(produced) for _, stored in kills), kills
+    assert count_events(db_engine) == len(produced)
+    assert_exactly_once(db_engine, produced)
+
+
+def test_invalid_records_are_dead_lettered_with_the_reason_and_projection_goes_on(
+        audit_settings: Settings, projector: AuditProjector, db_engine: Engine) -> None:
+    good = list(mixed(40, seed=5))
+    raw = Producer({"bootstrap.servers": audit_settings.kafka_bootstrap})
+    topic = audit_settings.adapter_events_topic
+    unknown = good[0].to_json() | {"type": "AdapterTeleported"}
+    bad_schema = good[0].to_json()
+    bad_schema["payload"]["version"] = 0
+    for value in (b"{not json", json.dumps(unknown).encode(), json.dumps(bad_schema).encode()):
+        raw.produce(topic, key=b"adapter/x", value=value, partition=0)
+    raw.flush(10)
+    produce(audit_settings, good)
+    drain(projector, len(good))
+    for value in (b"[1, 2]",):  # and one more after the first batches: a later batch
+        raw.produce(topic, key=b"adapter/x", value=value, partition=1)
+    raw.flush(10)
+    projector.project_batch(timeout=1.0)
+    projector.project_batch(timeout=0.5)
+    with db_engine.connect() as conn:
+        letters = conn.execute(text(
+            'SELECT "partition", "offset", reason FROM dead_letters ORDER BY id')).all()
+    reasons = [r.reason for r in letters]
+    assert len(letters) == 4, reasons
+    assert "not JSON" in reasons[0]
+    assert "unknown event type 'AdapterTeleported'" in reasons[1]
+    assert "payload.version" in reasons[2]
+    assert "JSON object" in reasons[3]
+    assert_exactly_once(db_engine, good)
