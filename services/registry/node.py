@@ -114,11 +114,15 @@ class RegistryNode:
         self.metrics.ready.set(0)
 
     def _new_producer(self) -> EventProducer:
+        # A transaction begun right after the previous commit can meet CONCURRENT_TRANSACTIONS
+        # until the broker has written the commit markers; librdkafka then retries after
+        # retry.backoff.ms (default 100 ms). A short backoff keeps that retry cheap.
         timeout = self.settings.registry_write_timeout_s
         return EventProducer(
             self.settings, transactional_id=self.settings.registry_transactional_id,
             client_id=self.registry_id, timeout_s=timeout,
-            **{"message.timeout.ms": int(timeout * 1000)})
+            **{"message.timeout.ms": int(timeout * 1000), "retry.backoff.ms": 5,
+               "retry.backoff.max.ms": 100})
 
     def _open(self) -> EventConsumer:
         """Fence any older instance, then fold everything before a barrier of our own."""
@@ -160,7 +164,12 @@ class RegistryNode:
         try:
             while not self._stop.is_set():
                 try:
-                    for record in consumer.poll(timeout=0.1):
+                    # consume() waits its whole timeout unless the batch fills, so wait for
+                    # one record (a command is waiting on it), then drain without waiting.
+                    records = consumer.poll(timeout=0.1, max_records=1)
+                    if records:
+                        records += consumer.poll(timeout=0, max_records=500)
+                    for record in records:
                         self._fold(record)
                     self._sync_positions(consumer)
                 except Exception as exc:

@@ -24,7 +24,7 @@ from services.stack.brokers import EmbeddedBroker, embedded_broker
 from services.stack.postgres import LocalPostgres
 from services.stack.process import ChildProcess
 
-SERVICES: dict[str, str] = {"audit": "audit projector"}
+SERVICES: dict[str, str] = {"audit": "audit projector", "registry": "registry (REST)"}
 """Services `up` starts, by `loraplane serve` name; more join as they are built."""
 
 
@@ -43,7 +43,7 @@ class Endpoint:
 @dataclass
 class Stack:
     settings: Settings
-    services: Sequence[str] = ("audit",)
+    services: Sequence[str] = ("audit", "registry")
     state_dir: Path | None = None
     endpoints: list[Endpoint] = field(default_factory=list)
     _broker: EmbeddedBroker | None = None
@@ -121,7 +121,10 @@ class Stack:
             child = ChildProcess(name, [sys.executable, "-m", "services.cli", "serve", name],
                                  self.root / "logs" / f"{name}.log", env=env)
             self._children.append(child)
-            self.endpoints.append(Endpoint(name, f"pid {child.pid}", True, SERVICES[name]))
+            where, detail = f"pid {child.pid}", SERVICES[name]
+            if name == "registry":
+                where, detail = settings.registry_base_url, f"{detail}, pid {child.pid}"
+            self.endpoints.append(Endpoint(name, where, True, detail))
         time.sleep(0.5)
         for child in self._children:
             if not child.alive():
