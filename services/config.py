@@ -71,8 +71,8 @@ class Settings(BaseSettings):
     lease_ttl_s: float = Field(5.0, gt=0)
     registry_write_timeout_s: float = Field(
         10.0, gt=0, description="How long a registry write waits on the broker before 503.")
-    blob_dir: Path = Field(
-        Path(".loraplane/blobs"), description="Content-addressed blob store (sha256/ab/abcd…)."
+    blob_dir: Path | None = Field(
+        None, description="Content-addressed blob store (sha256/ab/abcd…); default STATE_DIR/blobs."
     )
     max_upload_bytes: int = Field(512 * 1024 * 1024, ge=1)
     max_lora_rank: int = Field(128, ge=1)
@@ -104,6 +104,10 @@ class Settings(BaseSettings):
     @property
     def registry_base_url(self) -> str:
         return self.registry_url or f"http://{self.registry_host}:{self.registry_port}"
+
+    @property
+    def blob_root(self) -> Path:
+        return self.blob_dir or self.state_dir / "blobs"
 
     @property
     def topics(self) -> tuple[str, str]:

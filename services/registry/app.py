@@ -124,7 +124,7 @@ def create_app(settings: Settings, *, registry_id: str | None = None) -> FastAPI
     )
     app.state.settings = settings
     app.state.tokens = TokenBook.from_setting(settings.auth_tokens)
-    app.state.blobs = LocalBlobStore(settings.blob_dir)
+    app.state.blobs = LocalBlobStore(settings.blob_root)
     if not len(app.state.tokens):
         log.warning("no LORAPLANE_AUTH_TOKENS configured: every API call will answer 401")
     for module in (adapters, base_models, aliases, purges, blobs, health):

@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
+import secrets
 import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
+
+import httpx
 
 from services.config import Settings
 from services.eventlog.topics import ensure_topics
@@ -108,6 +112,9 @@ class Stack:
             updates["database_url"] = self._postgres.url
             self.endpoints.append(Endpoint("postgres", self._postgres.url, True,
                                            self._postgres.version))
+        updates["state_dir"] = self.root
+        if "registry" in self.services and not settings.auth_tokens:
+            updates["auth_tokens"] = self._dev_admin_token()
         settings = self.settings = settings.model_copy(update=updates)
         from services.audit.db import upgrade
 
@@ -125,13 +132,44 @@ class Stack:
             if name == "registry":
                 where, detail = settings.registry_base_url, f"{detail}, pid {child.pid}"
             self.endpoints.append(Endpoint(name, where, True, detail))
-        time.sleep(0.5)
-        for child in self._children:
-            if not child.alive():
-                raise RuntimeError(f"service {child.name} exited at start:\n{child.log_tail()}")
+        self._wait_ready(settings)
         (self.root / "endpoints.json").write_text(json.dumps(
             [e.__dict__ for e in self.endpoints], indent=2))
         return settings
+
+    def _dev_admin_token(self) -> str:
+        """A local stack gets one admin token, kept in STATE_DIR/admin.token (mode 0600).
+
+        Without it the registry would answer 401 to everything; production configures
+        LORAPLANE_AUTH_TOKENS explicitly and `up` then generates nothing.
+        """
+        path = self.root / "admin.token"
+        if not path.exists():
+            path.touch(mode=0o600)
+            path.write_text(secrets.token_urlsafe(32))
+        token = path.read_text().strip()
+        self.endpoints.append(Endpoint("admin token", str(path), True,
+                                       "Authorization: Bearer $(cat …)"))
+        return json.dumps([{"sha256": hashlib.sha256(token.encode()).hexdigest(),
+                            "role": "admin"}])
+
+    def _wait_ready(self, settings: Settings, timeout_s: float = 90.0) -> None:
+        """Services are up when they say so (the registry once it replayed the log)."""
+        deadline = time.monotonic() + timeout_s
+        pending = {child.name for child in self._children}
+        while pending:
+            problem = self.check_children()
+            if problem:
+                raise RuntimeError(problem)
+            if "registry" in pending:
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(f"{settings.registry_base_url}/readyz", timeout=1).is_success:
+                        pending.discard("registry")
+            pending.discard("audit")  # ready once running: it seeks to stored offsets
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"not ready after {timeout_s:.0f}s: {', '.join(pending)}")
+            if pending:
+                time.sleep(0.3)
 
     def check_children(self) -> str | None:
         for child in self._children:

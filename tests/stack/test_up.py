@@ -14,6 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from services.stack.process import free_port
 from tests.conftest import CACHE, REPO, service_dir
 
 pytestmark = pytest.mark.slow
@@ -28,7 +29,8 @@ def scratch() -> Iterator[Path]:
 def _env(state: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("LORAPLANE_")}
     env.update({"LORAPLANE_STATE_DIR": str(state), "LORAPLANE_CACHE_DIR": str(CACHE),
-                "LORAPLANE_TOPIC_PARTITIONS": "2", "COLUMNS": "200", **extra})
+                "LORAPLANE_TOPIC_PARTITIONS": "2", "COLUMNS": "200",
+                "LORAPLANE_REGISTRY_PORT": str(free_port()), **extra})
     return env
 
 
