@@ -5,15 +5,6 @@ One slab per (layer, projection) holds every resident adapter zero-padded to `ma
 index per token to the multi-LoRA kernels. Slots are keyed by content digest, never by
 adapter name: a same-name reload is a different digest and gets a different key, so
 nothing cached under the old version can be served for the new one.
-
-Projections that read the same input share a slab (q|k|v, gate|up) as far as the kernels'
-widest rank allows: their A matrices are stacked along the rank axis and their B matrices
-placed block-diagonally, so one kernel call adds all of them into the fused base output.
-On the CPU path, whose cost is per call and per distinct adapter, that is 5 calls per
-layer instead of 7 at max_rank 64 (4 at max_rank <= 42); the price is multiplying the
-(small) expand by zeros off the diagonal. PEFT gives every module of an
-adapter the same rank and scale (rank/alpha patterns are refused), which is what makes
-one scale per slot valid for the stacked slab.
 """
 
 from __future__ import annotations
@@ -24,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from .adapter import AdapterFiles, LoraAdapter, module_shape, parse_adapter
+from .adapter import TARGET_MODULES, AdapterFiles, LoraAdapter, module_shape, parse_adapter
 from .config import ModelConfig
 from .errors import AdapterError, AdapterNotLoadedError, AdapterPoolFullError
 from .lora_ops import Segments, lora_apply
@@ -43,58 +34,10 @@ class AdapterSlotInfo:
     num_parameters: int
 
 
-SHARED_INPUT_FAMILIES: tuple[tuple[str, ...], ...] = (
-    ("q_proj", "k_proj", "v_proj"),
-    ("o_proj",),
-    ("gate_proj", "up_proj"),
-    ("down_proj",),
-)
-"""Projections that read the same input, in the fused base output's column order."""
-
-KERNEL_MAX_STACK_RANK = 128
-"""Widest slab rank the multi-LoRA kernels accept; stacking never exceeds it."""
-
-
-@dataclass(frozen=True)
-class SlabGroup:
-    """Projections stacked into one slab, adding into `[out_offset, out_offset + out)`."""
-
-    name: str
-    modules: tuple[str, ...]
-    family: int
-    """Index into the forward's fused outputs: 0 qkv, 1 o, 2 gate|up, 3 down."""
-    out_offset: int
-    module_offsets: tuple[int, ...]
-    """Column offset of each module inside the group's output range."""
-
-
-def slab_groups(cfg: ModelConfig, max_rank: int,
-                max_stack_rank: int = KERNEL_MAX_STACK_RANK) -> tuple[SlabGroup, ...]:
-    """Chunk each shared-input family into groups no wider than the kernels allow."""
-    per_group = max(1, max_stack_rank // max_rank)
-    groups = []
-    for fi, family in enumerate(SHARED_INPUT_FAMILIES):
-        outs = [module_shape(cfg, m)[1] for m in family]
-        starts = [sum(outs[:i]) for i in range(len(family))]
-        # chunk from the end so a lone leftover is the first (q) projection
-        bounds = [*range(len(family), 0, -per_group), 0]
-        for lo, hi in reversed(list(zip(bounds[1:], bounds[:-1], strict=True))):
-            mods = family[lo:hi]
-            groups.append(SlabGroup(
-                name="+".join(mods),
-                modules=mods,
-                family=fi,
-                out_offset=starts[lo],
-                module_offsets=tuple(starts[i] - starts[lo] for i in range(lo, hi)),
-            ))
-    return tuple(groups)
-
-
 @dataclass
 class _Slab:
-    a: torch.Tensor  # [slots, max_rank * len(modules), in]
-    b: torch.Tensor  # [slots, sum(out of modules), max_rank * len(modules)]
-    group: SlabGroup
+    a: torch.Tensor  # [slots, max_rank, in]
+    b: torch.Tensor  # [slots, out, max_rank]
     ranks: torch.Tensor  # [slots] int32; 0 = slot does not adapt this module
     scales: torch.Tensor  # [slots] float32
 
@@ -120,12 +63,7 @@ class AdapterPool:
         self.max_rank = max_rank
         self.dtype = dtype
         elem = torch.empty((), dtype=dtype).element_size()
-        self.groups = slab_groups(cfg, max_rank)
-        per_layer = sum(
-            max_rank * len(g.modules) * (module_shape(cfg, g.modules[0])[0]
-                                         + sum(module_shape(cfg, m)[1] for m in g.modules))
-            for g in self.groups
-        )
+        per_layer = sum(max_rank * sum(module_shape(cfg, m)) for m in TARGET_MODULES)
         self.bytes_per_slot = per_layer * cfg.num_hidden_layers * elem
         if num_slots is None:
             if byte_budget is None:
@@ -139,14 +77,11 @@ class AdapterPool:
         self.slabs: list[dict[str, _Slab]] = []
         for _ in range(cfg.num_hidden_layers):
             layer: dict[str, _Slab] = {}
-            for g in self.groups:
-                fin = module_shape(cfg, g.modules[0])[0]
-                out = sum(module_shape(cfg, m)[1] for m in g.modules)
-                width = max_rank * len(g.modules)
-                layer[g.name] = _Slab(
-                    a=torch.zeros(self.num_slots, width, fin, dtype=dtype),
-                    b=torch.zeros(self.num_slots, out, width, dtype=dtype),
-                    group=g,
+            for m in TARGET_MODULES:
+                fin, fout = module_shape(cfg, m)
+                layer[m] = _Slab(
+                    a=torch.zeros(self.num_slots, max_rank, fin, dtype=dtype),
+                    b=torch.zeros(self.num_slots, fout, max_rank, dtype=dtype),
                     ranks=torch.zeros(self.num_slots, dtype=torch.int32),
                     scales=torch.zeros(self.num_slots, dtype=torch.float32),
                 )
@@ -273,25 +208,22 @@ class AdapterPool:
     def apply(
         self,
         layer: int,
-        family: int,
+        module: str,
         y: torch.Tensor,
         x: torch.Tensor,
         indices: torch.Tensor,
         segments: Segments | None,
-        slots: tuple[int, ...],
+        out_offset: int = 0,
     ) -> None:
-        """Add every token's adapter deltas for one shared-input family into its fused `y`.
+        """Add every token's adapter delta for one projection into `y` in place."""
+        s = self.slabs[layer][module]
+        lora_apply(y, x, s.a, s.b, s.ranks, s.scales, indices, out_offset=out_offset,
+                   segments=segments)
 
-        `family` indexes SHARED_INPUT_FAMILIES; `slots` are the distinct slots in the
-        batch, and a group's kernel call is skipped when none of them adapts it here.
-        """
-        for s in self.slabs[layer].values():
-            if s.group.family != family:
-                continue
-            if not any(int(s.ranks[i]) > 0 for i in slots if i >= 0):
-                continue
-            lora_apply(y, x, s.a, s.b, s.ranks, s.scales, indices,
-                       out_offset=s.group.out_offset, segments=segments)
+    def layer_has_lora(self, layer: int, module: str, slots: list[int]) -> bool:
+        """Skip the kernel call when no adapter in the batch adapts this projection."""
+        ranks = self.slabs[layer][module].ranks
+        return any(int(ranks[s]) > 0 for s in slots if s >= 0)
 
     # -- internals --------------------------------------------------------------------------
 
@@ -310,20 +242,13 @@ class AdapterPool:
         )
 
     def _write(self, slot: int, adapter: LoraAdapter) -> None:
-        """Stack the adapted projections of each group: A rows and B's diagonal blocks."""
-        for li, layer in enumerate(self.slabs):
-            for s in layer.values():
-                row = 0
-                for module, off in zip(s.group.modules, s.group.module_offsets, strict=True):
-                    w = adapter.weights.get((li, module))
-                    if w is None:
-                        continue
-                    r = w.rank
-                    s.a[slot, row : row + r].copy_(w.a)
-                    s.b[slot, off : off + w.b.shape[0], row : row + r].copy_(w.b)
-                    s.scales[slot] = w.scale
-                    row += r
-                s.ranks[slot] = row
+        for (layer, module), w in adapter.weights.items():
+            s = self.slabs[layer][module]
+            r = w.rank
+            s.a[slot, :r].copy_(w.a)
+            s.b[slot, :, :r].copy_(w.b)
+            s.ranks[slot] = r
+            s.scales[slot] = w.scale
 
     def _clear(self, slot: int) -> None:
         for layer in self.slabs:

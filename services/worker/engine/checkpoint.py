@@ -14,7 +14,6 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from tokenizers import Tokenizer
 
 from .config import ModelConfig
 from .errors import CheckpointError
@@ -127,8 +126,10 @@ def load_checkpoint(model_dir: str | Path, dtype: str | torch.dtype = "float32")
     return Checkpoint(config=cfg, tensors=tensors, digest="sha256:" + digest.hexdigest())
 
 
-def load_tokenizer(model_dir: str | Path) -> Tokenizer | None:
+def load_tokenizer(model_dir: str | Path):  # -> tokenizers.Tokenizer | None
     """Load `tokenizer.json` with the `tokenizers` library; None when the file is absent."""
+    from tokenizers import Tokenizer
+
     file = Path(model_dir) / "tokenizer.json"
     if not file.is_file():
         return None

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer
 
 from .adapter import AdapterFiles
 from .adapter_pool import AdapterPool, AdapterSlotInfo
@@ -94,7 +93,7 @@ class Engine:
         return self.model.digest
 
     @property
-    def tokenizer(self) -> Tokenizer | None:
+    def tokenizer(self):  # -> tokenizers.Tokenizer | None
         return self.model.tokenizer
 
     # -- adapter control surface ---------------------------------------------------------

@@ -2,8 +2,8 @@
 
 All tokens of a step (prefill chunks and decodes of many sequences, many adapters) go
 through each projection as one [T, hidden] matmul; q|k|v and gate|up are fused so the
-base model costs three matmuls fewer per layer, and the multi-LoRA kernels add every
-token's adapter delta straight into the fused outputs (one call per projection group).
+base model costs two matmuls fewer per layer, and LoRA deltas are added into the fused
+outputs at column offsets by the multi-LoRA kernels.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tokenizers import Tokenizer
 
 from .adapter_pool import AdapterPool
 from .attention import AttentionMetadata, paged_attention
@@ -64,7 +63,7 @@ class LlamaModel:
         cfg: ModelConfig,
         tensors: dict[str, torch.Tensor],
         digest: str,
-        tokenizer: Tokenizer | None = None,
+        tokenizer: object | None = None,
     ) -> None:
         self.cfg = cfg
         self.digest = digest
@@ -108,18 +107,22 @@ class LlamaModel:
         qs, ks = cfg.q_size, cfg.kv_size
         inter = cfg.intermediate_size
         cos, sin = self.rope.cos_sin(batch.positions, batch.seq_lens, self.dtype)
-        pool = adapters if batch.lora_slots and batch.lora_indices is not None else None
-        idx, seg, slots = batch.lora_indices, batch.lora_segments, batch.lora_slots
+        use_lora = adapters is not None and bool(batch.lora_slots) and (
+            batch.lora_indices is not None
+        )
+        idx, seg, slots = batch.lora_indices, batch.lora_segments, list(batch.lora_slots)
 
-        def lora(layer: int, family: int, y: torch.Tensor, x: torch.Tensor) -> None:
-            if pool is not None and idx is not None:
-                pool.apply(layer, family, y, x, idx, seg, slots)
+        def lora(layer: int, module: str, y: torch.Tensor, x: torch.Tensor, off: int = 0) -> None:
+            if use_lora and adapters.layer_has_lora(layer, module, slots):  # type: ignore[union-attr]
+                adapters.apply(layer, module, y, x, idx, seg, off)  # type: ignore[union-attr,arg-type]
 
         h = self.embed[batch.input_ids]
         for li, w in enumerate(self.layers):
             x = rms_norm(h, w.input_norm, cfg.rms_norm_eps)
             qkv = F.linear(x, w.qkv)
-            lora(li, 0, qkv, x)
+            lora(li, "q_proj", qkv, x, 0)
+            lora(li, "k_proj", qkv, x, qs)
+            lora(li, "v_proj", qkv, x, qs + ks)
             q = qkv[:, :qs].view(t, cfg.num_attention_heads, cfg.head_dim)
             k = qkv[:, qs : qs + ks].view(t, cfg.num_key_value_heads, cfg.head_dim)
             v = qkv[:, qs + ks :].view(t, cfg.num_key_value_heads, cfg.head_dim)
@@ -129,14 +132,15 @@ class LlamaModel:
             attn = paged_attention(q, k, v, kv.k[li], kv.v[li], batch.attention, self.scale)
             attn = attn.reshape(t, qs)
             o = F.linear(attn, w.o)
-            lora(li, 1, o, attn)
+            lora(li, "o_proj", o, attn)
             h = h + o
             x = rms_norm(h, w.post_norm, cfg.rms_norm_eps)
             gu = F.linear(x, w.gate_up)
-            lora(li, 2, gu, x)
+            lora(li, "gate_proj", gu, x, 0)
+            lora(li, "up_proj", gu, x, inter)
             act = F.silu(gu[:, :inter]) * gu[:, inter:]
             d = F.linear(act, w.down)
-            lora(li, 3, d, act)
+            lora(li, "down_proj", d, act)
             h = h + d
         last = rms_norm(h[batch.logits_rows], self.norm, cfg.rms_norm_eps)
         return F.linear(last, self.lm_head).float()

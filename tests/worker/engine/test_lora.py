@@ -72,13 +72,10 @@ def test_mixed_batch_matches_peft_per_adapter(tiny):
     assert eng.stats().steps < len(reqs) * n  # batched, not one request at a time
 
 
-@pytest.mark.parametrize("max_rank", [16, 64, 128])
-def test_adapter_logits_match_peft(tiny, max_rank):
-    """Whatever the slab stacking (q|k|v in one slab, k|v, or none), PEFT's logits."""
+def test_adapter_logits_match_peft(tiny):
     from peft import PeftModel
 
-    eng = make_engine(tiny, max_lora_rank=max_rank)
-    assert len(eng.adapters.groups) == {16: 4, 64: 5, 128: 7}[max_rank]
+    eng = make_engine(tiny)
     for spec in ADAPTERS:
         digest = eng.load_adapter(tiny.adapters[spec.name]).digest
         peft = PeftModel.from_pretrained(copy.deepcopy(tiny.hf), tiny.adapters[spec.name])
