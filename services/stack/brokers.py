@@ -169,10 +169,11 @@ class ApacheKafka:
         jars = kafka_jars(self.settings)
         config = self._write_config()
         if not (self.data_dir / "log" / "meta.properties").exists():
+            # May start with "-": passed as --cluster-id=ID so it is never read as an option.
             cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
             result = subprocess.run(
                 self._java(jars, "kafka.tools.StorageTool", "format", "--standalone",
-                           "--cluster-id", cluster_id, "-c", str(config)),
+                           f"--cluster-id={cluster_id}", "-c", str(config)),
                 capture_output=True, text=True, check=False)
             if result.returncode != 0:
                 raise BrokerError(
