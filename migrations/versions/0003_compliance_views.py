@@ -123,7 +123,9 @@ CREATE VIEW rollback_candidates AS
 SELECT a.adapter_id, a.active_version, cur.sha256 AS active_sha256,
        c.version AS candidate_version, c.label AS candidate_label,
        c.sha256 AS candidate_sha256, c.last_activated_at AS candidate_last_active_at,
-       cur.rollback_to AS declared_rollback_to
+       cur.rollback_to AS declared_rollback_to,
+       CASE WHEN decl.version IS NOT NULL THEN decl.version ELSE c.version END
+           AS rollback_target
 FROM adapters a
 LEFT JOIN adapter_versions cur
        ON cur.adapter_id = a.adapter_id AND cur.version = a.active_version
@@ -137,6 +139,9 @@ LEFT JOIN LATERAL (
     ORDER BY v.version DESC
     LIMIT 1
 ) c ON true
+LEFT JOIN adapter_versions decl
+       ON decl.adapter_id = a.adapter_id AND decl.version = cur.rollback_to
+      AND decl.version <> a.active_version AND NOT decl.disabled
 WHERE a.active_version IS NOT NULL
 """
 
@@ -156,8 +161,10 @@ COMMENTS = {
     "the highest that was active at some point (it was the to_version of an "
     "AdapterVersionSwitched or AdapterRolledBack event) and is not disabled now (its last "
     "disable/enable event is not a disable). NULL when there is none. "
-    "declared_rollback_to is the active version's rollback_to from its publish event, "
-    "shown for reference; it is not the default.",
+    "declared_rollback_to is the active version's rollback_to from its publish event. "
+    "rollback_target is where the registry's default rollback goes: declared_rollback_to "
+    "when that version exists, is not the active one and is not disabled, else "
+    "candidate_version.",
 }
 
 

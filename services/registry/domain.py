@@ -21,8 +21,9 @@ Rollback target ("previous stable version"), computed by `rollback_target`:
   1. if the current active version declared `rollback_to` at publish time, and that
      version exists and is not disabled, that version;
   2. otherwise the highest-numbered version below the current active version that is
-     *stable*: it has been active at some point (the adapter's active version, or the
-     sole entry at weight 100 of some alias split) and it is not disabled now.
+     *stable*: it has been the adapter's active version at some point (switched to, or
+     rolled back to) and it is not disabled now. Alias splits, canaries included, do not
+     make a version stable: finishing a canary is an explicit switch.
   No such version → the rollback is refused (409). `rollback_candidates` lists rule 2's
   candidates, best first; the audit projection's SQL view of the same name must agree.
 """
@@ -247,11 +248,6 @@ class RegistryState:
         elif isinstance(p, TrafficSplitChanged):
             self.aliases[p.alias] = Alias(p.alias, envelope.tenant, envelope.seq,
                                           tuple(p.split), at)
-            if len(p.split) == 1 and p.split[0].weight == 100:
-                entry = p.split[0]
-                adapter = self.adapters.get(entry.adapter_id)
-                if adapter is not None and entry.version in adapter.versions:
-                    adapter.versions[entry.version].ever_active = True
         elif isinstance(p, TenantPurgeRequested):
             self.tenant_seqs[envelope.stream] = envelope.seq
             self.purges[p.purge_id] = Purge(p.purge_id, envelope.tenant, p.deadline_s, p.hard,

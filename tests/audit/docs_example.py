@@ -33,7 +33,7 @@ FROM served_by WHERE tenant_org = 'acme' ORDER BY started_at, request_id""",
        status
 FROM purge_proofs ORDER BY requested_at""",
     "rollback_candidates": """SELECT adapter_id, active_version, candidate_version, candidate_label,
-       left(candidate_sha256, 12) AS candidate_sha, declared_rollback_to
+       left(candidate_sha256, 12) AS candidate_sha, declared_rollback_to, rollback_target
 FROM rollback_candidates ORDER BY adapter_id""",
 }
 
