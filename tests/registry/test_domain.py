@@ -84,12 +84,13 @@ def test_publish_numbers_versions_and_refuses_duplicates() -> None:
 def test_rollback_goes_to_previous_stable_version() -> None:
     state = with_versions(4)
     commit(state, switch_active(state, "bot", 1))
-    # v2 only ever had 5% of an alias: not stable; v3 reached 100% of an alias: stable
+    # splits never make a version stable, not even 100% of an alias: only a switch does
     commit(state, set_split(state, "prod", [SplitEntry(adapter_id="bot", version=2, weight=5),
                                             SplitEntry(adapter_id="bot", version=1,
                                                        weight=95)]))
-    commit(state, set_split(state, "prod", [SplitEntry(adapter_id="bot", version=3,
+    commit(state, set_split(state, "prod", [SplitEntry(adapter_id="bot", version=2,
                                                        weight=100)]))
+    commit(state, switch_active(state, "bot", 3))
     commit(state, switch_active(state, "bot", 4))
     bot = state.adapter("bot")
     assert rollback_candidates(bot) == [3, 1] and rollback_target(bot) == 3
