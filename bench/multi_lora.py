@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import tempfile
@@ -39,6 +40,9 @@ ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 TARGET_SETS = (ATTN, MLP, ATTN + MLP, ("q_proj", "v_proj", "down_proj"))
 RANKS = (8, 16, 32, 64)
+LOADS: list[float] = []
+"""1-minute load average after each timed run: the machine may be shared, and a load above
+the thread count means the timings include waiting for a CPU."""
 
 
 def build_base(path: Path, seed: int):
@@ -121,6 +125,7 @@ def run_peft(base, adapter_dirs, workload):
                              max_new_tokens=new, min_new_tokens=new, do_sample=False,
                              use_cache=True, pad_token_id=0)
         elapsed = time.perf_counter() - t0
+    LOADS.append(os.getloadavg()[0])
     tokens = [out[row, width: width + r["max_tokens"]].tolist() for row, r in enumerate(workload)]
     return tokens, elapsed
 
@@ -141,6 +146,7 @@ def run_engine(base_dir, adapter_dirs, workload, one_adapter: bool):
     t0 = time.perf_counter()
     results = eng.generate(reqs)
     elapsed = time.perf_counter() - t0
+    LOADS.append(os.getloadavg()[0])
     stats = eng.stats()
     return [r.token_ids for r in results], elapsed, stats, eng.adapters.padding_fraction()
 
@@ -196,6 +202,7 @@ def main() -> None:
         "one_adapter_vs_32_adapters": round(mixing_cost, 3), "target_one_adapter_max": 1.25,
         "requests_identical_to_peft": round(agree, 4),
         "tokens_identical_to_peft": round(tok_agree, 4),
+        "load_avg_after_runs": {"engine_32": LOADS[0], "engine_1": LOADS[1], "peft": LOADS[2]},
         "engine_steps": stats.steps, "adapter_padding_fraction": round(padding, 4),
     }
     print(f"speedup vs PEFT: {speedup:.2f}x (target >= 3x); one adapter vs {args.adapters}: "

@@ -40,6 +40,7 @@ class _Slab:
     b: torch.Tensor  # [slots, out, max_rank]
     ranks: torch.Tensor  # [slots] int32; 0 = slot does not adapt this module
     scales: torch.Tensor  # [slots] float32
+    host_ranks: list[int]  # host copy of `ranks`: no device sync to decide skipping a call
 
 
 class AdapterPool:
@@ -58,6 +59,7 @@ class AdapterPool:
         num_slots: int | None = None,
         byte_budget: int | None = None,
         dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
     ) -> None:
         self.cfg = cfg
         self.max_rank = max_rank
@@ -80,10 +82,11 @@ class AdapterPool:
             for m in TARGET_MODULES:
                 fin, fout = module_shape(cfg, m)
                 layer[m] = _Slab(
-                    a=torch.zeros(self.num_slots, max_rank, fin, dtype=dtype),
-                    b=torch.zeros(self.num_slots, fout, max_rank, dtype=dtype),
-                    ranks=torch.zeros(self.num_slots, dtype=torch.int32),
-                    scales=torch.zeros(self.num_slots, dtype=torch.float32),
+                    a=torch.zeros(self.num_slots, max_rank, fin, dtype=dtype, device=device),
+                    b=torch.zeros(self.num_slots, fout, max_rank, dtype=dtype, device=device),
+                    ranks=torch.zeros(self.num_slots, dtype=torch.int32, device=device),
+                    scales=torch.zeros(self.num_slots, dtype=torch.float32, device=device),
+                    host_ranks=[0] * self.num_slots,
                 )
             self.slabs.append(layer)
         self._by_digest: OrderedDict[str, int] = OrderedDict()  # LRU order, oldest first
@@ -222,8 +225,8 @@ class AdapterPool:
 
     def layer_has_lora(self, layer: int, module: str, slots: list[int]) -> bool:
         """Skip the kernel call when no adapter in the batch adapts this projection."""
-        ranks = self.slabs[layer][module].ranks
-        return any(int(ranks[s]) > 0 for s in slots if s >= 0)
+        ranks = self.slabs[layer][module].host_ranks
+        return any(ranks[s] > 0 for s in slots if s >= 0)
 
     # -- internals --------------------------------------------------------------------------
 
@@ -248,6 +251,7 @@ class AdapterPool:
             s.a[slot, :r].copy_(w.a)
             s.b[slot, :, :r].copy_(w.b)
             s.ranks[slot] = r
+            s.host_ranks[slot] = r
             s.scales[slot] = w.scale
 
     def _clear(self, slot: int) -> None:
@@ -256,4 +260,5 @@ class AdapterPool:
                 s.a[slot].zero_()
                 s.b[slot].zero_()
                 s.ranks[slot] = 0
+                s.host_ranks[slot] = 0
                 s.scales[slot] = 0.0

@@ -64,6 +64,21 @@ class AttentionMetadata:
         self.decode_slots = slots[:, :lmax].contiguous()
         self.decode_mask = mask[:, None, None, :]
 
+    def to(self, device: torch.device) -> AttentionMetadata:
+        """Move the index and mask tensors next to the KV cache (no-op on CPU)."""
+        if device.type == "cpu":
+            return self
+        for span in self.prefills:
+            if span.ctx_slots is not None:
+                span.ctx_slots = span.ctx_slots.to(device, non_blocking=True)
+            if span.mask is not None:
+                span.mask = span.mask.to(device, non_blocking=True)
+        for name in ("decode_rows", "decode_slots", "decode_mask"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t.to(device, non_blocking=True))
+        return self
+
 
 def paged_attention(
     q: torch.Tensor,

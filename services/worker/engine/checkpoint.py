@@ -92,7 +92,9 @@ class Checkpoint:
     how the checkpoint is sharded, so re-sharding does not invalidate KV."""
 
 
-def load_checkpoint(model_dir: str | Path, dtype: str | torch.dtype = "float32") -> Checkpoint:
+def load_checkpoint(
+    model_dir: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu"
+) -> Checkpoint:
     """Load and validate `config.json` and the safetensors weights of a model directory."""
     root = Path(model_dir)
     if not root.is_dir():
@@ -122,7 +124,7 @@ def load_checkpoint(model_dir: str | Path, dtype: str | torch.dtype = "float32")
         t = tensors[name].contiguous()
         digest.update(f"{name}|{t.dtype}|{list(t.shape)}\n".encode())
         digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-        tensors[name] = t.to(target)
+        tensors[name] = t.to(device=device, dtype=target)
     return Checkpoint(config=cfg, tensors=tensors, digest="sha256:" + digest.hexdigest())
 
 

@@ -34,6 +34,8 @@ class EngineConfig:
     """Sizing of the engine's memory and batching."""
 
     dtype: str = "float32"
+    device: str = "cpu"
+    """Where weights, KV cache and adapter slabs live ("cuda" runs the Triton kernels)."""
     block_size: int = 16
     num_kv_blocks: int = 2048
     max_lora_rank: int = 64
@@ -67,7 +69,7 @@ class Engine:
         self.model = model
         mc = model.cfg
         self.kv = KVStorage(mc.num_hidden_layers, cfg.num_kv_blocks, cfg.block_size,
-                            mc.num_key_value_heads, mc.head_dim, model.dtype)
+                            mc.num_key_value_heads, mc.head_dim, model.dtype, model.device)
         self.blocks = BlockPool(cfg.num_kv_blocks, cfg.sharing_policy)
         self.adapters = AdapterPool(
             mc,
@@ -75,6 +77,7 @@ class Engine:
             num_slots=cfg.adapter_slots,
             byte_budget=cfg.adapter_byte_budget,
             dtype=model.dtype,
+            device=model.device,
         )
         self.scheduler = Scheduler(self.blocks, cfg.block_size, cfg.limits, cfg.sharing_policy)
         self._seqs: dict[str, Sequence] = {}
@@ -86,7 +89,7 @@ class Engine:
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, config: EngineConfig | None = None) -> Engine:
         cfg = config or EngineConfig()
-        return cls(LlamaModel.from_pretrained(model_dir, cfg.dtype), cfg)
+        return cls(LlamaModel.from_pretrained(model_dir, cfg.dtype, cfg.device), cfg)
 
     @property
     def base_digest(self) -> str:
@@ -220,7 +223,7 @@ class Engine:
         if not plan:
             return events
         batch = self._build_batch(plan)
-        logits = self.model.forward(batch, self.kv, self.adapters)
+        logits = self.model.forward(batch, self.kv, self.adapters).cpu()
         self.steps += 1
         sampling = [c for c in plan if c.samples]
         eos = self.model.cfg.eos_token_ids
@@ -387,7 +390,7 @@ class Engine:
                 raise RequestError("not enough free KV blocks to score this prompt")
             batch = self._build_batch([ScheduledChunk(seq, len(prompt_ids))])
             batch.logits_rows = torch.arange(len(prompt_ids))
-            return self.model.forward(batch, self.kv, self.adapters)
+            return self.model.forward(batch, self.kv, self.adapters).cpu()
         finally:
             self.scheduler.free_blocks(seq)
             if adapter_digest is not None:

@@ -41,12 +41,13 @@ class KVStorage:
         num_kv_heads: int,
         head_dim: int,
         dtype: torch.dtype,
+        device: str | torch.device = "cpu",
     ) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
         shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype)
-        self.v = torch.zeros(shape, dtype=dtype)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
 
     @property
     def bytes_per_block(self) -> int:

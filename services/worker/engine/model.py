@@ -37,6 +37,28 @@ class ForwardBatch:
     lora_segments: Segments | None = None  # set when the step has prefill (SGMV)
     lora_slots: tuple[int, ...] = ()  # distinct slots >= 0 in the step
 
+    def to(self, device: torch.device) -> ForwardBatch:
+        """Move device-side tensors; positions stay on the host for the rope tables."""
+        if device.type == "cpu":
+            return self
+
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device, non_blocking=True)
+
+        seg = self.lora_segments
+        return ForwardBatch(
+            input_ids=move(self.input_ids),  # type: ignore[arg-type]
+            positions=self.positions,
+            seq_lens=self.seq_lens,
+            slot_mapping=move(self.slot_mapping),  # type: ignore[arg-type]
+            attention=self.attention.to(device),
+            logits_rows=move(self.logits_rows),  # type: ignore[arg-type]
+            lora_indices=move(self.lora_indices),
+            lora_segments=None if seg is None else Segments(
+                move(seg.starts), move(seg.slots)),  # type: ignore[arg-type]
+            lora_slots=self.lora_slots,
+        )
+
 
 @dataclass
 class LayerWeights:
@@ -69,6 +91,7 @@ class LlamaModel:
         self.digest = digest
         self.tokenizer = tokenizer
         self.dtype = tensors["model.embed_tokens.weight"].dtype
+        self.device = tensors["model.embed_tokens.weight"].device
         self.embed = tensors["model.embed_tokens.weight"]
         self.norm = tensors["model.norm.weight"]
         self.lm_head = self.embed if cfg.tie_word_embeddings else tensors["lm_head.weight"]
@@ -91,10 +114,10 @@ class LlamaModel:
         self.scale = cfg.head_dim**-0.5
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path, dtype: str | torch.dtype = "float32"
-                        ) -> LlamaModel:
+    def from_pretrained(cls, model_dir: str | Path, dtype: str | torch.dtype = "float32",
+                        device: str | torch.device = "cpu") -> LlamaModel:
         """Load config, weights (validated, digested) and tokenizer from an HF directory."""
-        ckpt = load_checkpoint(model_dir, dtype)
+        ckpt = load_checkpoint(model_dir, dtype, device)
         return cls(ckpt.config, ckpt.tensors, ckpt.digest, load_tokenizer(model_dir))
 
     @torch.inference_mode()
@@ -106,7 +129,9 @@ class LlamaModel:
         t = batch.input_ids.shape[0]
         qs, ks = cfg.q_size, cfg.kv_size
         inter = cfg.intermediate_size
+        batch = batch.to(self.device)
         cos, sin = self.rope.cos_sin(batch.positions, batch.seq_lens, self.dtype)
+        cos, sin = cos.to(self.device), sin.to(self.device)
         use_lora = adapters is not None and bool(batch.lora_slots) and (
             batch.lora_indices is not None
         )
