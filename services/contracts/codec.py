@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema_rs
+import pydantic_core
 from pydantic import ValidationError
 
 from services.contracts.events import PAYLOAD_TYPES, Envelope
@@ -129,8 +130,8 @@ def decode(value: bytes | None) -> Envelope:
     if value is None:
         raise EventValidationError("?", "", "empty record (tombstone)")
     try:
-        document = json.loads(value)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        document = pydantic_core.from_json(value)  # the Rust parser: ~2x json.loads
+    except ValueError as exc:
         raise EventValidationError("?", "", f"not JSON: {exc}") from exc
     if not isinstance(document, dict):
         raise EventValidationError("?", "", "event must be a JSON object")
