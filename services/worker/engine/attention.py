@@ -33,7 +33,7 @@ class AttentionMetadata:
 
     decode_rows: torch.Tensor | None = None  # [B] rows of decode tokens
     decode_slots: torch.Tensor | None = None  # [B, Lmax] flat slots, padded
-    decode_mask: torch.Tensor | None = None  # [B, 1, 1, Lmax] additive float mask
+    decode_mask: torch.Tensor | None = None  # [1, B, 1, Lmax] additive float mask
     prefills: list[PrefillSpan] = field(default_factory=list)
 
     def finalize(
@@ -62,7 +62,7 @@ class AttentionMetadata:
         mask.masked_fill_(torch.arange(lmax)[None, :] >= lens[:, None], float("-inf"))
         self.decode_rows = torch.tensor(decode_rows, dtype=torch.long)
         self.decode_slots = slots[:, :lmax].contiguous()
-        self.decode_mask = mask[:, None, None, :]
+        self.decode_mask = mask[None, :, None, :]
 
     def to(self, device: torch.device) -> AttentionMetadata:
         """Move the index and mask tensors next to the KV cache (no-op on CPU)."""
@@ -89,13 +89,13 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """Attention for all T tokens of a step: q [T, H, D]; caches [slots, KVH, D].
+    """Attention for all T tokens of a step: q [T, H, D]; caches [KVH, slots, D].
 
     The step's new K/V must already be written to the cache (decodes read them from it).
     Returns [T, H, D].
     """
     _, heads, dim = q.shape
-    kv_heads = k_cache.shape[1]
+    kv_heads = k_cache.shape[0]
     group = heads // kv_heads
     out = torch.empty_like(q)
     for span in meta.prefills:
@@ -107,18 +107,20 @@ def paged_attention(
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
                                                enable_gqa=True)
         else:
-            ks = k_cache[span.ctx_slots].transpose(0, 1).unsqueeze(0)
-            vs = v_cache[span.ctx_slots].transpose(0, 1).unsqueeze(0)
+            ks = k_cache[:, span.ctx_slots].unsqueeze(0)  # [1, KVH, L, D]
+            vs = v_cache[:, span.ctx_slots].unsqueeze(0)
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span.mask, scale=scale,
                                                enable_gqa=True)
         out[rows] = o[0].transpose(0, 1)
     if meta.decode_rows is not None:
         assert meta.decode_slots is not None and meta.decode_mask is not None
         b = meta.decode_rows.shape[0]
-        qd = q[meta.decode_rows].view(b, kv_heads, group, dim)
-        kd = k_cache[meta.decode_slots].permute(0, 2, 3, 1)  # [B, KVH, D, L]
-        vd = v_cache[meta.decode_slots].transpose(1, 2)  # [B, KVH, L, D]
-        scores = torch.matmul(qd, kd) * scale + meta.decode_mask.to(qd.dtype)
+        # kv-head-major throughout: gathers land contiguous, K^T is a free transpose
+        qd = q[meta.decode_rows].view(b, kv_heads, group, dim).transpose(0, 1)  # [KVH,B,G,D]
+        kd = k_cache[:, meta.decode_slots]  # [KVH, B, L, D]
+        vd = v_cache[:, meta.decode_slots]
+        scores = torch.matmul(qd, kd.transpose(-1, -2)) * scale + meta.decode_mask.to(qd.dtype)
         probs = torch.softmax(scores.float(), dim=-1).to(qd.dtype)
-        out[meta.decode_rows] = torch.matmul(probs, vd).reshape(b, heads, dim)
+        ctx = torch.matmul(probs, vd)  # [KVH, B, G, D]
+        out[meta.decode_rows] = ctx.transpose(0, 1).reshape(b, heads, dim)
     return out

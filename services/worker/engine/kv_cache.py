@@ -31,7 +31,12 @@ def block_hash(parent: bytes, tokens: Sequence[int], scope_key: bytes) -> bytes:
 
 
 class KVStorage:
-    """Physical K/V tensors, flat over (block, offset) so a token's slot is one index."""
+    """Physical K/V tensors, flat over (block, offset) so a token's slot is one index.
+
+    Layout per layer is [kv_heads, slots, head_dim]: gathering a batch's slots yields
+    [kv_heads, B, L, head_dim] directly, which batched matmuls consume without the
+    permute-and-copy a slot-major layout would need on every layer of every step.
+    """
 
     def __init__(
         self,
@@ -45,19 +50,19 @@ class KVStorage:
     ) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
-        shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
+        shape = (num_layers, num_kv_heads, num_blocks * block_size, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 
     @property
     def bytes_per_block(self) -> int:
-        per_token = self.k[0, 0].numel() * self.k.element_size() * 2 * self.k.shape[0]
+        per_token = self.k.shape[1] * self.k.shape[3] * self.k.element_size() * 2 * self.k.shape[0]
         return per_token * self.block_size
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new tokens' K/V [T, kv_heads, head_dim] at flat slots [T]."""
-        self.k[layer].index_copy_(0, slots, k)
-        self.v[layer].index_copy_(0, slots, v)
+        self.k[layer].index_copy_(1, slots, k.transpose(0, 1))
+        self.v[layer].index_copy_(1, slots, v.transpose(0, 1))
 
 
 @dataclass
