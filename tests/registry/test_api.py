@@ -264,8 +264,13 @@ def test_switch_split_rollback_disable_enable(registry: RunningRegistry) -> None
             {"adapter_id": "bot", "version": 2, "weight": 100}]}).status_code == 412
         assert pub.get("/v1/aliases").json()["items"][0]["alias"] == "bot-prod"
         assert pub.put("/v1/adapters/bot/active", json={"version": 3}).status_code == 200
+        # 100% of an alias is not a switch: v2 is not stable yet
+        assert pub.get("/v1/adapters/bot").json()["rollback_target"] == 1
+        # finishing the canary is an explicit switch, and that makes v2 stable
+        assert pub.put("/v1/adapters/bot/active", json={"version": 2}).status_code == 200
+        assert pub.put("/v1/adapters/bot/active", json={"version": 3}).status_code == 200
         adapter = pub.get("/v1/adapters/bot").json()
-        assert adapter["rollback_target"] == 2  # v2 went to 100% of an alias: stable
+        assert adapter["rollback_target"] == 2
         rolled = pub.post("/v1/adapters/bot/rollback", json={"reason": "p99 latency"})
         assert rolled.status_code == 200, rolled.text
         assert (rolled.json()["from_version"], rolled.json()["to_version"]) == (3, 2)
