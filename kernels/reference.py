@@ -24,28 +24,57 @@ def _token_indices(indices: Tensor, segments: Segments | None) -> Tensor:
     return indices if segments is None else segments.token_indices()
 
 
-def _slot_groups(indices: Tensor, ranks: Tensor) -> list[tuple[int, int, Tensor]]:
-    """``(slot, rank, token_positions)`` for every slot that has tokens and a rank > 0."""
-    groups = []
-    for slot in torch.unique(indices).tolist():
-        if slot < 0:
+Rows = slice | Tensor
+SlotGroup = tuple[int, int, Rows]
+
+
+def _slot_groups(indices: Tensor, ranks: Tensor) -> list[SlotGroup]:
+    """``(slot, rank, rows)`` for every slot that has tokens and a rank > 0.
+
+    One stable sort finds every slot's tokens at once. A slot whose tokens are contiguous
+    (every prefill segment, and decode batches the scheduler grouped by adapter) gets a
+    slice, so its matmuls read and write views instead of gathering and scattering rows.
+    """
+    if indices.numel() == 0:
+        return []
+    ordered, order = torch.sort(indices, stable=True)
+    slots, counts = torch.unique_consecutive(ordered, return_counts=True)
+    rank_of = ranks.tolist()
+    groups: list[SlotGroup] = []
+    start = 0
+    for slot, count in zip(slots.tolist(), counts.tolist(), strict=True):
+        rows = order[start:start + count]
+        start += count
+        if slot < 0 or rank_of[slot] == 0:
             continue
-        rank = int(ranks[slot])
-        if rank == 0:
-            continue
-        groups.append((slot, rank, (indices == slot).nonzero().flatten()))
+        first, last = int(rows[0]), int(rows[-1])
+        groups.append((slot, rank_of[slot],
+                       slice(first, first + count) if last - first + 1 == count else rows))
     return groups
+
+
+def _shrink(x: Tensor, a_slab: Tensor, groups: list[SlotGroup]) -> Tensor:
+    cd = _compute_dtype(x.dtype)
+    h = torch.zeros(x.shape[0], a_slab.shape[1], dtype=cd, device=x.device)
+    for slot, rank, rows in groups:
+        h[rows, :rank] = x[rows].to(cd) @ a_slab[slot, :rank].to(cd).T
+    return h
+
+
+def _expand(y: Tensor, h: Tensor, b_slab: Tensor, scales: Tensor, groups: list[SlotGroup],
+            out_offset: int) -> None:
+    cd = _compute_dtype(y.dtype)
+    out = y[:, out_offset:out_offset + b_slab.shape[1]]
+    for slot, rank, rows in groups:
+        delta = h[rows, :rank].to(cd) @ b_slab[slot, :, :rank].to(cd).T
+        out[rows] = (out[rows].to(cd) + scales[slot].to(cd) * delta).to(y.dtype)
 
 
 def lora_shrink(x: Tensor, a_slab: Tensor, ranks: Tensor, indices: Tensor, *,
                 segments: Segments | None = None) -> Tensor:
     """Return ``h[T, max_rank]`` with ``h[t, :r] = x[t] @ A_slot[:r].T`` and zeros elsewhere."""
     check_shrink(x, a_slab, ranks, indices, segments, REFERENCE_DTYPES)
-    cd = _compute_dtype(x.dtype)
-    h = torch.zeros(x.shape[0], a_slab.shape[1], dtype=cd, device=x.device)
-    for slot, rank, rows in _slot_groups(_token_indices(indices, segments), ranks):
-        h[rows, :rank] = x[rows].to(cd) @ a_slab[slot, :rank].to(cd).T
-    return h
+    return _shrink(x, a_slab, _slot_groups(_token_indices(indices, segments), ranks))
 
 
 def lora_expand(y: Tensor, h: Tensor, b_slab: Tensor, ranks: Tensor, scales: Tensor,
@@ -53,16 +82,16 @@ def lora_expand(y: Tensor, h: Tensor, b_slab: Tensor, ranks: Tensor, scales: Ten
                 segments: Segments | None = None) -> None:
     """``y[t, off:off+N] += scale * h[t, :r] @ B_slot[:, :r].T`` in place, fp32 accumulation."""
     check_expand(y, h, b_slab, ranks, scales, indices, out_offset, segments, REFERENCE_DTYPES)
-    cd = _compute_dtype(y.dtype)
-    out = y[:, out_offset:out_offset + b_slab.shape[1]]
-    for slot, rank, rows in _slot_groups(_token_indices(indices, segments), ranks):
-        delta = h[rows, :rank].to(cd) @ b_slab[slot, :, :rank].to(cd).T
-        out[rows] = (out[rows].to(cd) + scales[slot].to(cd) * delta).to(y.dtype)
+    _expand(y, h, b_slab, scales, _slot_groups(_token_indices(indices, segments), ranks),
+            out_offset)
 
 
 def lora_apply(y: Tensor, x: Tensor, a_slab: Tensor, b_slab: Tensor, ranks: Tensor,
                scales: Tensor, indices: Tensor, *, out_offset: int = 0,
                segments: Segments | None = None) -> None:
-    """Shrink then expand; on the torch path fusing would gain nothing, so it is not offered."""
-    h = lora_shrink(x, a_slab, ranks, indices, segments=segments)
-    lora_expand(y, h, b_slab, ranks, scales, indices, out_offset=out_offset, segments=segments)
+    """Shrink then expand over one grouping of the tokens; fusing gains nothing on torch."""
+    check_shrink(x, a_slab, ranks, indices, segments, REFERENCE_DTYPES)
+    groups = _slot_groups(_token_indices(indices, segments), ranks)
+    h = _shrink(x, a_slab, groups)
+    check_expand(y, h, b_slab, ranks, scales, indices, out_offset, segments, REFERENCE_DTYPES)
+    _expand(y, h, b_slab, scales, groups, out_offset)
