@@ -25,23 +25,20 @@ from typing import IO, Any
 
 import numpy as np
 
+from services.contracts.peft import (
+    CONFIG_FILE,
+    PARENT,
+    TARGET_MODULES,
+    TENSOR_NAME,
+    WEIGHTS_FILE,
+    projection_shape,
+)
 from services.registry.domain import ArtifactFacts
 
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 MAX_CONFIG_BYTES = 1024 * 1024
 CHUNK_BYTES = 1 << 20
 
-ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
-TARGET_MODULES = ATTENTION_MODULES + MLP_MODULES
-_PARENT = {m: "self_attn" for m in ATTENTION_MODULES} | {m: "mlp" for m in MLP_MODULES}
-
-_TENSOR_NAME = re.compile(
-    r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_(A|B)"
-    r"(?:\.[\w-]+)?\.weight$"
-)
 
 # safetensors dtype → (numpy-style name, item size, unsigned view, exponent mask)
 _DTYPES: dict[str, tuple[str, int, Any, int]] = {
@@ -97,10 +94,10 @@ class BaseModelShape:
 
     def module_shape(self, module: str) -> tuple[int, int]:
         """(in_features, out_features) of one projection."""
-        h, i = self.hidden_size, self.intermediate_size
-        q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
-        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}[module]
+        return projection_shape(
+            module, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            q_size=self.num_attention_heads * self.head_dim,
+            kv_size=self.num_key_value_heads * self.head_dim)
 
 
 # --- adapter_config.json -------------------------------------------------------------------
@@ -254,12 +251,12 @@ def check_tensors(layout: SafetensorsLayout, lora: LoraConfig, base: BaseModelSh
     dtypes = set()
     pairs: dict[tuple[int, str], dict[str, TensorEntry]] = {}
     for entry in layout.tensors:
-        m = _TENSOR_NAME.match(entry.name)
+        m = TENSOR_NAME.match(entry.name)
         if m is None:
             raise UploadRejected(f"tensor {entry.name} is not a PEFT LoRA weight of a decoder "
                                  "layer projection", tensor=entry.name)
         layer, parent, module, which = int(m[1]), m[2], m[3], m[4]
-        if module not in TARGET_MODULES or _PARENT[module] != parent:
+        if module not in TARGET_MODULES or PARENT[module] != parent:
             raise UploadRejected(f"tensor {entry.name} targets {parent}.{module}, which the "
                                  "base model lacks", tensor=entry.name)
         if layer >= base.num_hidden_layers:
@@ -297,7 +294,7 @@ def check_tensors(layout: SafetensorsLayout, lora: LoraConfig, base: BaseModelSh
             ab = pairs.get((layer, module), {})
             for which in ("A", "B"):
                 if which not in ab:
-                    name = (f"base_model.model.model.layers.{layer}.{_PARENT[module]}.{module}"
+                    name = (f"base_model.model.model.layers.{layer}.{PARENT[module]}.{module}"
                             f".lora_{which}.weight")
                     raise UploadRejected(f"tensor {name} is missing", tensor=name)
     modules = tuple(m for m in TARGET_MODULES if m in present)

@@ -18,35 +18,24 @@ from typing import Any
 import torch
 from safetensors.torch import load as load_safetensors_bytes
 
+from services.contracts.peft import (
+    CONFIG_FILE,
+    PARENT,
+    TARGET_MODULES,
+    TENSOR_NAME,
+    WEIGHTS_FILE,
+    projection_shape,
+)
+
 from .config import ModelConfig
 from .errors import AdapterError
-
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
-
-ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
-TARGET_MODULES = ATTENTION_MODULES + MLP_MODULES
-_PARENT = {m: "self_attn" for m in ATTENTION_MODULES} | {m: "mlp" for m in MLP_MODULES}
-
-_KEY = re.compile(
-    r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_(A|B)"
-    r"(?:\.[\w-]+)?\.weight$"
-)
 
 
 def module_shape(cfg: ModelConfig, module: str) -> tuple[int, int]:
     """(in_features, out_features) of a target projection."""
-    h, i = cfg.hidden_size, cfg.intermediate_size
-    return {
-        "q_proj": (h, cfg.q_size),
-        "k_proj": (h, cfg.kv_size),
-        "v_proj": (h, cfg.kv_size),
-        "o_proj": (cfg.q_size, h),
-        "gate_proj": (h, i),
-        "up_proj": (h, i),
-        "down_proj": (i, h),
-    }[module]
+    return projection_shape(module, hidden_size=cfg.hidden_size,
+                            intermediate_size=cfg.intermediate_size, q_size=cfg.q_size,
+                            kv_size=cfg.kv_size)
 
 
 @dataclass(frozen=True)
@@ -169,11 +158,11 @@ def parse_adapter(files: AdapterFiles, cfg: ModelConfig, digest: str | None = No
     for name, tensor in tensors.items():
         if "lora_magnitude_vector" in name:
             raise AdapterError(f"tensor {name}: DoRA magnitude vectors are not supported")
-        m = _KEY.match(name)
+        m = TENSOR_NAME.match(name)
         if m is None:
             raise AdapterError(f"tensor {name} is not a LoRA weight of a decoder-layer projection")
         layer, parent, module, which = int(m[1]), m[2], m[3], m[4]
-        if module not in TARGET_MODULES or _PARENT[module] != parent:
+        if module not in TARGET_MODULES or PARENT[module] != parent:
             raise AdapterError(f"tensor {name} targets module {module!r}, which this model lacks")
         if not 0 <= layer < cfg.num_hidden_layers:
             raise AdapterError(f"tensor {name} targets layer {layer}, model has "

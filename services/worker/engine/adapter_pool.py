@@ -15,7 +15,9 @@ from pathlib import Path
 
 import torch
 
-from .adapter import TARGET_MODULES, AdapterFiles, LoraAdapter, module_shape, parse_adapter
+from services.contracts.peft import TARGET_MODULES
+
+from .adapter import AdapterFiles, LoraAdapter, module_shape, parse_adapter
 from .config import ModelConfig
 from .errors import AdapterError, AdapterNotLoadedError, AdapterPoolFullError
 from .lora_ops import Segments, lora_apply
