@@ -1,10 +1,14 @@
 """The pure fold from events to current-state and history rows. No SQL in here.
 
-The projector loads the current rows of every key a batch touches (adapters, aliases,
-workers) into a `BatchState`, applies each event in log order with `apply`, and writes
-back only what changed plus the append-only rows. Folding in memory keeps a batch at a
-handful of statements however many events it holds, and keeps the rules testable
-without a database.
+The projector keeps a `FoldState` for as long as it holds its consumer: the current rows
+of every key (adapter, alias, worker) it has touched, loaded from PostgreSQL the first
+time a batch touches a key and kept in memory after that. The projector is the only
+writer of these tables (fenced by its advisory lock and offset check), so the cached
+rows are the stored rows plus what is not yet committed; on any failure it drops the
+state and loads again. `apply` changes rows in place and records which changed and
+which history rows to append; `take_changes` hands those to one batch's transaction.
+Folding in memory keeps a batch at a handful of statements however many events it
+holds, and keeps the rules testable without a database.
 
 Payloads are read by field name with defaults (`getattr`), because producers may add
 optional fields at any time; a missing field is a NULL, never a crash.
@@ -64,14 +68,36 @@ ADAPTER_STATE_TYPES = frozenset({"AdapterVersionPublished", "AdapterVersionSwitc
 
 
 @dataclass
-class BatchState:
-    """Current rows of the touched keys, changed in place, plus rows to append."""
+class Changes:
+    """What one batch changed: current rows to overwrite (copies, so folding the next batch
+    cannot alter them) and history rows to append."""
+
+    adapters: list[Row]
+    versions: list[Row]
+    aliases: list[Row]
+    workers: list[Row]
+    worker_adapters: dict[str, list[Row]]
+    """worker_id → its complete set of rows (replaces what is stored)."""
+    version_history: list[Row]
+    split_history: list[Row]
+    worker_heartbeats: list[Row]
+    worker_acks: list[Row]
+    purges: list[Row]
+    request_traces: list[Row]
+
+
+@dataclass
+class FoldState:
+    """Current rows of the keys loaded so far, changed in place, plus rows to append."""
 
     adapters: dict[str, Row] = field(default_factory=dict)
     versions: dict[VersionKey, Row] = field(default_factory=dict)
     aliases: dict[str, Row] = field(default_factory=dict)
     workers: dict[str, Row] = field(default_factory=dict)
     worker_adapters: dict[str, dict[VersionKey, Row]] = field(default_factory=dict)
+    loaded: TouchedKeys = field(default_factory=lambda: TouchedKeys(
+        frozenset(), frozenset(), frozenset()))
+    """Keys whose stored rows (if any) are in the dicts above."""
     dirty_adapters: set[str] = field(default_factory=set)
     dirty_versions: set[VersionKey] = field(default_factory=set)
     dirty_aliases: set[str] = field(default_factory=set)
@@ -83,6 +109,37 @@ class BatchState:
     worker_acks: list[Row] = field(default_factory=list)
     purges: list[Row] = field(default_factory=list)
     request_traces: list[Row] = field(default_factory=list)
+
+    def missing(self, keys: TouchedKeys) -> TouchedKeys:
+        """The touched keys not loaded yet."""
+        return TouchedKeys(keys.adapter_ids - self.loaded.adapter_ids,
+                           keys.aliases - self.loaded.aliases,
+                           keys.worker_ids - self.loaded.worker_ids)
+
+    def mark_loaded(self, keys: TouchedKeys) -> None:
+        self.loaded = TouchedKeys(self.loaded.adapter_ids | keys.adapter_ids,
+                                  self.loaded.aliases | keys.aliases,
+                                  self.loaded.worker_ids | keys.worker_ids)
+
+    def take_changes(self) -> Changes:
+        """Everything changed since the last call, in key order; resets the change log."""
+        changes = Changes(
+            adapters=[dict(self.adapters[k]) for k in sorted(self.dirty_adapters)],
+            versions=[dict(self.versions[k]) for k in sorted(self.dirty_versions)],
+            aliases=[dict(self.aliases[k]) for k in sorted(self.dirty_aliases)],
+            workers=[dict(self.workers[k]) for k in sorted(self.dirty_workers)],
+            # worker_adapters rows are never changed in place, only replaced
+            worker_adapters={w: list(self.worker_adapters.get(w, {}).values())
+                             for w in sorted(self.dirty_worker_adapters)},
+            version_history=self.version_history, split_history=self.split_history,
+            worker_heartbeats=self.worker_heartbeats, worker_acks=self.worker_acks,
+            purges=self.purges, request_traces=self.request_traces)
+        for dirty in (self.dirty_adapters, self.dirty_versions, self.dirty_aliases,
+                      self.dirty_workers, self.dirty_worker_adapters):
+            dirty.clear()
+        self.version_history, self.split_history, self.worker_heartbeats = [], [], []
+        self.worker_acks, self.purges, self.request_traces = [], [], []
+        return changes
 
     # --- rows, created on first touch ---------------------------------------------------
 
@@ -147,7 +204,7 @@ def _status(row: Row) -> str:
     return "inactive" if row["first_activated_at"] is not None else "published"
 
 
-def _activate(state: BatchState, envelope: Envelope, adapter_id: str, to_version: int,
+def _activate(state: FoldState, envelope: Envelope, adapter_id: str, to_version: int,
               from_hint: int | None) -> None:
     adapter = state.adapter(adapter_id, envelope)
     at = envelope.occurred_at
@@ -168,7 +225,7 @@ def _activate(state: BatchState, envelope: Envelope, adapter_id: str, to_version
     state.history(envelope, adapter_id, to_version, "activated")
 
 
-def _on_published(state: BatchState, e: Envelope) -> None:
+def _on_published(state: FoldState, e: Envelope) -> None:
     p = e.payload
     adapter_id, version = _get(p, "adapter_id"), _get(p, "version")
     adapter = state.adapter(adapter_id, e)
@@ -194,7 +251,7 @@ def _split_rows(split: Any) -> list[Row]:
              "weight": _get(s, "weight")} for s in (split or ())]
 
 
-def _on_split(state: BatchState, e: Envelope) -> None:
+def _on_split(state: FoldState, e: Envelope) -> None:
     p = e.payload
     alias = _get(p, "alias")
     new = _split_rows(_get(p, "split"))
@@ -216,12 +273,12 @@ def _on_split(state: BatchState, e: Envelope) -> None:
                           weight=0)
 
 
-def _on_switched(state: BatchState, e: Envelope) -> None:
+def _on_switched(state: FoldState, e: Envelope) -> None:
     p = e.payload
     _activate(state, e, _get(p, "adapter_id"), _get(p, "to_version"), _get(p, "from_version"))
 
 
-def _on_rolled_back(state: BatchState, e: Envelope) -> None:
+def _on_rolled_back(state: FoldState, e: Envelope) -> None:
     p = e.payload
     adapter_id, reason = _get(p, "adapter_id"), _get(p, "reason")
     from_version, to_version = _get(p, "from_version"), _get(p, "to_version")
@@ -233,7 +290,7 @@ def _on_rolled_back(state: BatchState, e: Envelope) -> None:
     _activate(state, e, adapter_id, to_version, from_version)
 
 
-def _on_disabled(state: BatchState, e: Envelope) -> None:
+def _on_disabled(state: FoldState, e: Envelope) -> None:
     p = e.payload
     row = state.version(_get(p, "adapter_id"), _get(p, "version"), e)
     row.update(disabled=True, disabled_at=e.occurred_at, disabled_reason=_get(p, "reason"))
@@ -241,7 +298,7 @@ def _on_disabled(state: BatchState, e: Envelope) -> None:
     state.history(e, row["adapter_id"], row["version"], "disabled", reason=_get(p, "reason"))
 
 
-def _on_enabled(state: BatchState, e: Envelope) -> None:
+def _on_enabled(state: FoldState, e: Envelope) -> None:
     p = e.payload
     row = state.version(_get(p, "adapter_id"), _get(p, "version"), e)
     row["disabled"] = False
@@ -249,7 +306,7 @@ def _on_enabled(state: BatchState, e: Envelope) -> None:
     state.history(e, row["adapter_id"], row["version"], "enabled", reason=_get(p, "reason"))
 
 
-def _on_purge_requested(state: BatchState, e: Envelope) -> None:
+def _on_purge_requested(state: FoldState, e: Envelope) -> None:
     p = e.payload
     tenant = e.tenant
     deadline_s = float(_get(p, "deadline_s", 60.0))
@@ -262,12 +319,12 @@ def _on_purge_requested(state: BatchState, e: Envelope) -> None:
         "hard": bool(_get(p, "hard", True)), "event_id": e.event_id})
 
 
-def _worker_set(state: BatchState, worker_id: str) -> dict[VersionKey, Row]:
+def _worker_set(state: FoldState, worker_id: str) -> dict[VersionKey, Row]:
     state.dirty_worker_adapters.add(worker_id)
     return state.worker_adapters.setdefault(worker_id, {})
 
 
-def _on_heartbeat(state: BatchState, e: Envelope) -> None:
+def _on_heartbeat(state: FoldState, e: Envelope) -> None:
     p = e.payload
     worker_id = _get(p, "worker_id")
     row = state.worker(worker_id, e)
@@ -279,21 +336,27 @@ def _on_heartbeat(state: BatchState, e: Envelope) -> None:
         row["last_heartbeat_at"] = e.occurred_at
     state.worker_heartbeats.append({"event_id": e.event_id, "worker_id": worker_id,
                                     "at": e.occurred_at})
-    # a heartbeat is the worker's own full list: it replaces what acks implied
+    # A heartbeat is the worker's own full list: it replaces what acks implied. Rows are
+    # never changed in place, so a row the heartbeat repeats unchanged is kept as it is.
     held = _worker_set(state, worker_id)
     snapshot: dict[VersionKey, Row] = {}
-    for loaded in _get(p, "loaded") or ():
-        key = (_get(loaded, "adapter_id"), _get(loaded, "version"))
+    for loaded in _get(p, "loaded") or ():  # the hottest loop: getattr without a call
+        key = (getattr(loaded, "adapter_id", None), getattr(loaded, "version", None))
+        sha256, tier = getattr(loaded, "sha256", None), getattr(loaded, "tier", None)
         before = held.get(key)
+        if (before is not None and before["source"] == "heartbeat"
+                and before["sha256"] == sha256 and before["tier"] == tier):
+            snapshot[key] = before
+            continue
         snapshot[key] = {"worker_id": worker_id, "adapter_id": key[0], "version": key[1],
-                         "sha256": _get(loaded, "sha256"), "tier": _get(loaded, "tier"),
+                         "sha256": sha256, "tier": tier,
                          "since": before["since"] if before else e.occurred_at,
                          "source": "heartbeat"}
     held.clear()
     held.update(snapshot)
 
 
-def _ack(state: BatchState, e: Envelope, **columns: Any) -> None:
+def _ack(state: FoldState, e: Envelope, **columns: Any) -> None:
     p = e.payload
     state.worker(_get(p, "worker_id"), e)
     row = dict.fromkeys(("adapter_id", "version", "adapter_sha256", "purge_id", "tenant_key",
@@ -304,7 +367,7 @@ def _ack(state: BatchState, e: Envelope, **columns: Any) -> None:
     state.worker_acks.append(row)
 
 
-def _on_loaded(state: BatchState, e: Envelope) -> None:
+def _on_loaded(state: FoldState, e: Envelope) -> None:
     p = e.payload
     worker_id, key = _get(p, "worker_id"), (_get(p, "adapter_id"), _get(p, "version"))
     _ack(state, e, adapter_id=key[0], version=key[1], adapter_sha256=_get(p, "sha256"),
@@ -315,13 +378,13 @@ def _on_loaded(state: BatchState, e: Envelope) -> None:
         "source": "loaded"}
 
 
-def _on_load_failed(state: BatchState, e: Envelope) -> None:
+def _on_load_failed(state: FoldState, e: Envelope) -> None:
     p = e.payload
     _ack(state, e, adapter_id=_get(p, "adapter_id"), version=_get(p, "version"),
          error=_get(p, "error"))
 
 
-def _on_unloaded(state: BatchState, e: Envelope) -> None:
+def _on_unloaded(state: FoldState, e: Envelope) -> None:
     p = e.payload
     worker_id, key = _get(p, "worker_id"), (_get(p, "adapter_id"), _get(p, "version"))
     _ack(state, e, adapter_id=key[0], version=key[1], adapter_sha256=_get(p, "sha256"),
@@ -329,14 +392,14 @@ def _on_unloaded(state: BatchState, e: Envelope) -> None:
     _worker_set(state, worker_id).pop(key, None)
 
 
-def _on_kv_invalidated(state: BatchState, e: Envelope) -> None:
+def _on_kv_invalidated(state: FoldState, e: Envelope) -> None:
     p = e.payload
     _ack(state, e, adapter_sha256=_get(p, "adapter_sha256"), tenant_key=_get(p, "tenant_key"),
          reason=_get(p, "reason"), kv_blocks_freed=_get(p, "blocks_freed"),
          sequences_aborted=_get(p, "sequences_aborted"))
 
 
-def _on_tenant_purged(state: BatchState, e: Envelope) -> None:
+def _on_tenant_purged(state: FoldState, e: Envelope) -> None:
     p = e.payload
     _ack(state, e, purge_id=_get(p, "purge_id"), kv_blocks_freed=_get(p, "kv_blocks_freed"),
          adapters_unloaded=_get(p, "adapters_unloaded"),
@@ -344,24 +407,30 @@ def _on_tenant_purged(state: BatchState, e: Envelope) -> None:
          refcounts_zero=_get(p, "refcounts_zero"))
 
 
-def _on_request_served(state: BatchState, e: Envelope) -> None:
+def _on_request_served(state: FoldState, e: Envelope) -> None:
     p = e.payload
     worker_id = _get(p, "worker_id")
     state.worker(worker_id, e)
-    for ordinal, r in enumerate(_get(p, "requests") or ()):
-        tenant = _get(r, "tenant")
-        state.request_traces.append({
-            "event_id": e.event_id, "ordinal": ordinal, "request_id": _get(r, "request_id"),
-            "trace_id": _get(r, "trace_id"), "worker_id": worker_id,
-            "tenant_org": _get(tenant, "org"), "tenant_team": _get(tenant, "team"),
-            "tenant_project": _get(tenant, "project"), "user_id": _get(r, "user_id"),
-            "adapter_id": _get(r, "adapter_id"), "version": _get(r, "version"),
-            "adapter_sha256": _get(r, "adapter_sha256"),
-            "base_model_digest": _get(r, "base_model_digest"),
-            "prompt_tokens": _get(r, "prompt_tokens"),
-            "completion_tokens": _get(r, "completion_tokens"),
-            "started_at": _get(r, "started_at"), "finished_at": _get(r, "finished_at"),
-            "status": _get(r, "status", "ok")})
+    event_id, append = e.event_id, state.request_traces.append
+    for ordinal, r in enumerate(_get(p, "requests") or ()):  # most rows: getattr, no call
+        tenant = getattr(r, "tenant", None)
+        append({
+            "event_id": event_id, "ordinal": ordinal,
+            "request_id": getattr(r, "request_id", None),
+            "trace_id": getattr(r, "trace_id", None), "worker_id": worker_id,
+            "tenant_org": getattr(tenant, "org", None),
+            "tenant_team": getattr(tenant, "team", None),
+            "tenant_project": getattr(tenant, "project", None),
+            "user_id": getattr(r, "user_id", None),
+            "adapter_id": getattr(r, "adapter_id", None),
+            "version": getattr(r, "version", None),
+            "adapter_sha256": getattr(r, "adapter_sha256", None),
+            "base_model_digest": getattr(r, "base_model_digest", None),
+            "prompt_tokens": getattr(r, "prompt_tokens", None),
+            "completion_tokens": getattr(r, "completion_tokens", None),
+            "started_at": getattr(r, "started_at", None),
+            "finished_at": getattr(r, "finished_at", None),
+            "status": getattr(r, "status", "ok")})
 
 
 HANDLERS = {
@@ -384,7 +453,7 @@ HANDLERS = {
 the events table only."""
 
 
-def apply(state: BatchState, envelope: Envelope) -> None:
+def apply(state: FoldState, envelope: Envelope) -> None:
     handler = HANDLERS.get(envelope.type)
     if handler is not None:
         handler(state, envelope)

@@ -11,26 +11,36 @@ A transaction-scoped advisory lock plus a check that the stored offsets are stil
 ones this process last wrote fences a second projector of the same name: the loser
 rolls back and re-reads from the winner's offsets instead of writing a fork. It needs
 no consumer group.
+
+Everything Python does for a batch (decode, dedupe, chain, leaf hashes, fold, COPY
+text) happens in `prepare_batch`, before its transaction; `write_batch` then only runs
+SQL. `run` prepares batch n+1 in a thread while batch n is being written, so the one
+core Python gets and PostgreSQL's work overlap instead of taking turns. Preparing ahead
+means the chain heads, offsets and current-state rows the preparer sees include a batch
+not yet committed; that is sound because this projector is the only writer (see the
+fence above) and because any failure drops all of it and reloads from PostgreSQL.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from psycopg.types.json import Jsonb
 from sqlalchemy import Connection, Engine, Table, delete, func, select, text
-from sqlalchemy.dialects.postgresql import JSONB, insert
+from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.exc import SQLAlchemyError
 
 from services.audit import fold
 from services.audit.chain import GENESIS, link
 from services.audit.merkle import CompactRange, checkpoint_message, leaf_hash
+from services.audit.pgcopy import CopyFormat, copy_text
 from services.audit.signing import CheckpointSigner, load_signer
 from services.audit.tables import (
     adapter_versions,
@@ -94,33 +104,6 @@ def upsert(conn: Connection, table: Table, rows: Sequence[dict[str, Any]]) -> No
         list(rows))
 
 
-def copy_rows(conn: Connection, table: Table | str, rows: Sequence[dict[str, Any]],
-              names: Sequence[str] | None = None) -> None:
-    """Append rows with COPY, inside the batch's transaction.
-
-    COPY is one round trip for the whole batch; executemany costs one per row, which
-    was most of the projection time on a two-core machine.
-    """
-    if not rows:
-        return
-    jsonb: set[str] = set()
-    if isinstance(table, Table):
-        names = names or [c.name for c in table.columns if c.name in rows[0]]
-        jsonb = {c.name for c in table.columns if isinstance(c.type, JSONB)}
-        table = table.name
-    assert names is not None
-    columns = ", ".join(f'"{n}"' for n in names)
-    raw = conn.connection.driver_connection
-    assert raw is not None
-    with raw.cursor() as cursor, cursor.copy(f'COPY "{table}" ({columns}) FROM STDIN') as copy:
-        if jsonb:
-            for row in rows:
-                copy.write_row([Jsonb(row[n]) if n in jsonb else row[n] for n in names])
-        else:
-            for row in rows:
-                copy.write_row([row[n] for n in names])
-
-
 @dataclass(frozen=True)
 class PolledBatch:
     """What one poll returned and the consumer positions covering it."""
@@ -130,11 +113,67 @@ class PolledBatch:
     rejected: list[Rejected]
 
 
+@dataclass
+class Ahead:
+    """What the preparer has reached: committed state plus batches prepared after it."""
+
+    heads: dict[PartitionKey, PartitionHead]
+    positions: dict[PartitionKey, int]
+    state: fold.FoldState = field(default_factory=fold.FoldState)
+
+
+@dataclass(frozen=True)
+class PreparedBatch:
+    """One batch's transaction, built before it starts: only SQL is left to run."""
+
+    count: int
+    """Events written."""
+    positions: dict[PartitionKey, int]
+    """Consumer offsets this batch moves."""
+    rejected: list[Rejected]
+    events: str
+    """COPY text of the event rows (with their chain links) for the staging table."""
+    heads: list[dict[str, Any]]
+    checkpoints: list[dict[str, Any]]
+    upserts: list[tuple[Table, list[dict[str, Any]]]]
+    """Current-state rows to overwrite, per table."""
+    worker_sets: list[str]
+    """Workers whose `worker_adapters` rows are replaced by those in `appends`."""
+    appends: list[tuple[str, str]]
+    """(COPY statement, COPY text) of the rows appended to state and history tables."""
+    purges: list[dict[str, Any]]
+
+    @property
+    def empty(self) -> bool:
+        return not (self.count or self.positions or self.rejected)
+
+
 STAGE = "audit_events_stage"
-STAGE_NAMES = ("topic", "partition", "offset", "event_id", "type", "schema_version", "stream",
-               "seq", "actor", "tenant_org", "tenant_team", "tenant_project", "trace_id",
-               "canonical", "occurred_at", "prev_hash", "hash", "chain_index")
-STAGE_COLUMNS = ", ".join(f'"{c}"' for c in STAGE_NAMES)
+STAGE_NAMES = ("n", "topic", "partition", "offset", "event_id", "type", "schema_version",
+               "stream", "seq", "actor", "tenant_org", "tenant_team", "tenant_project",
+               "trace_id", "canonical", "occurred_at", "prev_hash", "hash", "chain_index")
+STAGE_COLUMNS = ", ".join(f'"{c}"' for c in STAGE_NAMES[1:])
+STAGE_FORMAT = CopyFormat(events, STAGE_NAMES, into=STAGE)
+APPEND_FORMATS = {t.name: CopyFormat(t) for t in (
+    worker_adapters, version_history, split_history, worker_heartbeats, worker_acks,
+    request_traces)}
+
+
+@contextlib.contextmanager
+def batch_sized_gc() -> Iterator[None]:
+    """Run the cyclic garbage collector about once a batch instead of every few events.
+
+    A batch allocates some hundred container objects per event (envelopes, rows), nearly
+    all freed when it commits. At the default threshold (700 allocations) the collector
+    ran every few events, and each older-generation pass walked the fold cache and the
+    consumer's dedupe memory: about a third of the projector's CPU.
+    """
+    old = gc.get_threshold()
+    gc.set_threshold(50_000, 20, 100)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*old)
 
 
 class AuditProjector:
@@ -145,8 +184,8 @@ class AuditProjector:
         self.name = name
         self.signer = signer
         self._rejected: list[Rejected] = []
-        self._heads: dict[PartitionKey, PartitionHead] = {}
         self._committed: dict[PartitionKey, int] = {}
+        self._ahead = Ahead({}, {})
         self._consumer: EventConsumer | None = None
         self.on_batch: Callable[[int], None] | None = None
         self.before_commit: Callable[[Connection], None] | None = None
@@ -189,8 +228,8 @@ class AuditProjector:
         if self.signer is None:
             self.signer = load_signer(self.settings)
         with self.engine.connect() as conn:
-            self._heads = self._load_heads(conn)
             self._committed = self._stored_offsets(conn)
+            self._ahead = Ahead(self._load_heads(conn), dict(self._committed))
         self._rejected = []
         self._consumer = EventConsumer(
             self.settings, self.settings.topics, reader_id=f"loraplane-{self.name}",
@@ -209,10 +248,10 @@ class AuditProjector:
     def project_batch(self, timeout: float = 0.5) -> int:
         """Poll one batch and commit it with its offsets; returns events written."""
         try:
-            return self.write_batch(self.poll_batch(timeout))
+            return self.write_batch(self.prepare_batch(self.poll_batch(timeout)))
         except BaseException:
-            # The consumer's position and dedupe memory are past what was committed:
-            # drop them so the next batch starts again from the stored offsets.
+            # The consumer's position and dedupe memory, and the prepared state, are past
+            # what was committed: drop them so the next batch starts again from Postgres.
             self.close()
             raise
 
@@ -224,66 +263,122 @@ class AuditProjector:
         self._rejected.clear()
         return PolledBatch(records, consumer.positions(), rejected)
 
-    def write_batch(self, batch: PolledBatch) -> int:
-        """Commit one polled batch (rows, state, checkpoints, dead letters, offsets)."""
-        records, rejected = batch.records, batch.rejected
-        changed = {k: o for k, o in batch.positions.items() if self._committed.get(k) != o}
-        if not changed and not rejected and not records:
-            return 0
+    def prepare_batch(self, batch: PolledBatch) -> PreparedBatch:
+        """Build everything `batch` writes, advancing the chain heads and fold state."""
+        return self._prepare(batch, self._ahead)
+
+    def _prepare(self, batch: PolledBatch, ahead: Ahead) -> PreparedBatch:
+        positions = {k: o for k, o in batch.positions.items() if ahead.positions.get(k) != o}
+        fresh: list[Record] = []
+        if batch.records:
+            with self.engine.connect() as conn:
+                fresh = self._fresh(conn, batch.records)
+                self._load_state(conn, ahead.state,
+                                 fold.touched_keys(r.envelope for r in fresh))
         heads: dict[PartitionKey, PartitionHead] = {}
+        rows, due = self._chain(fresh, heads, ahead.heads)
+        state = ahead.state
+        for record in fresh:
+            fold.apply(state, record.envelope)
+        changes = state.take_changes()
+        ahead.heads.update(heads)
+        ahead.positions.update(positions)
+        appends = [(APPEND_FORMATS[name].statement, APPEND_FORMATS[name].lines(rows))
+                   for name, rows in (
+                       ("worker_adapters", [row for w in changes.worker_adapters.values()
+                                            for row in w]),
+                       ("version_history", changes.version_history),
+                       ("split_history", changes.split_history),
+                       ("worker_heartbeats", changes.worker_heartbeats),
+                       ("worker_acks", changes.worker_acks),
+                       ("request_traces", changes.request_traces)) if rows]
+        return PreparedBatch(
+            count=len(rows), positions=positions, rejected=batch.rejected,
+            events=STAGE_FORMAT.lines(rows),
+            heads=[{"topic": t, "partition": p, "size": h.size, "head_hash": h.head,
+                    "frontier": h.tree.to_bytes()} for (t, p), h in heads.items()],
+            checkpoints=due,
+            upserts=[(table, rows) for table, rows in (
+                (adapters, changes.adapters), (adapter_versions, changes.versions),
+                (aliases, changes.aliases), (workers, changes.workers)) if rows],
+            worker_sets=list(changes.worker_adapters), appends=appends,
+            purges=changes.purges)
+
+    def write_batch(self, prepared: PreparedBatch) -> int:
+        """Commit one prepared batch (rows, state, checkpoints, dead letters, offsets)."""
+        if prepared.empty:
+            return 0
         with self.engine.begin() as conn:
             conn.execute(text("SELECT pg_advisory_xact_lock(hashtext(:lock))"),
                          {"lock": f"loraplane-audit-projector/{self.name}"})
             if self._stored_offsets(conn) != self._committed:
                 raise ProjectionConflict(f"offsets of projector {self.name!r} moved: "
                                          "another instance is writing")
-            fresh = self._fresh(conn, records)
-            rows, due = self._chain(fresh, heads)
-            self._insert_events(conn, rows)
-            self._fold(conn, fresh)
-            self._write_heads(conn, heads, due)
-            if rejected:
+            self._insert_events(conn, prepared.events)
+            for table, rows in prepared.upserts:
+                upsert(conn, table, rows)
+            if prepared.worker_sets:
+                conn.execute(delete(worker_adapters).where(
+                    worker_adapters.c.worker_id.in_(prepared.worker_sets)))
+            for statement, data in prepared.appends:
+                copy_text(conn, statement, data)
+            if prepared.purges:
+                conn.execute(insert(purges).on_conflict_do_nothing(
+                    index_elements=["purge_id"]), prepared.purges)
+            if prepared.heads:
+                stmt = insert(chain_heads)
+                conn.execute(stmt.on_conflict_do_update(
+                    index_elements=["topic", "partition"],
+                    set_={"size": stmt.excluded.size, "head_hash": stmt.excluded.head_hash,
+                          "frontier": stmt.excluded.frontier, "updated_at": func.now()}),
+                    prepared.heads)
+            if prepared.checkpoints:
+                conn.execute(insert(checkpoints).on_conflict_do_nothing(
+                    constraint="uq_checkpoints_size"), prepared.checkpoints)
+            if prepared.rejected:
                 conn.execute(insert(dead_letters).on_conflict_do_nothing(
                     constraint="uq_dead_letters_position"), [
                     {"consumer": self.name, "topic": r.topic, "partition": r.partition,
                      "offset": r.offset, "key": r.key, "value": r.value, "reason": r.reason}
-                    for r in rejected])
-            if changed:
+                    for r in prepared.rejected])
+            if prepared.positions:
                 stmt = insert(consumer_offsets)
                 conn.execute(stmt.on_conflict_do_update(
                     index_elements=["consumer", "topic", "partition"],
                     set_={"next_offset": stmt.excluded.next_offset, "updated_at": func.now()}),
                     [{"consumer": self.name, "topic": t, "partition": p, "next_offset": o}
-                     for (t, p), o in changed.items()])
+                     for (t, p), o in prepared.positions.items()])
             if self.before_commit is not None:
                 self.before_commit(conn)
-        self._heads.update(heads)
-        self._committed.update(changed)
+        self._committed.update(prepared.positions)
         if self.on_batch is not None:
-            self.on_batch(len(rows))
-        return len(rows)
+            self.on_batch(prepared.count)
+        return prepared.count
 
     @staticmethod
-    def _insert_events(conn: Connection, rows: list[dict[str, Any]]) -> None:
+    def _insert_events(conn: Connection, data: str) -> None:
         """COPY the rows into a staging table, then let PostgreSQL derive `payload`.
 
         Parsing the canonical bytes into jsonb server-side saves the projector a JSON
         parse and a JSON dump per event, and the stored payload is by construction the
         one in the hashed bytes.
         """
-        if not rows:
+        if not data:
             return
         conn.execute(text(f"CREATE TEMP TABLE IF NOT EXISTS {STAGE} ON COMMIT DELETE ROWS AS "
                           f"SELECT 0::bigint AS n, {STAGE_COLUMNS} FROM events WITH NO DATA"))
-        for n, row in enumerate(rows):
-            row["n"] = n
-        copy_rows(conn, STAGE, rows, ("n", *STAGE_NAMES))
+        copy_text(conn, STAGE_FORMAT.statement, data)
         conn.execute(text(f"INSERT INTO events ({STAGE_COLUMNS}, payload) SELECT {STAGE_COLUMNS}, "
                           f"convert_from(canonical, 'UTF8')::jsonb -> 'payload' FROM {STAGE} "
                           "ORDER BY n"))
 
     def _fresh(self, conn: Connection, records: list[Record]) -> list[Record]:
-        """Records whose event_id is neither stored nor earlier in this batch."""
+        """Records whose event_id is neither stored nor earlier in this batch.
+
+        Runs before the batch's transaction, so it sees committed rows only; the rows of a
+        batch still being written cannot come back here, because the consumer drops
+        event ids it has already returned.
+        """
         if not records:
             return []
         seen = set(conn.execute(text("SELECT event_id FROM events WHERE event_id = ANY(:ids)"),
@@ -295,19 +390,20 @@ class AuditProjector:
                 fresh.append(record)
         return fresh
 
-    def _chain(self, records: Iterable[Record], heads: dict[PartitionKey, PartitionHead]
+    def _chain(self, records: Iterable[Record], heads: dict[PartitionKey, PartitionHead],
+               start: dict[PartitionKey, PartitionHead]
                ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-        """Event rows linked into their partition chains, and the checkpoints that fell due."""
+        """Event rows linked into their partition chains (continuing from `start`, left
+        unchanged; `heads` gets the new heads), and the checkpoints that fell due."""
         rows: list[dict[str, Any]] = []
         due: list[dict[str, Any]] = []
         every = self.settings.audit_checkpoint_every
         assert self.signer is not None
-        for record in records:
+        for n, record in enumerate(records):
             key = (record.topic, record.partition)
             head = heads.get(key)
             if head is None:
-                head = heads[key] = (self._heads[key].copy() if key in self._heads
-                                     else PartitionHead())
+                head = heads[key] = start[key].copy() if key in start else PartitionHead()
             canonical = record.value
             prev, index = head.head, head.size
             head.head = link(prev, canonical)
@@ -315,8 +411,8 @@ class AuditProjector:
             envelope = record.envelope
             tenant = envelope.tenant
             rows.append({
-                "topic": record.topic, "partition": record.partition, "offset": record.offset,
-                "event_id": envelope.event_id, "type": envelope.type,
+                "n": n, "topic": record.topic, "partition": record.partition,
+                "offset": record.offset, "event_id": envelope.event_id, "type": envelope.type,
                 "schema_version": envelope.schema_version, "stream": envelope.stream,
                 "seq": envelope.seq, "actor": envelope.actor,
                 "tenant_org": tenant.org if tenant else None,
@@ -338,25 +434,13 @@ class AuditProjector:
                 "chain_head": head.head, "public_key": self.signer.public_key,
                 "signature": self.signer.sign(message)}
 
-    def _write_heads(self, conn: Connection, heads: dict[PartitionKey, PartitionHead],
-                     due: list[dict[str, Any]]) -> None:
-        if heads:
-            stmt = insert(chain_heads)
-            conn.execute(stmt.on_conflict_do_update(
-                index_elements=["topic", "partition"],
-                set_={"size": stmt.excluded.size, "head_hash": stmt.excluded.head_hash,
-                      "frontier": stmt.excluded.frontier, "updated_at": func.now()}),
-                [{"topic": t, "partition": p, "size": h.size, "head_hash": h.head,
-                  "frontier": h.tree.to_bytes()} for (t, p), h in heads.items()])
-        if due:
-            conn.execute(insert(checkpoints).on_conflict_do_nothing(
-                constraint="uq_checkpoints_size"), due)
-
     # --- current state ----------------------------------------------------------------------
 
     @staticmethod
-    def _load_state(conn: Connection, keys: fold.TouchedKeys) -> fold.BatchState:
-        state = fold.BatchState()
+    def _load_state(conn: Connection, state: fold.FoldState, keys: fold.TouchedKeys) -> None:
+        """Load the stored rows of the touched keys not in `state` yet (committed rows:
+        a key the batch being written touched is in `state` already)."""
+        keys = state.missing(keys)
         if keys.adapter_ids:
             ids = sorted(keys.adapter_ids)
             for r in conn.execute(select(adapters).where(adapters.c.adapter_id.in_(ids))):
@@ -376,34 +460,7 @@ class AuditProjector:
                                   .where(worker_adapters.c.worker_id.in_(ids))):
                 state.worker_adapters.setdefault(r.worker_id, {})[
                     (r.adapter_id, r.version)] = dict(r._mapping)
-        return state
-
-    def _fold(self, conn: Connection, records: list[Record]) -> None:
-        if not records:
-            return
-        envelopes = [r.envelope for r in records]
-        state = self._load_state(conn, fold.touched_keys(envelopes))
-        for envelope in envelopes:
-            fold.apply(state, envelope)
-        upsert(conn, adapters, [state.adapters[k] for k in sorted(state.dirty_adapters)])
-        upsert(conn, adapter_versions, [state.versions[k] for k in sorted(state.dirty_versions)])
-        upsert(conn, aliases, [state.aliases[k] for k in sorted(state.dirty_aliases)])
-        upsert(conn, workers, [state.workers[k] for k in sorted(state.dirty_workers)])
-        if state.dirty_worker_adapters:
-            conn.execute(delete(worker_adapters).where(
-                worker_adapters.c.worker_id.in_(sorted(state.dirty_worker_adapters))))
-            copy_rows(conn, worker_adapters, [
-                row for w in sorted(state.dirty_worker_adapters)
-                for row in state.worker_adapters.get(w, {}).values()])
-        for table, rows in ((version_history, state.version_history),
-                            (split_history, state.split_history),
-                            (worker_heartbeats, state.worker_heartbeats),
-                            (worker_acks, state.worker_acks),
-                            (request_traces, state.request_traces)):
-            copy_rows(conn, table, rows)
-        if state.purges:
-            conn.execute(insert(purges).on_conflict_do_nothing(index_elements=["purge_id"]),
-                         state.purges)
+        state.mark_loaded(keys)
 
     # --- the loop -------------------------------------------------------------------------
 
@@ -432,10 +489,14 @@ class AuditProjector:
     def run(self, stop: threading.Event) -> None:
         """Project until `stop`; any failure drops the consumer and resumes from Postgres.
 
-        Reading runs one batch ahead in a thread, so decoding and validating batch n+1
-        overlaps writing batch n (the write mostly waits on PostgreSQL, which releases
-        the GIL). Offsets are still committed only with the rows they cover.
+        A thread polls and prepares batch n+1 (all the Python work) while this one
+        writes batch n, which mostly waits on PostgreSQL with the GIL released. Offsets
+        are still committed only with the rows they cover.
         """
+        with batch_sized_gc():
+            self._run(stop)
+
+    def _run(self, stop: threading.Event) -> None:
         backoff = 0.5
         last_log, written = time.monotonic(), 0
         while not stop.is_set():
@@ -454,25 +515,28 @@ class AuditProjector:
                 last_log, written = time.monotonic(), 0
 
     def _run_pipeline(self, stop: threading.Event) -> int:
-        self.consumer  # noqa: B018 - open (and seek) before the reader thread starts
-        ahead: queue.Queue[PolledBatch | BaseException] = queue.Queue(maxsize=1)
-        quit_reading = threading.Event()
+        self.consumer  # noqa: B018 - open (and seek) before the preparing thread starts
+        ahead: queue.Queue[PreparedBatch | BaseException] = queue.Queue(maxsize=1)
+        quit_preparing = threading.Event()
+        state = self._ahead  # this pipeline's; a failure replaces it on reopening
 
-        def read() -> None:
+        def hand(item: PreparedBatch | BaseException) -> None:
+            while not quit_preparing.is_set():
+                try:
+                    ahead.put(item, timeout=0.2)
+                    return
+                except queue.Full:
+                    continue
+
+        def prepare() -> None:
             try:
-                while not (quit_reading.is_set() or stop.is_set()):
-                    batch = self.poll_batch(timeout=0.2)
-                    while not quit_reading.is_set():
-                        try:
-                            ahead.put(batch, timeout=0.2)
-                            break
-                        except queue.Full:
-                            continue
+                while not (quit_preparing.is_set() or stop.is_set()):
+                    hand(self._prepare(self.poll_batch(timeout=0.2), state))
             except BaseException as exc:  # handed to the writer, which raises it
-                ahead.put(exc)
+                hand(exc)
 
-        reader = threading.Thread(target=read, name=f"{self.name}-reader", daemon=True)
-        reader.start()
+        preparer = threading.Thread(target=prepare, name=f"{self.name}-prepare", daemon=True)
+        preparer.start()
         written = 0
         try:
             while not stop.is_set():
@@ -484,8 +548,8 @@ class AuditProjector:
                     raise item
                 written += self.write_batch(item)
         finally:
-            quit_reading.set()
-            reader.join(timeout=10)
+            quit_preparing.set()
+            preparer.join()  # before close(): it uses the consumer and the prepared state
         return written
 
     def close(self) -> None:

@@ -12,9 +12,11 @@ from pathlib import Path
 
 import pytest
 from confluent_kafka import Producer
-from sqlalchemy import Connection, Engine, text
+from sqlalchemy import Connection, Engine, select, text
 
-from services.audit.projector import AuditProjector
+from services.audit import fold
+from services.audit.projector import AuditProjector, ProjectionConflict
+from services.audit.tables import adapter_versions, worker_adapters, workers
 from services.audit.verify import verify_store
 from services.config import Settings
 from tests.audit.conftest import count_events, drain
@@ -72,6 +74,38 @@ def test_failure_between_insert_and_commit_loses_and_duplicates_nothing(
     crashing.close()
     assert failures == 2
     assert_exactly_once(db_engine, produced)
+
+
+def test_a_second_projector_fences_the_first_whose_cached_state_is_then_reloaded(
+        audit_settings: Settings, projector: AuditProjector, db_engine: Engine) -> None:
+    produced = list(mixed(1200, seed=13))
+    produce(audit_settings, produced[:800])
+    settings = audit_settings.model_copy(update={"audit_batch_size": 200})
+    first, second = AuditProjector(settings, db_engine), AuditProjector(settings, db_engine)
+    try:
+        while count_events(db_engine) == 0:
+            first.project_batch(timeout=0.5)  # `first` now caches state and offsets
+        drain(second, 800)  # the rest, moving the offsets and state under `first`
+        produce(audit_settings, produced[800:])  # whose folding depends on that state
+        with pytest.raises(ProjectionConflict):
+            first.project_batch(timeout=0.5)
+        drain(first, len(produced))  # reopened: offsets and state reloaded from Postgres
+    finally:
+        first.close()
+        second.close()
+    assert_exactly_once(db_engine, produced)
+    expected = fold.FoldState()
+    for envelope in produced:
+        fold.apply(expected, envelope)
+    with db_engine.connect() as conn:
+        assert {r.worker_id: dict(r._mapping) for r in conn.execute(select(workers))
+                } == expected.workers
+        assert {(r.adapter_id, r.version): dict(r._mapping)
+                for r in conn.execute(select(adapter_versions))} == expected.versions
+        assert {(r.worker_id, r.adapter_id, r.version): dict(r._mapping)
+                for r in conn.execute(select(worker_adapters))} == {
+            (w, *k): row for w, rows in expected.worker_adapters.items()
+            for k, row in rows.items()}
 
 
 def _env(settings: Settings) -> dict[str, str]:
