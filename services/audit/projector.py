@@ -40,7 +40,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from services.audit import fold
 from services.audit.chain import GENESIS, link
 from services.audit.merkle import CompactRange, checkpoint_message, leaf_hash
-from services.audit.pgcopy import CopyFormat, copy_text
+from services.audit.pgcopy import CopyFormat, copy_data
 from services.audit.signing import CheckpointSigner, load_signer
 from services.audit.tables import (
     adapter_versions,
@@ -131,16 +131,16 @@ class PreparedBatch:
     positions: dict[PartitionKey, int]
     """Consumer offsets this batch moves."""
     rejected: list[Rejected]
-    events: str
-    """COPY text of the event rows (with their chain links) for the staging table."""
+    events: bytes
+    """COPY data of the event rows (with their chain links) for the staging table."""
     heads: list[dict[str, Any]]
     checkpoints: list[dict[str, Any]]
     upserts: list[tuple[Table, list[dict[str, Any]]]]
     """Current-state rows to overwrite, per table."""
     worker_sets: list[str]
     """Workers whose `worker_adapters` rows are replaced by those in `appends`."""
-    appends: list[tuple[str, str]]
-    """(COPY statement, COPY text) of the rows appended to state and history tables."""
+    appends: list[tuple[str, bytes]]
+    """(COPY statement, COPY data) of the rows appended to state and history tables."""
     purges: list[dict[str, Any]]
 
     @property
@@ -154,6 +154,13 @@ STAGE_NAMES = ("n", "topic", "partition", "offset", "event_id", "type", "schema_
                "trace_id", "canonical", "occurred_at", "prev_hash", "hash", "chain_index")
 STAGE_COLUMNS = ", ".join(f'"{c}"' for c in STAGE_NAMES[1:])
 STAGE_FORMAT = CopyFormat(events, STAGE_NAMES, into=STAGE)
+STAGE_DDL = f"""DO $$ BEGIN
+    IF to_regclass('pg_temp.{STAGE}') IS NULL THEN
+        CREATE TEMP TABLE {STAGE} ON COMMIT DELETE ROWS AS
+            SELECT 0::bigint AS n, {STAGE_COLUMNS} FROM events WITH NO DATA;
+        ALTER TABLE {STAGE} ALTER COLUMN canonical SET STORAGE EXTERNAL;
+    END IF;
+END $$"""
 APPEND_FORMATS = {t.name: CopyFormat(t) for t in (
     worker_adapters, version_history, split_history, worker_heartbeats, worker_acks,
     request_traces)}
@@ -283,7 +290,7 @@ class AuditProjector:
         changes = state.take_changes()
         ahead.heads.update(heads)
         ahead.positions.update(positions)
-        appends = [(APPEND_FORMATS[name].statement, APPEND_FORMATS[name].lines(rows))
+        appends = [(APPEND_FORMATS[name].statement, APPEND_FORMATS[name].data(rows))
                    for name, rows in (
                        ("worker_adapters", [row for w in changes.worker_adapters.values()
                                             for row in w]),
@@ -294,7 +301,7 @@ class AuditProjector:
                        ("request_traces", changes.request_traces)) if rows]
         return PreparedBatch(
             count=len(rows), positions=positions, rejected=batch.rejected,
-            events=STAGE_FORMAT.lines(rows),
+            events=STAGE_FORMAT.data(rows),
             heads=[{"topic": t, "partition": p, "size": h.size, "head_hash": h.head,
                     "frontier": h.tree.to_bytes()} for (t, p), h in heads.items()],
             checkpoints=due,
@@ -321,7 +328,7 @@ class AuditProjector:
                 conn.execute(delete(worker_adapters).where(
                     worker_adapters.c.worker_id.in_(prepared.worker_sets)))
             for statement, data in prepared.appends:
-                copy_text(conn, statement, data)
+                copy_data(conn, statement, data)
             if prepared.purges:
                 conn.execute(insert(purges).on_conflict_do_nothing(
                     index_elements=["purge_id"]), prepared.purges)
@@ -356,18 +363,18 @@ class AuditProjector:
         return prepared.count
 
     @staticmethod
-    def _insert_events(conn: Connection, data: str) -> None:
+    def _insert_events(conn: Connection, data: bytes) -> None:
         """COPY the rows into a staging table, then let PostgreSQL derive `payload`.
 
         Parsing the canonical bytes into jsonb server-side saves the projector a JSON
         parse and a JSON dump per event, and the stored payload is by construction the
-        one in the hashed bytes.
+        one in the hashed bytes. The staging copy of the bytes is not compressed (it
+        lives until commit): compressing it cost more than the COPY itself.
         """
         if not data:
             return
-        conn.execute(text(f"CREATE TEMP TABLE IF NOT EXISTS {STAGE} ON COMMIT DELETE ROWS AS "
-                          f"SELECT 0::bigint AS n, {STAGE_COLUMNS} FROM events WITH NO DATA"))
-        copy_text(conn, STAGE_FORMAT.statement, data)
+        conn.execute(text(STAGE_DDL))
+        copy_data(conn, STAGE_FORMAT.statement, data)
         conn.execute(text(f"INSERT INTO events ({STAGE_COLUMNS}, payload) SELECT {STAGE_COLUMNS}, "
                           f"convert_from(canonical, 'UTF8')::jsonb -> 'payload' FROM {STAGE} "
                           "ORDER BY n"))
