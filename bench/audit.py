@@ -115,6 +115,7 @@ def main() -> None:
 
         projector.on_batch = counted
         profiler = cProfile.Profile() if args.profile else None
+        load_before = os.getloadavg()
         t0 = time.perf_counter()
         if profiler:
             profiler.enable()
@@ -123,6 +124,7 @@ def main() -> None:
         if profiler:
             profiler.disable()
             pstats.Stats(profiler).sort_stats("cumulative").print_stats(45)
+            profiler.dump_stats(str(RESULTS.with_suffix(".prof")))
         projector.close()
         with engine.connect() as conn:
             assert conn.execute(select(func.count()).select_from(events)).scalar_one() == produced
@@ -135,6 +137,8 @@ def main() -> None:
         "batch_size": args.batch, "checkpoint_every": args.checkpoint_every,
         "partitions": args.partitions, "projection_seconds": round(project_s, 2),
         "events_per_second": round(rate), "produce_events_per_second": round(produced / produce_s),
+        "load_average_before": [round(x, 2) for x in load_before],
+        "load_average_after": [round(x, 2) for x in os.getloadavg()],
         "cpus": os.cpu_count(), "python": platform.python_version(),
         "machine": platform.machine(),
         "note": "broker, PostgreSQL, producer-free projector on the same machine",
