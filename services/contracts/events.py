@@ -17,6 +17,7 @@ import threading
 import time
 import uuid
 from datetime import UTC, datetime
+from functools import cache
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
@@ -25,6 +26,7 @@ from pydantic import (
     Field,
     SerializeAsAny,
     StringConstraints,
+    create_model,
     model_validator,
 )
 
@@ -333,6 +335,9 @@ def uuid7() -> uuid.UUID:
 # --- the envelope ------------------------------------------------------------------------
 
 
+# Events are built with `Envelope.new` or read with `codec.decode` / `codec.to_envelope`,
+# which both give the per-type subclass from `typed_envelope`, its payload typed. (The
+# docstring below is the published schema's description, hence this comment.)
 class Envelope(_Frozen):
     """One event on the log. Key = `stream`, so a stream stays ordered in one partition."""
 
@@ -347,14 +352,6 @@ class Envelope(_Frozen):
     trace_id: str | None = Field(None, pattern=r"^[0-9a-f]{32}$")
     payload: SerializeAsAny[Payload]
 
-    @model_validator(mode="before")
-    @classmethod
-    def _typed_payload(cls, data: Any) -> Any:
-        if isinstance(data, dict) and isinstance(data.get("payload"), dict):
-            data = {**data, "payload": payload_class(str(data.get("type"))).model_validate(
-                data["payload"])}
-        return data
-
     @model_validator(mode="after")
     def _type_matches_payload(self) -> Envelope:
         if self.payload.event_type() != self.type:
@@ -362,9 +359,8 @@ class Envelope(_Frozen):
                              f"{self.payload.event_type()!r}")
         return self
 
-    @classmethod
+    @staticmethod
     def new(
-        cls,
         payload: Payload,
         *,
         stream: str,
@@ -374,7 +370,7 @@ class Envelope(_Frozen):
         trace_id: str | None = None,
         occurred_at: datetime | None = None,
     ) -> Envelope:
-        return cls(
+        return typed_envelope(payload.event_type())(
             event_id=uuid7(),
             type=payload.event_type(),
             schema_version=payload.schema_version,
@@ -393,3 +389,21 @@ class Envelope(_Frozen):
     @property
     def is_barrier(self) -> bool:
         return isinstance(self.payload, ReplayBarrier)
+
+
+@cache
+def typed_envelope(event_type: str) -> type[Envelope]:
+    """The envelope of one event type: `type` and `schema_version` fixed, payload typed.
+
+    Every event in the process is one of these (what `Envelope.new` and the decoder
+    build), and the JSON Schema files in `schemas/events/` are generated from them.
+    """
+    cls = payload_class(event_type)
+    model: type[Envelope] = create_model(  # type: ignore[call-overload]
+        f"{event_type}Event",
+        __base__=Envelope,
+        type=(Literal[event_type], ...),  # type: ignore[valid-type]
+        schema_version=(Literal[cls.schema_version], ...),  # type: ignore[valid-type]
+        payload=(cls, ...),
+    )
+    return model

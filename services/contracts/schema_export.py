@@ -9,30 +9,17 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any, Literal
-
-from pydantic import create_model
+from typing import Any
 
 from services.contracts.codec import EVENT_SCHEMAS_DIR
-from services.contracts.events import PAYLOAD_TYPES, Envelope, Payload
+from services.contracts.events import PAYLOAD_TYPES, Envelope, Payload, typed_envelope
 
 DRAFT = "https://json-schema.org/draft/2020-12/schema"
 BASE_ID = "https://loraplane.dev/schemas/events/"
 
 
-def _typed_envelope(cls: type[Payload]) -> type[Envelope]:
-    name = cls.event_type()
-    return create_model(  # type: ignore[call-overload,no-any-return]
-        f"{name}Event",
-        __base__=Envelope,
-        type=(Literal[name], ...),  # type: ignore[valid-type]
-        schema_version=(Literal[cls.schema_version], ...),  # type: ignore[valid-type]
-        payload=(cls, ...),
-    )
-
-
 def event_schema(cls: type[Payload]) -> dict[str, Any]:
-    schema = _typed_envelope(cls).model_json_schema(mode="serialization")
+    schema = typed_envelope(cls.event_type()).model_json_schema(mode="serialization")
     return {"$schema": DRAFT, "$id": f"{BASE_ID}{cls.event_type()}.json",
             "description": (cls.__doc__ or cls.event_type()).strip().splitlines()[0],
             "x-topic": cls.topic, **{k: v for k, v in schema.items() if k != "description"}}
