@@ -1,21 +1,25 @@
-"""Rows to PostgreSQL's binary COPY format, built in Python ahead of the transaction.
+"""Rows to PostgreSQL's binary COPY format, built ahead of the transaction.
 
 The projector encodes every append-only row of a batch while the previous batch is
 still being written, then sends each table as one buffer; the transaction only moves
 bytes. Binary rather than text: PostgreSQL parses no text, and the event bytes travel
 as they are instead of as hex at twice their size (their COPY was the projector's most
-expensive statement). One encoder per column, chosen once from the column type, is also
-cheaper in Python than a per-value type dispatch.
+expensive statement). Rows are formatted by psycopg's C formatter with dumpers chosen
+once per column, about 3x cheaper than encoding field by field in Python.
 """
 
 from __future__ import annotations
 
-import json
 import struct
-from collections.abc import Callable, Sequence
-from datetime import UTC, datetime, timedelta
+from collections.abc import Sequence
+from datetime import UTC, datetime
 from typing import Any
 
+from psycopg import postgres
+from psycopg._copy_base import format_row_binary  # the C formatter behind Copy.write_row
+from psycopg.adapt import Transformer
+from psycopg.pq import Format
+from psycopg.types.json import Jsonb
 from sqlalchemy import (
     BigInteger,
     Boolean,
@@ -32,54 +36,27 @@ from sqlalchemy.dialects.postgresql import JSONB, UUID
 
 HEADER = b"PGCOPY\n\xff\r\n\x00" + struct.pack("!ii", 0, 0)
 TRAILER = struct.pack("!h", -1)
-NULL = struct.pack("!i", -1)
-PG_EPOCH = datetime(2000, 1, 1, tzinfo=UTC)
-MICROSECOND = timedelta(microseconds=1)
 
-_int2 = struct.Struct("!ih").pack
-_int4 = struct.Struct("!ii").pack
-_int8 = struct.Struct("!iq").pack
-_float8 = struct.Struct("!id").pack
-_length = struct.Struct("!i").pack
+# PostgreSQL type of each column type the audit tables use, for psycopg's binary dumpers.
+_PG_TYPES: tuple[tuple[type, str], ...] = (
+    (LargeBinary, "bytea"), (Boolean, "bool"), (JSONB, "jsonb"), (UUID, "uuid"),
+    (DateTime, "timestamptz"), (BigInteger, "int8"), (SmallInteger, "int2"),
+    (Integer, "int4"), (Float, "float8"), (Text, "text"),
+)
 
 
-def _bytes(value: bytes) -> bytes:
-    return _length(len(value)) + value
-
-
-def _text(value: str) -> bytes:
-    return _bytes(value.encode())
-
-
-def _uuid(value: Any) -> bytes:
-    return b"\x00\x00\x00\x10" + value.bytes
-
-
-def _timestamptz(value: datetime) -> bytes:
-    if value.tzinfo is None:  # the log's clock is UTC (`Envelope.new` writes it so)
-        value = value.replace(tzinfo=UTC)
-    return _int8(8, (value - PG_EPOCH) // MICROSECOND)
-
-
-def _bool(value: Any) -> bytes:
-    return b"\x00\x00\x00\x01\x01" if value else b"\x00\x00\x00\x01\x00"
-
-
-def _jsonb(value: Any) -> bytes:
-    return _bytes(b"\x01" + json.dumps(value).encode())  # jsonb binary: version 1, text
-
-
-def encoder(column_type: Any) -> Callable[[Any], bytes]:
-    """The binary COPY field (length and value) of one column's non-NULL values."""
-    for kind, encode in ((LargeBinary, _bytes), (Boolean, _bool), (JSONB, _jsonb),
-                         (UUID, _uuid), (DateTime, _timestamptz),
-                         (BigInteger, lambda v: _int8(8, v)),
-                         (SmallInteger, lambda v: _int2(2, v)),
-                         (Integer, lambda v: _int4(4, v)), (Float, lambda v: _float8(8, v)),
-                         (Text, _text)):
+def pg_type_oid(column_type: Any) -> int:
+    for kind, name in _PG_TYPES:
         if isinstance(column_type, kind):
-            return encode
-    raise TypeError(f"no binary COPY encoder for {column_type!r}")
+            info = postgres.types.get(name)
+            assert info is not None
+            return int(info.oid)
+    raise TypeError(f"no binary COPY type for {column_type!r}")
+
+
+def _utc(value: datetime | None) -> datetime | None:
+    """The log's clock is UTC (`Envelope.new` writes it so): a naive time is UTC."""
+    return value.replace(tzinfo=UTC) if value is not None and value.tzinfo is None else value
 
 
 class CopyFormat:
@@ -92,9 +69,13 @@ class CopyFormat:
         self.table = into or table.name
         self.names = tuple(names or (c.name for c in table.columns if not c.identity
                                      and c.server_default is None))
-        self._columns = [(n, encoder(table.c[n].type if n in table.c else BigInteger()))
-                         for n in self.names]
-        self._count = struct.pack("!h", len(self.names))
+        types = [table.c[n].type if n in table.c else BigInteger() for n in self.names]
+        # psycopg's own (C) binary row formatter, set up once with the column types: no
+        # connection is needed, so rows are encoded ahead of the transaction.
+        self._transformer = Transformer()
+        self._transformer.set_dumper_types([pg_type_oid(t) for t in types], Format.BINARY)
+        self._times = [i for i, t in enumerate(types) if isinstance(t, DateTime)]
+        self._jsons = [i for i, t in enumerate(types) if isinstance(t, JSONB)]
 
     @property
     def statement(self) -> str:
@@ -105,15 +86,18 @@ class CopyFormat:
         """The whole COPY stream for `rows` (empty when there are none)."""
         if not rows:
             return b""
-        columns, count = self._columns, self._count
-        out = [HEADER]
+        names, transformer, times, jsons = self.names, self._transformer, self._times, self._jsons
+        out = bytearray(HEADER)
         for row in rows:
-            out.append(count)
-            for name, encode in columns:
-                value = row[name]
-                out.append(NULL if value is None else encode(value))
-        out.append(TRAILER)
-        return b"".join(out)
+            values = [row[n] for n in names]
+            for i in times:
+                values[i] = _utc(values[i])
+            for i in jsons:
+                if values[i] is not None:
+                    values[i] = Jsonb(values[i])
+            format_row_binary(values, transformer, out)
+        out += TRAILER
+        return bytes(out)
 
 
 def copy_data(conn: Connection, statement: str, data: bytes) -> None:
