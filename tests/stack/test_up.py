@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import os
-import selectors
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,18 +40,28 @@ def _cli(*args: str) -> list[str]:
 
 
 def _wait_for_line(proc: subprocess.Popen[str], needle: str, timeout: float) -> str:
+    """Lines come from a reader thread: select() on a buffered text pipe can miss lines
+    that readline() already pulled into Python's buffer."""
     assert proc.stdout is not None
-    selector = selectors.DefaultSelector()
-    selector.register(proc.stdout, selectors.EVENT_READ)
+    lines: queue.Queue[str | None] = getattr(proc, "_lines", None) or queue.Queue()
+    if not hasattr(proc, "_lines"):
+        proc._lines = lines  # type: ignore[attr-defined]
+        stream = proc.stdout
+
+        def pump() -> None:
+            for line in stream:
+                lines.put(line)
+            lines.put(None)
+
+        threading.Thread(target=pump, daemon=True).start()
     seen = []
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not selector.select(timeout=0.5):
-            if proc.poll() is not None:
-                break
-            continue
-        line = proc.stdout.readline()
-        if not line and proc.poll() is not None:
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            line = lines.get(timeout=left)
+        except queue.Empty:
+            break
+        if line is None:
             break
         seen.append(line)
         if needle in line:
