@@ -69,7 +69,7 @@ def services(workdir: Path) -> Iterator[tuple[str, str]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--events", type=int, default=50_000)
-    parser.add_argument("--batch", type=int, default=2000)
+    parser.add_argument("--batch", type=int, default=Settings().audit_batch_size)
     parser.add_argument("--checkpoint-every", type=int, default=1000)
     parser.add_argument("--partitions", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="cProfile the projection")
