@@ -1,5 +1,5 @@
 """Project `scenario.story()` through real Kafka and PostgreSQL and print each compliance
-view's example query with its output, as shown in docs/audit.md.
+view's example query with its output, as shown in README.md (and services/audit/README.md).
 
     python -m tests.audit.docs_example
 """
