@@ -6,9 +6,11 @@ at answer time, so the answer to a retried Idempotency-Key is byte-for-byte the 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from datetime import datetime
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from fastapi import Response
 from pydantic import BaseModel, Field
 
 from services.contracts.events import (
@@ -28,6 +30,9 @@ from services.registry.domain import (
     rollback_target,
 )
 from services.registry.domain import BaseModel as BaseModelState
+
+if TYPE_CHECKING:
+    from services.registry.node import Committed
 
 T = TypeVar("T")
 
@@ -54,6 +59,28 @@ def event_ref(envelope: Envelope, position: LogPosition | None) -> EventRef:
 class Page(BaseModel, Generic[T]):
     items: list[T]
     next_cursor: str | None = Field(None, description="Pass as `cursor` for the next page.")
+
+
+S = TypeVar("S")
+
+
+def page_of(ordered: Sequence[S], limit: int, view: Callable[[S], T],
+            cursor: Callable[[S], object]) -> Page[T]:
+    """The first `limit` of `ordered` (already past the caller's cursor) as views, and the
+    cursor that continues after them when more remain."""
+    more = len(ordered) > limit
+    return Page(items=[view(s) for s in ordered[:limit]],
+                next_cursor=str(cursor(ordered[limit - 1])) if more else None)
+
+
+def answer_headers(response: Response, committed: Committed, *, etag: bool = True) -> None:
+    """Headers of a write's answer: whether it replays an idempotent first answer, and the
+    stream's version for the next If-Match."""
+    if committed.replayed:
+        response.headers["Idempotent-Replayed"] = "true"
+    if etag:
+        response.headers["ETag"] = f'"{committed.envelope.seq}"'
+
 
 
 class VersionView(BaseModel):

@@ -43,7 +43,9 @@ from services.registry.views import (
     Page,
     VersionView,
     adapter_view,
+    answer_headers,
     change_view,
+    page_of,
     published_view,
     version_view,
 )
@@ -57,12 +59,6 @@ VersionPath = Annotated[int, Path(ge=1, le=2**31)]
 
 ERRORS: dict[int | str, dict[str, object]] = {
     code: {"model": ErrorBody} for code in (401, 403, 404, 409, 412, 422, 503)}
-
-
-def _answer(response: Response, committed: Committed) -> None:
-    if committed.replayed:
-        response.headers["Idempotent-Replayed"] = "true"
-    response.headers["ETag"] = f'"{committed.envelope.seq}"'
 
 
 def _read_upload(upload: UploadFile, limit: int, what: str) -> tuple[IO[bytes], int]:
@@ -127,7 +123,7 @@ def publish(
             base = precheck_publish(node.state, request, expected)
             base_config = dict(base.config)
     if prior is not None:
-        _answer(response, Committed(prior.envelope, prior.position, replayed=True))
+        answer_headers(response, Committed(prior.envelope, prior.position, replayed=True))
         return published_view(prior.envelope, prior.position)
 
     settings = node.settings
@@ -149,7 +145,7 @@ def publish(
     committed = node.execute(
         "publish", lambda s: publish_version(s, request, facts, expected, key),
         actor=principal.actor, idempotency_key=key, expect=expect, trace_id=trace)
-    _answer(response, committed)
+    answer_headers(response, committed)
     return published_view(committed.envelope, committed.position)
 
 
@@ -165,9 +161,7 @@ def list_adapters(
                            if a.versions and principal.may_read_for(a.tenant)
                            and (cursor is None or a.adapter_id > cursor)),
                           key=lambda a: a.adapter_id)
-        items = [adapter_view(a) for a in adapters[:limit]]
-    more = len(adapters) > limit
-    return Page[AdapterView](items=items, next_cursor=items[-1].adapter_id if more else None)
+        return page_of(adapters, limit, adapter_view, lambda a: a.adapter_id)
 
 
 @router.get("/{adapter_id}", response_model=AdapterView, responses=ERRORS)
@@ -192,9 +186,8 @@ def list_versions(
         adapter = node.state.adapter(adapter_id)
         ensure_read_scope(principal, adapter.tenant)
         numbers = sorted(n for n in adapter.versions if cursor is None or n > cursor)
-        items = [version_view(adapter, adapter.versions[n]) for n in numbers[:limit]]
-    more = len(numbers) > limit
-    return Page[VersionView](items=items, next_cursor=str(items[-1].version) if more else None)
+        return page_of(numbers, limit, lambda n: version_view(adapter, adapter.versions[n]),
+                       lambda n: n)
 
 
 @router.get("/{adapter_id}/versions/{version}", response_model=VersionView, responses=ERRORS)
@@ -221,7 +214,7 @@ class ReasonBody(BaseModel):
 
 
 def _change(response: Response, committed: Committed) -> AdapterChange:
-    _answer(response, committed)
+    answer_headers(response, committed)
     return change_view(committed.envelope, committed.position)
 
 

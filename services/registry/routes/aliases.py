@@ -19,7 +19,15 @@ from services.registry.deps import (
     ensure_write_scope,
 )
 from services.registry.domain import alias_stream, set_split
-from services.registry.views import AliasView, ErrorBody, Page, alias_view, split_changed_view
+from services.registry.views import (
+    AliasView,
+    ErrorBody,
+    Page,
+    alias_view,
+    answer_headers,
+    page_of,
+    split_changed_view,
+)
 
 router = APIRouter(prefix="/v1/aliases", tags=["aliases"])
 ERRORS: dict[int | str, dict[str, Any]] = {
@@ -49,9 +57,7 @@ def put_split(alias: AliasPath, body: SplitBody, principal: Writer, node: Node,
         "split", lambda s: set_split(s, alias, body.split, expected, key),
         actor=principal.actor, idempotency_key=key,
         expect=("TrafficSplitChanged", alias_stream(alias)), trace_id=trace)
-    if committed.replayed:
-        response.headers["Idempotent-Replayed"] = "true"
-    response.headers["ETag"] = f'"{committed.envelope.seq}"'
+    answer_headers(response, committed)
     return split_changed_view(committed.envelope, committed.position)
 
 
@@ -65,9 +71,7 @@ def list_aliases(
         aliases = sorted((a for a in node.state.aliases.values()
                           if principal.may_read_for(a.tenant)
                           and (cursor is None or a.alias > cursor)), key=lambda a: a.alias)
-        items = [alias_view(a) for a in aliases[:limit]]
-    return Page[AliasView](items=items,
-                           next_cursor=items[-1].alias if len(aliases) > limit else None)
+        return page_of(aliases, limit, alias_view, lambda a: a.alias)
 
 
 @router.get("/{alias}", response_model=AliasView, responses=ERRORS)

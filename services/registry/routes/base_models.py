@@ -13,6 +13,7 @@ from services.registry.validation import BaseModelShape
 from services.registry.views import (
     BaseModelView,
     ErrorBody,
+    answer_headers,
     base_model_registered_view,
     base_model_view,
 )
@@ -42,8 +43,7 @@ def register(body: BaseModelBody, principal: Admin, node: Node, response: Respon
         lambda s: register_base_model(s, body.name, body.digest, body.config, key),
         actor=principal.actor, idempotency_key=key,
         expect=("BaseModelRegistered", base_model_stream(body.name)), trace_id=trace)
-    if committed.replayed:
-        response.headers["Idempotent-Replayed"] = "true"
+    answer_headers(response, committed, etag=False)
     return base_model_registered_view(committed.envelope, committed.position)
 
 
