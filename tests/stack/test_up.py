@@ -112,11 +112,13 @@ def test_killed_up_leaves_nothing_running(scratch: Path) -> None:
     env = _env(scratch / "state", LORAPLANE_KAFKA_BROKER="tansu")
     up = subprocess.Popen(_cli("up"), cwd=REPO, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)
-    _wait_for_line(up, "loraplane is up", timeout=120)
-    children = _descendants(up.pid)
-    assert children
-    up.kill()  # no chance to clean up: the parent-death signal must do it
-    up.wait(10)
+    try:
+        _wait_for_line(up, "loraplane is up", timeout=120)
+        children = _descendants(up.pid)
+        assert children
+    finally:
+        up.kill()  # no chance to clean up: the parent-death signal must do it
+        up.wait(10)
     assert _all_gone(children) == []
 
 
