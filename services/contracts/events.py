@@ -30,9 +30,14 @@ from pydantic import (
     model_validator,
 )
 
-Slug = Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9._-]{0,62}$")]
+SLUG_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,62}$"
+"""Tenant org / team / project: also checked on REST paths and forms before any event."""
+ID_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,127}$"
+"""Adapter ids, aliases and base-model names."""
+
+Slug = Annotated[str, StringConstraints(pattern=SLUG_PATTERN)]
 Sha256Hex = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
-AdapterId = Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9._-]{0,127}$")]
+AdapterId = Annotated[str, StringConstraints(pattern=ID_PATTERN)]
 QosTier = Literal["platinum", "gold", "silver", "bronze"]
 Version = Annotated[int, Field(ge=1)]
 

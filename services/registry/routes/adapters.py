@@ -7,7 +7,7 @@ from typing import IO, Annotated, Literal
 from fastapi import APIRouter, File, Form, Path, Query, Response, UploadFile
 from pydantic import BaseModel, Field
 
-from services.contracts.events import AdapterVersionPublished, TenantRef
+from services.contracts.events import ID_PATTERN, SLUG_PATTERN, AdapterVersionPublished, TenantRef
 from services.registry.deps import (
     Blobs,
     ExpectedVersion,
@@ -52,8 +52,6 @@ from services.registry.views import (
 
 router = APIRouter(prefix="/v1/adapters", tags=["adapters"])
 
-ID_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,127}$"
-SLUG_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,62}$"
 AdapterIdPath = Annotated[str, Path(pattern=ID_PATTERN)]
 VersionPath = Annotated[int, Path(ge=1, le=2**31)]
 

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, HTTPException, Path, Query, Response
 from pydantic import BaseModel, Field
 
-from services.contracts.events import SplitEntry
+from services.contracts.events import ID_PATTERN, SplitEntry
 from services.registry.deps import (
     ExpectedVersion,
     IdempotencyKey,
@@ -32,7 +32,7 @@ from services.registry.views import (
 router = APIRouter(prefix="/v1/aliases", tags=["aliases"])
 ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorBody} for code in (401, 403, 404, 409, 412, 422, 503)}
-AliasPath = Annotated[str, Path(pattern=r"^[a-z0-9][a-z0-9._-]{0,127}$")]
+AliasPath = Annotated[str, Path(pattern=ID_PATTERN)]
 
 
 class SplitBody(BaseModel):

@@ -7,6 +7,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, HTTPException, Path, Response
 from pydantic import BaseModel, Field
 
+from services.contracts.events import ID_PATTERN
 from services.registry.deps import Admin, IdempotencyKey, Node, Reader, TraceId
 from services.registry.domain import base_model_stream, register_base_model
 from services.registry.validation import BaseModelShape
@@ -21,11 +22,11 @@ from services.registry.views import (
 router = APIRouter(prefix="/v1/base-models", tags=["base models"])
 ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorBody} for code in (401, 403, 404, 409, 422, 503)}
-NamePath = Annotated[str, Path(pattern=r"^[a-z0-9][a-z0-9._-]{0,127}$")]
+NamePath = Annotated[str, Path(pattern=ID_PATTERN)]
 
 
 class BaseModelBody(BaseModel):
-    name: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]{0,127}$")
+    name: str = Field(pattern=ID_PATTERN)
     digest: str = Field(pattern=r"^[0-9a-f]{64}$", description="sha256 of the base weights")
     config: dict[str, Any] = Field(description="The model's config.json")
 

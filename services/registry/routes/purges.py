@@ -8,7 +8,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, HTTPException, Path
 from pydantic import BaseModel, Field
 
-from services.contracts.events import TenantPurgeRequested, TenantRef, uuid7
+from services.contracts.events import SLUG_PATTERN, TenantPurgeRequested, TenantRef, uuid7
 from services.registry.deps import (
     IdempotencyKey,
     Node,
@@ -24,7 +24,7 @@ from services.registry.views import ErrorBody, PurgeView, event_ref, purge_view
 router = APIRouter(prefix="/v1", tags=["purges"])
 ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorBody} for code in (401, 403, 404, 409, 422, 503)}
-Slug = Annotated[str, Path(pattern=r"^[a-z0-9][a-z0-9._-]{0,62}$")]
+Slug = Annotated[str, Path(pattern=SLUG_PATTERN)]
 
 
 class PurgeBody(BaseModel):
