@@ -162,6 +162,10 @@ class TenantPurgeRequested(Payload):
     purge_id: str = Field(min_length=1, max_length=64)
     deadline_s: float = Field(gt=0, le=86400)
     hard: bool = Field(True, description="Abort running sequences instead of letting them end.")
+    expected_workers: list[str] = Field(
+        default_factory=list,
+        description="Workers live when the registry decided the purge: each must acknowledge "
+                    "(services/catalog/purge.py). Events written before this field list none.")
     idempotency_key: str | None = Field(
         None, max_length=128, description="Client Idempotency-Key of the command (with the actor).")
 

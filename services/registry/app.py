@@ -17,10 +17,10 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from services.catalog.state import Refusal
 from services.config import Settings
 from services.registry.auth import TokenBook
 from services.registry.blobstore import LocalBlobStore
-from services.registry.domain import Refusal
 from services.registry.metrics import RegistryMetrics
 from services.registry.node import RegistryNode, WritesUnavailable
 from services.registry.routes import adapters, aliases, base_models, blobs, health, purges

@@ -13,10 +13,10 @@ from typing import Annotated
 from fastapi import Depends, Header, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from services.catalog.state import Adapter
 from services.contracts.events import TenantRef
 from services.registry.auth import Principal, Role, TokenBook
 from services.registry.blobstore import LocalBlobStore
-from services.registry.domain import Adapter
 from services.registry.node import RegistryNode
 
 bearer = HTTPBearer(auto_error=False, description="A registry token (stored hashed).")

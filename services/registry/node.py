@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
+from services.catalog.state import CatalogState, LogPosition
 from services.config import Settings
 from services.contracts.events import Envelope, ReplayBarrier
 from services.eventlog import (
@@ -38,13 +39,7 @@ from services.eventlog import (
     RecordPosition,
     ensure_topics,
 )
-from services.registry.domain import (
-    Decision,
-    LogPosition,
-    RegistryState,
-    next_epoch,
-    renew_lease,
-)
+from services.registry.domain import Decision, next_epoch, renew_lease
 from services.registry.metrics import RegistryMetrics
 
 log = logging.getLogger("loraplane.registry")
@@ -77,7 +72,7 @@ class RegistryNode:
         self.settings = settings
         self.metrics = metrics or RegistryMetrics()
         self.registry_id = registry_id or f"registry-{uuid.uuid4().hex[:12]}"
-        self.state = RegistryState(stale_after_s=settings.stale_lease_threshold_s)
+        self.state = CatalogState(stale_after_s=settings.stale_lease_threshold_s)
         self.state_lock = threading.RLock()
         self._folded = threading.Condition(self.state_lock)
         self._applied: dict[Partition, int] = {}
@@ -227,7 +222,7 @@ class RegistryNode:
 
     # --- writes --------------------------------------------------------------------------
 
-    def execute(self, command: str, decide: Callable[[RegistryState], Decision], *,
+    def execute(self, command: str, decide: Callable[[CatalogState], Decision], *,
                 actor: str, idempotency_key: str | None = None,
                 expect: tuple[str, str] | None = None, trace_id: str | None = None) -> Committed:
         """Run one command; `expect` is (event type, stream) for idempotent replays."""

@@ -13,6 +13,15 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 from fastapi import Response
 from pydantic import BaseModel, Field
 
+from services.catalog.state import (
+    Adapter,
+    AdapterVersion,
+    Alias,
+    LogPosition,
+    Purge,
+    rollback_target,
+)
+from services.catalog.state import BaseModel as BaseModelState
 from services.contracts.events import (
     AdapterVersionPublished,
     BaseModelRegistered,
@@ -21,15 +30,6 @@ from services.contracts.events import (
     TenantRef,
     TrafficSplitChanged,
 )
-from services.registry.domain import (
-    Adapter,
-    AdapterVersion,
-    Alias,
-    LogPosition,
-    Purge,
-    rollback_target,
-)
-from services.registry.domain import BaseModel as BaseModelState
 
 if TYPE_CHECKING:
     from services.registry.node import Committed
@@ -230,7 +230,8 @@ class PurgeView(BaseModel):
     hard: bool
     status: str = Field(description="met | missed | pending")
     expected_workers: list[str] = Field(
-        description="Workers with a fresh heartbeat when the purge was requested")
+        description="Workers with a fresh heartbeat when the purge was requested (listed in "
+                    "the request event); each must acknowledge")
     acks: list[PurgeAckView]
     event: EventRef | None = None
 
@@ -246,7 +247,7 @@ def purge_view(purge: Purge, now: datetime, event: EventRef | None = None) -> Pu
                            adapters_unloaded=a.adapters_unloaded,
                            sequences_aborted=a.sequences_aborted,
                            refcounts_zero=a.refcounts_zero)
-              for a in sorted(purge.acks.values(), key=lambda a: a.acked_at)],
+              for a in sorted(purge.acks, key=lambda a: a.acked_at)],
         event=event)
 
 

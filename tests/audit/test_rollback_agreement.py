@@ -15,8 +15,8 @@ import pytest
 from sqlalchemy import Engine, text
 
 from services.audit.projector import AuditProjector
+from services.catalog.state import rollback_target
 from services.config import Settings
-from services.registry.domain import rollback_target
 from tests.registry.artifacts import build_adapter
 from tests.registry.conftest import (
     RunningRegistry,

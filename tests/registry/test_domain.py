@@ -9,19 +9,21 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from services.catalog.state import (
+    CatalogState,
+    LogPosition,
+    Refusal,
+    rollback_candidates,
+    rollback_target,
+)
 from services.contracts.events import Envelope, SplitEntry, TenantPurged, TenantRef, WorkerHeartbeat
 from services.registry.domain import (
     ArtifactFacts,
     Decision,
-    LogPosition,
     PublishRequest,
-    Refusal,
-    RegistryState,
     register_base_model,
     request_purge,
     roll_back,
-    rollback_candidates,
-    rollback_target,
     set_disabled,
     set_split,
     switch_active,
@@ -36,7 +38,7 @@ _offsets = itertools.count()
 Log = list[tuple[Envelope, LogPosition]]
 
 
-def commit(state: RegistryState, decision: Decision, actor: str = "admin:x",
+def commit(state: CatalogState, decision: Decision, actor: str = "admin:x",
            at: datetime | None = None, log: Log | None = None) -> Envelope:
     envelope = Envelope.new(decision.payload, stream=decision.stream, seq=decision.seq,
                             actor=actor, tenant=decision.tenant, occurred_at=at)
@@ -51,8 +53,8 @@ def facts(n: int) -> ArtifactFacts:
     return ArtifactFacts(f"{n:064x}", DIGEST, 10, 4, 8.0, ("q_proj",), "float16")
 
 
-def with_versions(count: int, log: Log | None = None) -> RegistryState:
-    state = RegistryState()
+def with_versions(count: int, log: Log | None = None) -> CatalogState:
+    state = CatalogState()
     commit(state, register_base_model(state, "llama", DIGEST, {"hidden_size": 64}), log=log)
     for n in range(1, count + 1):
         commit(state, publish_cmd(state, PublishRequest("bot", TENANT, "o", "llama", f"v{n}"),
@@ -131,24 +133,47 @@ def test_split_refusals(split: list[tuple[str, int, int]], kind: str) -> None:
 
 
 def test_purge_status_from_heartbeats_and_acks() -> None:
-    state = RegistryState(stale_after_s=30)
+    state = CatalogState(stale_after_s=30)
     t0 = datetime(2030, 1, 1, tzinfo=UTC)
-    for worker, age in (("w1", 5), ("w2", 10), ("old", 120)):
+    # "late" beats after the decision time: not live then, whatever order it is read in
+    for worker, age in (("w1", 5), ("w2", 10), ("old", 120), ("late", -60)):
         state.apply(Envelope.new(WorkerHeartbeat(worker_id=worker, address="a", base_model="m",
                                                  base_model_digest=DIGEST),
                                  stream=f"worker/{worker}", seq=1, actor=worker,
                                  occurred_at=t0 - timedelta(seconds=age)))
-    commit(state, request_purge(state, TENANT, "p1", 60), at=t0)
+    commit(state, request_purge(state, TENANT, "p1", 60, now=t0), at=t0)
     purge = state.purges["p1"]
     assert purge.expected_workers == ("w1", "w2") and purge.status(t0) == "pending"
-    for worker, delay in (("w1", 10), ("w2", 90)):
+
+    def ack(worker: str, delay: int, refcounts_zero: bool = True) -> None:
         state.apply(Envelope.new(TenantPurged(worker_id=worker, purge_id="p1",
                                               kv_blocks_freed=1, adapters_unloaded=0,
-                                              refcounts_zero=True),
+                                              refcounts_zero=refcounts_zero),
                                  stream=f"worker/{worker}", seq=2, actor=worker,
                                  occurred_at=t0 + timedelta(seconds=delay)))
-    assert purge.status(t0 + timedelta(seconds=100)) == "missed"
+
+    ack("w1", 5, refcounts_zero=False)  # references still held: does not count
+    ack("w2", 10)
+    assert purge.status(t0 + timedelta(seconds=30)) == "pending"
+    ack("w1", 20)  # a later ack with refcounts at zero counts, not only the first
+    assert purge.status(t0 + timedelta(seconds=30)) == "met"
+    ack("w1", 90)  # late acks never undo a met purge
+    assert purge.status(t0 + timedelta(seconds=100)) == "met"
     assert state.tenant_seqs["tenant/acme/search/prod"] == 1
+
+
+def test_purge_missed_when_an_expected_worker_acks_late() -> None:
+    state = CatalogState(stale_after_s=30)
+    t0 = datetime(2030, 1, 1, tzinfo=UTC)
+    state.apply(Envelope.new(WorkerHeartbeat(worker_id="w1", address="a", base_model="m",
+                                             base_model_digest=DIGEST),
+                             stream="worker/w1", seq=1, actor="w1", occurred_at=t0))
+    commit(state, request_purge(state, TENANT, "p1", 60, now=t0), at=t0)
+    state.apply(Envelope.new(TenantPurged(worker_id="w1", purge_id="p1", kv_blocks_freed=1,
+                                          adapters_unloaded=0, refcounts_zero=True),
+                             stream="worker/w1", seq=2, actor="w1",
+                             occurred_at=t0 + timedelta(seconds=61)))
+    assert state.purges["p1"].status(t0 + timedelta(seconds=61)) == "missed"
 
 
 def test_idempotency_key_is_scoped_to_actor_and_request() -> None:
@@ -194,7 +219,7 @@ def test_folding_the_events_again_gives_the_same_state(commands: list) -> None:
         except Refusal:
             continue
         commit(state, decision, actor="publisher:abc", log=log)
-    replayed = RegistryState()
+    replayed = CatalogState()
     seen = {e.event_id for e, _ in log}
     for envelope, position in log:
         replayed.apply(envelope, position)

@@ -6,8 +6,8 @@ import copy
 
 import pytest
 
+from services.catalog.state import CatalogState
 from services.config import Settings
-from services.registry.domain import RegistryState
 from tests.registry.artifacts import build_adapter
 from tests.registry.conftest import (
     RunningRegistry,
@@ -20,7 +20,7 @@ from tests.registry.conftest import (
 pytestmark = pytest.mark.slow
 
 
-def _snapshot(running: RunningRegistry) -> RegistryState:
+def _snapshot(running: RunningRegistry) -> CatalogState:
     with running.node.state_lock:
         state = copy.deepcopy(running.node.state)
     state.lease = None  # each instance leases on its own; everything else must agree

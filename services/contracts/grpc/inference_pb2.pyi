@@ -21,6 +21,13 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_ABORTED: _ClassVar[FinishReason]
+    FINISH_REASON_ERROR: _ClassVar[FinishReason]
+
+class PrefetchTier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PREFETCH_TIER_UNSPECIFIED: _ClassVar[PrefetchTier]
+    PREFETCH_TIER_HOST: _ClassVar[PrefetchTier]
+    PREFETCH_TIER_DEVICE: _ClassVar[PrefetchTier]
 QOS_TIER_UNSPECIFIED: QosTier
 QOS_TIER_BRONZE: QosTier
 QOS_TIER_SILVER: QosTier
@@ -30,6 +37,10 @@ FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_ABORTED: FinishReason
+FINISH_REASON_ERROR: FinishReason
+PREFETCH_TIER_UNSPECIFIED: PrefetchTier
+PREFETCH_TIER_HOST: PrefetchTier
+PREFETCH_TIER_DEVICE: PrefetchTier
 
 class TenantSignature(_message.Message):
     __slots__ = ("org_id", "team_id", "project_id", "user_id", "compliance_scope", "region_hint", "qos_tier")
@@ -66,18 +77,22 @@ class PinnedVersion(_message.Message):
     def __init__(self, adapter_id: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "seed", "stop")
+    __slots__ = ("max_tokens", "temperature", "top_p", "seed", "stop", "min_tokens", "ignore_eos")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
     seed: int
     stop: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
+    min_tokens: int
+    ignore_eos: bool
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., min_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "tenant", "adapter", "text", "token_ids", "sampling", "trace_id")
@@ -154,3 +169,31 @@ class FinalUsage(_message.Message):
     time_to_first_token_ms: float
     total_ms: float
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., served_adapter: _Optional[_Union[ServedAdapter, _Mapping]] = ..., base_model_digest: _Optional[str] = ..., trace_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., time_to_first_token_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
+
+class PrefetchRequest(_message.Message):
+    __slots__ = ("adapters", "tier", "reason")
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    adapters: _containers.RepeatedCompositeFieldContainer[PinnedVersion]
+    tier: PrefetchTier
+    reason: str
+    def __init__(self, adapters: _Optional[_Iterable[_Union[PinnedVersion, _Mapping]]] = ..., tier: _Optional[_Union[PrefetchTier, str]] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class PrefetchStatus(_message.Message):
+    __slots__ = ("adapter", "accepted", "tier", "detail")
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    adapter: PinnedVersion
+    accepted: bool
+    tier: str
+    detail: str
+    def __init__(self, adapter: _Optional[_Union[PinnedVersion, _Mapping]] = ..., accepted: _Optional[bool] = ..., tier: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class PrefetchReply(_message.Message):
+    __slots__ = ("adapters",)
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    adapters: _containers.RepeatedCompositeFieldContainer[PrefetchStatus]
+    def __init__(self, adapters: _Optional[_Iterable[_Union[PrefetchStatus, _Mapping]]] = ...) -> None: ...

@@ -96,3 +96,82 @@ class Inference:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class WorkerControlStub:
+    """The internal control surface of a worker: the router's prefetch hints. Never exposed
+    on the public request path (the router and workers share it on the internal network).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Prefetch = channel.unary_unary(
+                '/loraplane.v1.WorkerControl/Prefetch',
+                request_serializer=inference__pb2.PrefetchRequest.SerializeToString,
+                response_deserializer=inference__pb2.PrefetchReply.FromString,
+                _registered_method=True)
+
+
+class WorkerControlServicer:
+    """The internal control surface of a worker: the router's prefetch hints. Never exposed
+    on the public request path (the router and workers share it on the internal network).
+    """
+
+    def Prefetch(self, request, context):
+        """Bring adapter versions into a tier ahead of traffic; answers once each was queued.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_WorkerControlServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Prefetch': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prefetch,
+                    request_deserializer=inference__pb2.PrefetchRequest.FromString,
+                    response_serializer=inference__pb2.PrefetchReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'loraplane.v1.WorkerControl', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('loraplane.v1.WorkerControl', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class WorkerControl:
+    """The internal control surface of a worker: the router's prefetch hints. Never exposed
+    on the public request path (the router and workers share it on the internal network).
+    """
+
+    @staticmethod
+    def Prefetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loraplane.v1.WorkerControl/Prefetch',
+            inference__pb2.PrefetchRequest.SerializeToString,
+            inference__pb2.PrefetchReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -7,6 +7,7 @@ from typing import IO, Annotated, Literal
 from fastapi import APIRouter, File, Form, Path, Query, Response, UploadFile
 from pydantic import BaseModel, Field
 
+from services.catalog.state import adapter_stream
 from services.contracts.events import ID_PATTERN, SLUG_PATTERN, AdapterVersionPublished, TenantRef
 from services.registry.deps import (
     Blobs,
@@ -22,7 +23,6 @@ from services.registry.deps import (
 )
 from services.registry.domain import (
     PublishRequest,
-    adapter_stream,
     precheck_publish,
     publish_version,
     roll_back,

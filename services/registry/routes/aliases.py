@@ -7,6 +7,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, HTTPException, Path, Query, Response
 from pydantic import BaseModel, Field
 
+from services.catalog.state import alias_stream
 from services.contracts.events import ID_PATTERN, SplitEntry
 from services.registry.deps import (
     ExpectedVersion,
@@ -18,7 +19,7 @@ from services.registry.deps import (
     ensure_read_scope,
     ensure_write_scope,
 )
-from services.registry.domain import alias_stream, set_split
+from services.registry.domain import set_split
 from services.registry.views import (
     AliasView,
     ErrorBody,

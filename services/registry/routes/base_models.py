@@ -7,9 +7,10 @@ from typing import Annotated, Any
 from fastapi import APIRouter, HTTPException, Path, Response
 from pydantic import BaseModel, Field
 
+from services.catalog.state import base_model_stream
 from services.contracts.events import ID_PATTERN
 from services.registry.deps import Admin, IdempotencyKey, Node, Reader, TraceId
-from services.registry.domain import base_model_stream, register_base_model
+from services.registry.domain import register_base_model
 from services.registry.validation import BaseModelShape
 from services.registry.views import (
     BaseModelView,

@@ -8,6 +8,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, HTTPException, Path
 from pydantic import BaseModel, Field
 
+from services.catalog.state import tenant_stream
 from services.contracts.events import SLUG_PATTERN, TenantPurgeRequested, TenantRef, uuid7
 from services.registry.deps import (
     IdempotencyKey,
@@ -18,7 +19,7 @@ from services.registry.deps import (
     ensure_read_scope,
     ensure_write_scope,
 )
-from services.registry.domain import request_purge, tenant_stream
+from services.registry.domain import request_purge
 from services.registry.views import ErrorBody, PurgeView, event_ref, purge_view
 
 router = APIRouter(prefix="/v1", tags=["purges"])

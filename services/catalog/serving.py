@@ -1,0 +1,164 @@
+"""Which adapter version serves a request: the one rule the router and every worker apply.
+
+A request names an adapter either by reference (an alias, or an adapter id meaning its
+active version) or pinned (`adapter_id@version`). The router resolves references and
+sends workers the pinned result; a worker without a router resolves them itself. Both
+call `resolve` on their own fold of the same log, so they agree.
+
+Canary assignment is deterministic and sticky: a user's point in [0, 10000) is a hash
+of the alias, the tenant and the user id; split entries are laid out on that line newest
+version first, each taking `weight`% of it. So while a split stays the same, a user
+keeps their version, and moving weight from an older to a newer version (5 → 25) only
+moves users toward the newer one. A user whose entry cannot be served (disabled, rolled
+back) takes the next servable entry in the same order; nobody else moves.
+
+Refusals use `Refusal.kind`: `not_found` (no such adapter, alias or version),
+`forbidden` (it belongs to another tenant: never served, whatever the version), and
+`precondition` (exists but may not be served now: disabled, rolled back, not active or
+in a split, built for another base model).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from services.catalog.state import Adapter, AdapterVersion, CatalogState, Refusal
+from services.contracts.events import SplitEntry, TenantRef
+
+POINTS = 10_000
+"""Resolution of the assignment line: weights are whole percents, so 100 points each."""
+
+
+@dataclass(frozen=True)
+class ServingChoice:
+    """The adapter version a request is served with, and what a worker needs to load it."""
+
+    adapter_id: str
+    version: int
+    sha256: str
+    config_sha256: str
+    qos_tier: str
+    tenant: TenantRef | None
+    alias: str | None = None
+    """The alias the choice came from, when it came from one."""
+
+    @property
+    def pinned(self) -> str:
+        return f"{self.adapter_id}@{self.version}"
+
+
+def user_point(scope: str, tenant: TenantRef, user_id: str) -> int:
+    """A user's fixed place on the assignment line of `scope` (an alias or adapter id)."""
+    digest = hashlib.sha256(f"{scope}\x1f{tenant.key}\x1f{user_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") % POINTS
+
+
+def split_order(split: Sequence[SplitEntry]) -> list[SplitEntry]:
+    """Entries as laid out on the line: newest version first (ties by adapter id)."""
+    return sorted(split, key=lambda e: (-e.version, e.adapter_id))
+
+
+def entry_at(split: Sequence[SplitEntry], point: int) -> int:
+    """Index (in `split_order`) of the entry whose stretch of the line holds `point`."""
+    ordered = split_order(split)
+    edge = 0
+    for index, entry in enumerate(ordered):
+        edge += entry.weight * (POINTS // 100)
+        if point < edge:
+            return index
+    return len(ordered) - 1  # weights sum to 100, so only reached by rounding
+
+
+def unservable_reason(adapter: Adapter, number: int, version: AdapterVersion) -> str | None:
+    """Why this version may never be served now, whichever way it was asked for."""
+    if version.disabled:
+        reason = f": {version.disabled_reason}" if version.disabled_reason else ""
+        return f"{adapter.adapter_id}@{number} is disabled{reason}"
+    if version.rolled_back:
+        return f"{adapter.adapter_id}@{number} was rolled back"
+    return None
+
+
+def _choice(adapter: Adapter, number: int, alias: str | None) -> ServingChoice:
+    p = adapter.versions[number].published
+    return ServingChoice(adapter.adapter_id, number, p.sha256, p.config_sha256, p.qos_tier,
+                         adapter.tenant, alias)
+
+
+def _owned(state: CatalogState, adapter_id: str, tenant: TenantRef) -> Adapter:
+    adapter = state.adapter(adapter_id)  # not_found
+    if adapter.tenant is not None and adapter.tenant != tenant:
+        raise Refusal("forbidden", f"adapter {adapter_id!r} belongs to another tenant")
+    return adapter
+
+
+def _check_base(choice: ServingChoice, version: AdapterVersion, base_digest: str | None) -> None:
+    if base_digest is not None and version.published.base_model_digest != base_digest:
+        raise Refusal("precondition", f"{choice.pinned} was built for base model "
+                                      f"{version.published.base_model!r}, not this one")
+
+
+def in_live_split(state: CatalogState, adapter_id: str, number: int) -> bool:
+    """Does some alias currently send traffic (weight > 0) to this version?"""
+    return any(e.adapter_id == adapter_id and e.version == number and e.weight > 0
+               for alias in state.aliases.values() for e in alias.split)
+
+
+def resolve_pinned(state: CatalogState, tenant: TenantRef, adapter_id: str, number: int, *,
+                   base_digest: str | None = None) -> ServingChoice:
+    """`adapter_id@version`: served only if it is the active version or in a live split."""
+    adapter = _owned(state, adapter_id, tenant)
+    version = adapter.versions.get(number)
+    if version is None:
+        raise Refusal("not_found", f"adapter {adapter_id!r} has no version {number}")
+    reason = unservable_reason(adapter, number, version)
+    if reason:
+        raise Refusal("precondition", reason)
+    if adapter.active_version != number and not in_live_split(state, adapter_id, number):
+        raise Refusal("precondition", f"{adapter_id}@{number} is neither the active version "
+                                      "nor in a traffic split")
+    choice = _choice(adapter, number, None)
+    _check_base(choice, version, base_digest)
+    return choice
+
+
+def resolve_reference(state: CatalogState, tenant: TenantRef, name: str, user_id: str, *,
+                      base_digest: str | None = None) -> ServingChoice:
+    """An alias by its split (sticky per user), else an adapter id by its active version."""
+    alias = state.aliases.get(name)
+    if alias is None:
+        adapter = _owned(state, name, tenant)
+        number = adapter.active_version
+        if number is None or number not in adapter.versions:
+            raise Refusal("precondition", f"adapter {name!r} has no active version")
+        version = adapter.versions[number]
+        reason = unservable_reason(adapter, number, version)
+        if reason:
+            raise Refusal("precondition", reason)
+        choice = _choice(adapter, number, None)
+        _check_base(choice, version, base_digest)
+        return choice
+    if alias.tenant is not None and alias.tenant != tenant:
+        raise Refusal("forbidden", f"alias {name!r} belongs to another tenant")
+    ordered = split_order(alias.split)
+    start = entry_at(alias.split, user_point(name, tenant, user_id))
+    reasons = []
+    for step in range(len(ordered)):
+        entry = ordered[(start + step) % len(ordered)]
+        if entry.weight == 0:
+            continue
+        adapter = state.adapters.get(entry.adapter_id)
+        version = adapter.versions.get(entry.version) if adapter else None
+        if adapter is None or version is None:
+            reasons.append(f"{entry.adapter_id}@{entry.version} does not exist")
+            continue
+        reason = unservable_reason(adapter, entry.version, version)
+        if reason:
+            reasons.append(reason)
+            continue
+        choice = _choice(adapter, entry.version, name)
+        _check_base(choice, version, base_digest)
+        return choice
+    raise Refusal("precondition", f"alias {name!r} has no servable version ({'; '.join(reasons)})")

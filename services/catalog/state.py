@@ -1,0 +1,321 @@
+"""The one fold of the adapter log: catalog state, and the rules every reader shares.
+
+No I/O here. `CatalogState.apply` folds one event; the registry (to decide commands),
+the workers and the router (to serve) and the tests all fold the same log with this
+class, so "what is active, what is disabled, which versions an alias splits to" has one
+answer everywhere. The registry's commands live in `services.registry.domain`; the
+serving rules (which version a request gets) in `services.catalog.serving`.
+
+Streams and their sequence numbers (gap-free per stream, `seq` = events so far + 1):
+  `base-model/{name}`, `adapter/{adapter_id}`, `alias/{alias}`,
+  `tenant/{org}/{team}/{project}` (purges), `registry/lease`.
+The If-Match "version" of an adapter or alias is its stream's last `seq` (the ETag).
+
+Serving rules the router and workers share (applied in `services.catalog.serving`):
+- Publishing stores a version; it does not serve it. An adapter's *active version* is set
+  only by `AdapterVersionSwitched` (to_version) and `AdapterRolledBack` (to_version).
+- An alias serves the versions of its latest `TrafficSplitChanged`, by weight.
+- A disabled version is never served, whether active or in a split; nor is a version an
+  `AdapterRolledBack` rolled away from, until it is switched to again.
+
+Rollback target ("previous stable version"), computed by `rollback_target`:
+  1. if the current active version declared `rollback_to` at publish time, and that
+     version exists and is not disabled, that version;
+  2. otherwise the highest-numbered version below the current active version that is
+     *stable*: it has been the adapter's active version at some point (switched to, or
+     rolled back to) and it is not disabled now. Alias splits, canaries included, do not
+     make a version stable: finishing a canary is an explicit switch.
+  No such version → the rollback is refused (409). `rollback_candidates` lists rule 2's
+  candidates, best first; the audit projection's SQL view of the same name must agree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any, Literal
+
+from services.catalog.purge import (
+    PurgeAck,
+    PurgeStatus,
+    deadline_of,
+    live_workers,
+    purge_status,
+)
+from services.contracts.events import (
+    AdapterDisabled,
+    AdapterEnabled,
+    AdapterRolledBack,
+    AdapterVersionPublished,
+    AdapterVersionSwitched,
+    BaseModelRegistered,
+    Envelope,
+    RegistryLease,
+    SplitEntry,
+    TenantPurged,
+    TenantPurgeRequested,
+    TenantRef,
+    TrafficSplitChanged,
+    WorkerHeartbeat,
+)
+
+LEASE_STREAM = "registry/lease"
+
+RefusalKind = Literal["not_found", "conflict", "precondition", "invalid", "forbidden"]
+
+
+class Refusal(Exception):
+    """A command the state does not allow; `kind` maps to one HTTP status at the edge."""
+
+    def __init__(self, kind: RefusalKind, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+
+
+def adapter_stream(adapter_id: str) -> str:
+    return f"adapter/{adapter_id}"
+
+
+def alias_stream(alias: str) -> str:
+    return f"alias/{alias}"
+
+
+def base_model_stream(name: str) -> str:
+    return f"base-model/{name}"
+
+
+def tenant_stream(tenant: TenantRef) -> str:
+    return f"tenant/{tenant.key}"
+
+
+@dataclass(frozen=True)
+class LogPosition:
+    """Where an event sits in the log: returned to clients as the event offset."""
+
+    topic: str
+    partition: int
+    offset: int
+
+
+@dataclass
+class BaseModel:
+    name: str
+    digest: str
+    config: dict[str, Any]
+    registered_at: datetime
+    seq: int
+
+
+@dataclass
+class AdapterVersion:
+    published: AdapterVersionPublished
+    published_at: datetime
+    event_id: str
+    position: LogPosition | None
+    disabled: bool = False
+    disabled_reason: str = ""
+    ever_active: bool = False
+    """Was the adapter's active version at some point (see module doc)."""
+    rolled_back: bool = False
+    """An `AdapterRolledBack` moved away from it and no switch has made it active since."""
+    seq: int = 0
+
+
+@dataclass
+class Adapter:
+    adapter_id: str
+    tenant: TenantRef | None
+    seq: int = 0
+    versions: dict[int, AdapterVersion] = field(default_factory=dict)
+    active_version: int | None = None
+
+    def label_taken(self, label: str) -> int | None:
+        for number, version in self.versions.items():
+            if version.published.label == label:
+                return number
+        return None
+
+    @property
+    def latest_version(self) -> int:
+        return max(self.versions, default=0)
+
+
+@dataclass
+class Alias:
+    alias: str
+    tenant: TenantRef | None
+    seq: int
+    split: tuple[SplitEntry, ...]
+    changed_at: datetime
+
+
+@dataclass
+class Purge:
+    purge_id: str
+    tenant: TenantRef | None
+    deadline_s: float
+    hard: bool
+    requested_at: datetime
+    expected_workers: tuple[str, ...]
+    """The workers that must acknowledge, as the request event lists them."""
+    acks: list[PurgeAck] = field(default_factory=list)
+    """Every acknowledgement, in log order (see `services.catalog.purge` for which count)."""
+
+    @property
+    def deadline(self) -> datetime:
+        return deadline_of(self.requested_at, self.deadline_s)
+
+    def status(self, now: datetime) -> PurgeStatus:
+        return purge_status(self.expected_workers, self.acks, self.requested_at,
+                            self.deadline_s, now)
+
+
+@dataclass
+class Lease:
+    registry_id: str
+    epoch: int
+    expires_at: datetime
+    seq: int
+
+
+@dataclass(frozen=True)
+class IdempotentAnswer:
+    """The event a keyed command produced; the answer to a retry is rendered from it."""
+
+    envelope: Envelope
+    position: LogPosition | None
+
+
+@dataclass
+class CatalogState:
+    """Everything the log says about the catalog, folded from both topics."""
+
+    base_models: dict[str, BaseModel] = field(default_factory=dict)
+    adapters: dict[str, Adapter] = field(default_factory=dict)
+    aliases: dict[str, Alias] = field(default_factory=dict)
+    purges: dict[str, Purge] = field(default_factory=dict)
+    tenant_seqs: dict[str, int] = field(default_factory=dict)
+    idempotency: dict[tuple[str, str], IdempotentAnswer] = field(default_factory=dict)
+    heartbeats: dict[str, datetime] = field(default_factory=dict)
+    """Each worker's newest heartbeat by its timestamp, whatever order they were read in."""
+    lease: Lease | None = None
+    stale_after_s: float = 30.0
+    """Heartbeat age after which a worker is no longer expected to ack a purge."""
+
+    # --- fold --------------------------------------------------------------------------
+
+    def apply(self, envelope: Envelope, position: LogPosition | None = None) -> None:
+        """Fold one event. Total: an event about something unknown is still recorded."""
+        p = envelope.payload
+        at = envelope.occurred_at
+        if isinstance(p, BaseModelRegistered):
+            self.base_models[p.name] = BaseModel(p.name, p.digest, dict(p.config), at,
+                                                 envelope.seq)
+        elif isinstance(p, AdapterVersionPublished):
+            adapter = self.adapters.get(p.adapter_id)
+            if adapter is None:
+                adapter = self.adapters[p.adapter_id] = Adapter(p.adapter_id, envelope.tenant)
+            adapter.versions[p.version] = AdapterVersion(
+                p, at, str(envelope.event_id), position, seq=envelope.seq)
+            adapter.seq = envelope.seq
+        elif isinstance(p, AdapterVersionSwitched | AdapterRolledBack):
+            adapter = self._adapter_for(p.adapter_id, envelope)
+            adapter.active_version = p.to_version
+            if p.to_version in adapter.versions:
+                adapter.versions[p.to_version].ever_active = True
+                adapter.versions[p.to_version].rolled_back = False
+            if isinstance(p, AdapterRolledBack) and p.from_version in adapter.versions:
+                adapter.versions[p.from_version].rolled_back = True
+        elif isinstance(p, AdapterDisabled | AdapterEnabled):
+            adapter = self._adapter_for(p.adapter_id, envelope)
+            version = adapter.versions.get(p.version)
+            if version is not None:
+                version.disabled = isinstance(p, AdapterDisabled)
+                version.disabled_reason = p.reason if version.disabled else ""
+        elif isinstance(p, TrafficSplitChanged):
+            self.aliases[p.alias] = Alias(p.alias, envelope.tenant, envelope.seq,
+                                          tuple(p.split), at)
+        elif isinstance(p, TenantPurgeRequested):
+            self.tenant_seqs[envelope.stream] = envelope.seq
+            self.purges[p.purge_id] = Purge(p.purge_id, envelope.tenant, p.deadline_s, p.hard,
+                                            at, tuple(p.expected_workers))
+        elif isinstance(p, RegistryLease):
+            self.lease = Lease(p.registry_id, p.epoch, p.expires_at, envelope.seq)
+        elif isinstance(p, WorkerHeartbeat):
+            if at > self.heartbeats.get(p.worker_id, at - timedelta(days=1)):
+                self.heartbeats[p.worker_id] = at
+        elif isinstance(p, TenantPurged):
+            purge = self.purges.get(p.purge_id)
+            if purge is not None:
+                purge.acks.append(PurgeAck(p.worker_id, at, p.kv_blocks_freed,
+                                           p.adapters_unloaded, p.sequences_aborted,
+                                           p.refcounts_zero))
+        key = getattr(p, "idempotency_key", None)
+        if key:
+            self.idempotency[(envelope.actor, key)] = IdempotentAnswer(envelope, position)
+
+    def _adapter_for(self, adapter_id: str, envelope: Envelope) -> Adapter:
+        adapter = self.adapters.get(adapter_id)
+        if adapter is None:
+            adapter = self.adapters[adapter_id] = Adapter(adapter_id, envelope.tenant)
+        adapter.seq = envelope.seq
+        return adapter
+
+    def live_workers(self, now: datetime) -> tuple[str, ...]:
+        """Workers a purge decided at `now` must wait for (`services.catalog.purge`)."""
+        return live_workers(self.heartbeats, now, self.stale_after_s)
+
+    # --- queries -----------------------------------------------------------------------
+
+    def adapter(self, adapter_id: str) -> Adapter:
+        adapter = self.adapters.get(adapter_id)
+        if adapter is None or not adapter.versions:
+            raise Refusal("not_found", f"adapter {adapter_id!r} does not exist")
+        return adapter
+
+    def version(self, adapter_id: str, version: int) -> AdapterVersion:
+        found = self.adapter(adapter_id).versions.get(version)
+        if found is None:
+            raise Refusal("not_found", f"adapter {adapter_id!r} has no version {version}")
+        return found
+
+    def prior_answer(self, actor: str, key: str | None, event_type: str,
+                     stream: str) -> IdempotentAnswer | None:
+        """The first answer to a keyed command, or None; a key reused elsewhere is refused."""
+        if not key:
+            return None
+        prior = self.idempotency.get((actor, key))
+        if prior is None:
+            return None
+        if prior.envelope.type != event_type or prior.envelope.stream != stream:
+            raise Refusal("invalid", f"Idempotency-Key {key!r} was already used for a "
+                                     f"different request ({prior.envelope.type} on "
+                                     f"{prior.envelope.stream})")
+        return prior
+
+
+# --- rollback lineage ----------------------------------------------------------------------
+
+
+def rollback_candidates(adapter: Adapter) -> list[int]:
+    """Stable versions below the active one, best (highest) first; see the module doc."""
+    current = adapter.active_version
+    if current is None:
+        return []
+    return sorted((n for n, v in adapter.versions.items()
+                   if n < current and v.ever_active and not v.disabled), reverse=True)
+
+
+def rollback_target(adapter: Adapter) -> int | None:
+    current = adapter.active_version
+    if current is None:
+        return None
+    active = adapter.versions.get(current)
+    declared = active.published.rollback_to if active is not None else None
+    if declared is not None and declared != current:
+        target = adapter.versions.get(declared)
+        if target is not None and not target.disabled:
+            return declared
+    candidates = rollback_candidates(adapter)
+    return candidates[0] if candidates else None
