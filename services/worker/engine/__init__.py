@@ -4,12 +4,13 @@ The worker service drives it through `Engine` (requests, steps, streaming, adapt
 KV control) and reads `TokenEvent` / `GenerationResult` values back.
 """
 
-from .adapter import AdapterFiles, LoraAdapter, parse_adapter
+from .adapter import AdapterDigest, AdapterFiles, LoraAdapter, parse_adapter
 from .adapter_pool import AdapterPool, AdapterSlotInfo
 from .compat import CacheScope, Decision, SharingPolicy, decide
 from .config import ModelConfig
 from .engine import Engine, EngineConfig, EngineStats
 from .errors import (
+    AdapterDigestMismatch,
     AdapterError,
     AdapterNotLoadedError,
     AdapterPoolFullError,
@@ -31,6 +32,8 @@ from .request import (
 from .scheduler import SchedulerLimits
 
 __all__ = [
+    "AdapterDigest",
+    "AdapterDigestMismatch",
     "AdapterError",
     "AdapterFiles",
     "AdapterNotLoadedError",

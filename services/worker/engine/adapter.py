@@ -28,7 +28,37 @@ from services.contracts.peft import (
 )
 
 from .config import ModelConfig
-from .errors import AdapterError
+from .errors import AdapterDigestMismatch, AdapterError
+
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterDigest:
+    """The identity of an adapter version: the digests the registry publishes for it.
+
+    `sha256` is the hex SHA-256 of `adapter_model.safetensors` and `config_sha256` that of
+    `adapter_config.json` (`AdapterVersionPublished.sha256` / `.config_sha256`). Both are
+    part of the key because the config carries the scale (alpha, rsLoRA): the same
+    weights under another config are another adapter, with other KV. Never a name.
+    """
+
+    sha256: str
+    config_sha256: str
+
+    def __post_init__(self) -> None:
+        for name in ("sha256", "config_sha256"):
+            if not _HEX64.match(getattr(self, name)):
+                raise AdapterError(f"adapter {name} must be 64 lowercase hex characters, "
+                                   f"got {getattr(self, name)!r}")
+
+    def __str__(self) -> str:
+        return self.sha256
+
+    @property
+    def key(self) -> str:
+        """Stable text form for hashes and logs."""
+        return f"{self.sha256}.{self.config_sha256}"
 
 
 def module_shape(cfg: ModelConfig, module: str) -> tuple[int, int]:
@@ -53,12 +83,20 @@ class AdapterFiles:
                 raise AdapterError(f"adapter directory lacks {name}")
         return cls((root / CONFIG_FILE).read_bytes(), (root / WEIGHTS_FILE).read_bytes())
 
-    def content_digest(self) -> str:
-        """sha256 over both files, for callers that have no registry digest at hand."""
-        h = hashlib.sha256()
-        for name, data in ((CONFIG_FILE, self.config_json), (WEIGHTS_FILE, self.weights)):
-            h.update(name.encode() + b"\0" + hashlib.sha256(data).digest())
-        return "sha256:" + h.hexdigest()
+    def digest(self) -> AdapterDigest:
+        """The digests of the two files, as the registry computes them at publish."""
+        return AdapterDigest(hashlib.sha256(self.weights).hexdigest(),
+                             hashlib.sha256(self.config_json).hexdigest())
+
+    def verify(self, expected: AdapterDigest) -> None:
+        """Refuse files whose bytes are not the ones the registry published."""
+        actual = self.digest()
+        if actual.sha256 != expected.sha256:
+            raise AdapterDigestMismatch(f"{WEIGHTS_FILE} has sha256 {actual.sha256}, "
+                                        f"expected {expected.sha256}")
+        if actual.config_sha256 != expected.config_sha256:
+            raise AdapterDigestMismatch(f"{CONFIG_FILE} has sha256 {actual.config_sha256}, "
+                                        f"expected {expected.config_sha256}")
 
 
 @dataclass(frozen=True)
@@ -78,7 +116,7 @@ class LoraWeights:
 class LoraAdapter:
     """A validated adapter, keyed by (layer, module)."""
 
-    digest: str
+    digest: AdapterDigest
     rank: int
     alpha: float
     use_rslora: bool
@@ -107,7 +145,8 @@ def _layers(raw: Any) -> set[int] | None:
     return {int(x) for x in raw}
 
 
-def parse_adapter(files: AdapterFiles, cfg: ModelConfig, digest: str | None = None) -> LoraAdapter:
+def parse_adapter(files: AdapterFiles, cfg: ModelConfig,
+                  digest: AdapterDigest | None = None) -> LoraAdapter:
     """Validate a PEFT LoRA adapter against `cfg` and return its per-module weights."""
     try:
         conf = json.loads(files.config_json)
@@ -189,7 +228,7 @@ def parse_adapter(files: AdapterFiles, cfg: ModelConfig, digest: str | None = No
         weights[(layer, module)] = LoraWeights(a.float(), b.float(), scale)
     modules = tuple(m for m in TARGET_MODULES if any(k[1] == m for k in weights))
     return LoraAdapter(
-        digest=digest or files.content_digest(),
+        digest=digest or files.digest(),
         rank=rank,
         alpha=alpha,
         use_rslora=rslora,

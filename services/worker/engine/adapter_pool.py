@@ -17,7 +17,7 @@ import torch
 
 from services.contracts.peft import TARGET_MODULES
 
-from .adapter import AdapterFiles, LoraAdapter, module_shape, parse_adapter
+from .adapter import AdapterDigest, AdapterFiles, LoraAdapter, module_shape, parse_adapter
 from .config import ModelConfig
 from .errors import AdapterError, AdapterNotLoadedError, AdapterPoolFullError
 from .lora_ops import Segments, lora_apply
@@ -27,7 +27,7 @@ from .lora_ops import Segments, lora_apply
 class AdapterSlotInfo:
     """What the worker reports about a resident adapter."""
 
-    digest: str
+    digest: AdapterDigest
     slot: int
     rank: int
     target_modules: tuple[str, ...]
@@ -91,10 +91,10 @@ class AdapterPool:
                     host_ranks=[0] * self.num_slots,
                 )
             self.slabs.append(layer)
-        self._by_digest: OrderedDict[str, int] = OrderedDict()  # LRU order, oldest first
+        self._by_digest: OrderedDict[AdapterDigest, int] = OrderedDict()  # LRU order, oldest first
         self._adapters: dict[int, LoraAdapter] = {}
-        self._pinned: set[str] = set()
-        self._active: dict[str, int] = {}
+        self._pinned: set[AdapterDigest] = set()
+        self._active: dict[AdapterDigest, int] = {}
         self._free = list(range(self.num_slots - 1, -1, -1))
         self.evictions = 0
 
@@ -105,15 +105,19 @@ class AdapterPool:
     # -- control surface (driven by the worker's adapter state machine) --------------------
 
     def load(
-        self, source: AdapterFiles | str | Path, digest: str | None = None, *, pin: bool = False
+        self, source: AdapterFiles | str | Path, digest: AdapterDigest | None = None, *,
+        pin: bool = False
     ) -> AdapterSlotInfo:
         """Validate and place an adapter; idempotent for a digest already resident.
 
-        `digest` is the registry's content digest of this adapter version; without one, the
-        sha256 of the two files is used.
+        `digest` is what the registry published for this version: the files are checked
+        against it (`AdapterDigestMismatch`) before anything is parsed. Without one, the
+        files' own digests are the key.
         """
         files = source if isinstance(source, AdapterFiles) else AdapterFiles.from_dir(source)
-        key = digest or files.content_digest()
+        if digest is not None:
+            files.verify(digest)
+        key = digest or files.digest()
         if key in self._by_digest:
             self._by_digest.move_to_end(key)
             if pin:
@@ -131,7 +135,7 @@ class AdapterPool:
             self._pinned.add(key)
         return self.info(key)
 
-    def unload(self, digest: str) -> None:
+    def unload(self, digest: AdapterDigest) -> None:
         """Free a slot and zero its weights (no stale adapter stays in device memory).
 
         The engine aborts or drains sequences using it first; unloading an adapter that
@@ -147,7 +151,7 @@ class AdapterPool:
         del self._adapters[slot]
         self._free.append(slot)
 
-    def pin(self, digest: str, pinned: bool = True) -> None:
+    def pin(self, digest: AdapterDigest, pinned: bool = True) -> None:
         """Pinned adapters are never evicted (high-SLA tenants' adapters stay resident)."""
         if digest not in self._by_digest:
             raise AdapterNotLoadedError(f"adapter {digest} is not loaded")
@@ -156,10 +160,10 @@ class AdapterPool:
         else:
             self._pinned.discard(digest)
 
-    def is_loaded(self, digest: str) -> bool:
+    def is_loaded(self, digest: AdapterDigest) -> bool:
         return digest in self._by_digest
 
-    def info(self, digest: str) -> AdapterSlotInfo:
+    def info(self, digest: AdapterDigest) -> AdapterSlotInfo:
         slot = self._by_digest[digest]
         a = self._adapters[slot]
         return AdapterSlotInfo(
@@ -195,7 +199,7 @@ class AdapterPool:
 
     # -- engine side ------------------------------------------------------------------------
 
-    def acquire(self, digest: str) -> int:
+    def acquire(self, digest: AdapterDigest) -> int:
         """A sequence starts using the adapter: returns its slot and blocks eviction."""
         if digest not in self._by_digest:
             raise AdapterNotLoadedError(f"adapter {digest} is not loaded")
@@ -203,7 +207,7 @@ class AdapterPool:
         self._active[digest] = self._active.get(digest, 0) + 1
         return self._by_digest[digest]
 
-    def release(self, digest: str) -> None:
+    def release(self, digest: AdapterDigest) -> None:
         n = self._active.get(digest, 0) - 1
         if n <= 0:
             self._active.pop(digest, None)

@@ -88,8 +88,9 @@ class Checkpoint:
     config: ModelConfig
     tensors: dict[str, torch.Tensor]
     digest: str
-    """sha256 over tensor names, dtypes, shapes and bytes in name order: independent of
-    how the checkpoint is sharded, so re-sharding does not invalidate KV."""
+    """Hex sha256 over tensor names, dtypes, shapes and bytes in name order: independent of
+    how the checkpoint is sharded, so re-sharding does not invalidate KV. The digest an
+    admin registers (`BaseModelRegistered.digest`) and workers check at start."""
 
 
 def load_checkpoint(
@@ -125,7 +126,7 @@ def load_checkpoint(
         digest.update(f"{name}|{t.dtype}|{list(t.shape)}\n".encode())
         digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
         tensors[name] = t.to(device=device, dtype=target)
-    return Checkpoint(config=cfg, tensors=tensors, digest="sha256:" + digest.hexdigest())
+    return Checkpoint(config=cfg, tensors=tensors, digest=digest.hexdigest())
 
 
 def load_tokenizer(model_dir: str | Path):  # -> tokenizers.Tokenizer | None

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .adapter import AdapterDigest
 
 
 class Decision(enum.Enum):
@@ -43,7 +47,7 @@ class CacheScope:
     """
 
     base_digest: str
-    adapter_digest: str | None
+    adapter_digest: AdapterDigest | None
     tenant_key: str
     sharing_scope: str | None = None
 
@@ -54,7 +58,7 @@ class CacheScope:
         `shared-base-prefix`, adapter-free requests of tenants in one sharing scope land in
         one partition; everything else is partitioned per tenant and adapter.
         """
-        adapter = self.adapter_digest or "base"
+        adapter = self.adapter_digest.key if self.adapter_digest is not None else "base"
         if (
             policy is SharingPolicy.SHARED_BASE_PREFIX
             and self.adapter_digest is None

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from .adapter import AdapterFiles
+from .adapter import AdapterDigest, AdapterFiles
 from .adapter_pool import AdapterPool, AdapterSlotInfo
 from .attention import AttentionMetadata, PrefillSpan
 from .compat import CacheScope, SharingPolicy
@@ -101,12 +101,13 @@ class Engine:
 
     # -- adapter control surface ---------------------------------------------------------
 
-    def load_adapter(self, source: AdapterFiles | str | Path, digest: str | None = None, *,
+    def load_adapter(self, source: AdapterFiles | str | Path,
+                     digest: AdapterDigest | None = None, *,
                      pin: bool = False) -> AdapterSlotInfo:
-        """Validate and make an adapter resident (idempotent per digest)."""
+        """Check the files against `digest`, validate, make resident (idempotent per digest)."""
         return self.adapters.load(source, digest, pin=pin)
 
-    def unload_adapter(self, digest: str) -> InvalidationResult:
+    def unload_adapter(self, digest: AdapterDigest) -> InvalidationResult:
         """Unload now: abort sequences using it, free its KV, zero its slot."""
         result = self.invalidate_adapter(digest, hard=True, include_waiting=True)
         self.adapters.unload(digest)
@@ -117,7 +118,7 @@ class Engine:
 
     # -- KV invalidation -----------------------------------------------------------------
 
-    def invalidate_adapter(self, digest: str, *, hard: bool = False,
+    def invalidate_adapter(self, digest: AdapterDigest, *, hard: bool = False,
                            include_waiting: bool = False) -> InvalidationResult:
         """Drop every cached block computed with this adapter version.
 
@@ -369,7 +370,8 @@ class Engine:
 
     # -- conveniences --------------------------------------------------------------------
 
-    def score(self, prompt_ids: list[int], adapter_digest: str | None = None) -> torch.Tensor:
+    def score(self, prompt_ids: list[int],
+              adapter_digest: AdapterDigest | None = None) -> torch.Tensor:
         """Next-token logits at every prompt position [L, vocab], outside the batch.
 
         For regression sets (base vs. old vs. new adapter) and oracle checks; uses

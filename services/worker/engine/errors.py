@@ -19,6 +19,10 @@ class AdapterError(EngineError):
     """A LoRA adapter is malformed, unsupported, or incompatible with the base model."""
 
 
+class AdapterDigestMismatch(AdapterError):
+    """An adapter file's bytes do not hash to the digest the registry published for it."""
+
+
 class AdapterPoolFullError(EngineError):
     """No free or evictable slot (or byte budget) is left in the adapter pool."""
 

@@ -10,16 +10,37 @@ import enum
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .errors import RequestError
 
+if TYPE_CHECKING:
+    from .adapter import AdapterDigest
+
 
 class QosTier(enum.IntEnum):
-    """Scheduling priority; lower value is served (and kept under preemption) first."""
+    """The tenant's paid tier, by the names the contracts and the proto use.
 
-    PREMIUM = 0
-    STANDARD = 1
-    BATCH = 2
+    Lower value is served (and kept under preemption) first.
+    """
+
+    PLATINUM = 0
+    GOLD = 1
+    SILVER = 2
+    BRONZE = 3
+
+    @classmethod
+    def of(cls, name: str) -> QosTier:
+        """From the contracts' spelling ("platinum", …, as in `AdapterVersionPublished`)."""
+        try:
+            return cls[name.upper()]
+        except KeyError:
+            raise RequestError(f"unknown QoS tier {name!r} (platinum, gold, silver, bronze)") \
+                from None
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
 
 
 class FinishReason(enum.Enum):
@@ -37,12 +58,15 @@ class SamplingParams:
 
     max_tokens: int = 16
     min_tokens: int = 0
-    """EOS is masked until this many tokens exist (what generate's min_new_tokens does)."""
+    """End-of-sequence tokens cannot be sampled until this many tokens exist (what
+    transformers' `min_new_tokens` does); stop strings still end the output earlier."""
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    """Keep decoding past end-of-sequence tokens, to exactly `max_tokens` (benchmarks,
+    fixed-length outputs); EOS may still be sampled and is returned as a token."""
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -68,7 +92,7 @@ _ids = itertools.count()
 class GenerationRequest:
     """One generation. Give `prompt_token_ids`, or `prompt` text when a tokenizer exists.
 
-    `adapter_digest` is the content digest of a resident adapter (None = base model);
+    `adapter_digest` names a resident adapter by its registry digests (None = base model);
     `tenant_key` is the tenant isolation key and `sharing_scope` its compliance scope for
     cross-tenant base-prefix sharing (None: shares with nobody). `on_token`, if set, is
     called with each `TokenEvent` from inside `Engine.step`.
@@ -77,10 +101,10 @@ class GenerationRequest:
     prompt_token_ids: list[int] | None = None
     prompt: str | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    adapter_digest: str | None = None
+    adapter_digest: AdapterDigest | None = None
     tenant_key: str = "default"
     sharing_scope: str | None = None
-    qos_tier: QosTier = QosTier.STANDARD
+    qos_tier: QosTier = QosTier.SILVER
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     on_token: Callable[[TokenEvent], None] | None = None
 

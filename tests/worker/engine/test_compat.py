@@ -6,10 +6,10 @@ import itertools
 
 import pytest
 
-from services.worker.engine import CacheScope, Decision, SharingPolicy, decide
+from services.worker.engine import AdapterDigest, CacheScope, Decision, SharingPolicy, decide
 
 BASES = ("base-1", "base-2")
-ADAPTERS = (None, "sha256:a1", "sha256:a2")
+ADAPTERS = (None, AdapterDigest("a1" * 32, "c" * 64), AdapterDigest("a2" * 32, "c" * 64))
 TENANTS = ("acme", "globex")
 SHARING = (None, "public-docs", "eu-health")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import shutil
 
@@ -10,6 +11,8 @@ import pytest
 import torch
 
 from services.worker.engine import (
+    AdapterDigest,
+    AdapterDigestMismatch,
     AdapterError,
     AdapterFiles,
     AdapterNotLoadedError,
@@ -135,7 +138,7 @@ def test_pool_load_unload_pin_evict(tiny):
     pool = eng.adapters
     a = eng.load_adapter(tiny.adapters["attn_r4"], pin=True)
     again = eng.load_adapter(tiny.adapters["attn_r4"])
-    assert again.slot == a.slot and a.pinned and a.digest.startswith("sha256:")
+    assert again.slot == a.slot and a.pinned and len(a.digest.sha256) == 64
     b = eng.load_adapter(tiny.adapters["mlp_r8"])
     assert pool.free_slots == 0
     # rank 4 and 8 zero-padded to 16
@@ -159,9 +162,24 @@ def test_pool_load_unload_pin_evict(tiny):
 def test_load_from_bytes_with_registry_digest(tiny):
     eng = make_engine(tiny)
     files = AdapterFiles.from_dir(tiny.adapters["mlp_r8"])
-    info = eng.load_adapter(files, digest="sha256:" + "ab" * 32)
-    assert info.digest == "sha256:" + "ab" * 32
+    published = AdapterDigest(hashlib.sha256(files.weights).hexdigest(),
+                              hashlib.sha256(files.config_json).hexdigest())
+    info = eng.load_adapter(files, digest=published)
+    assert info.digest == published and str(info.digest) == published.sha256
     assert [i.digest for i in eng.list_adapters()] == [info.digest]
+
+
+def test_files_that_do_not_match_the_published_digest_are_refused(tiny):
+    eng = make_engine(tiny)
+    files = AdapterFiles.from_dir(tiny.adapters["mlp_r8"])
+    good = files.digest()
+    for wrong, which in ((AdapterDigest("0" * 64, good.config_sha256), "adapter_model"),
+                         (AdapterDigest(good.sha256, "0" * 64), "adapter_config")):
+        with pytest.raises(AdapterDigestMismatch, match=which):
+            eng.load_adapter(files, digest=wrong)
+    assert eng.list_adapters() == []
+    with pytest.raises(AdapterError, match="64 lowercase hex"):
+        AdapterDigest("sha256:" + "ab" * 32, good.config_sha256)
 
 
 def test_byte_budget_sizes_pool(tiny):

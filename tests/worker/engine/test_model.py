@@ -49,7 +49,7 @@ def test_sharded_checkpoint_loads_with_same_digest(tmp_path):
     assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
     single = load_checkpoint(tmp_path / "single")
     sharded = load_checkpoint(tmp_path / "sharded")
-    assert single.digest == sharded.digest and single.digest.startswith("sha256:")
+    assert single.digest == sharded.digest and len(single.digest) == 64
     torch.testing.assert_close(engine_logits(tmp_path / "sharded", PROMPT),
                                engine_logits(tmp_path / "single", PROMPT))
 

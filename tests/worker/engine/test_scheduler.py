@@ -42,13 +42,13 @@ def test_preemption_by_recompute_keeps_outputs(tiny):
 
 def test_preemption_spares_higher_qos_tier(tiny):
     eng = make_engine(tiny, blocks=12)
-    tiers = [QosTier.BATCH, QosTier.PREMIUM, QosTier.STANDARD]
+    tiers = [QosTier.BRONZE, QosTier.PLATINUM, QosTier.SILVER]
     results = eng.generate([GenerationRequest(prompt_token_ids=p, sampling=greedy(12),
                                               qos_tier=t) for p, t in zip(PROMPTS, tiers,
                                                                           strict=True)])
     by_tier = dict(zip(tiers, results, strict=True))
-    assert by_tier[QosTier.PREMIUM].preemptions == 0
-    assert by_tier[QosTier.BATCH].preemptions > 0
+    assert by_tier[QosTier.PLATINUM].preemptions == 0
+    assert by_tier[QosTier.BRONZE].preemptions > 0
 
 
 def test_qos_tier_admitted_first(tiny):
@@ -59,8 +59,8 @@ def test_qos_tier_admitted_first(tiny):
         if ev.finished:
             order.append(ev.request_id)
 
-    for rid, tier in [("batch", QosTier.BATCH), ("std", QosTier.STANDARD),
-                      ("premium", QosTier.PREMIUM)]:
+    for rid, tier in [("batch", QosTier.BRONZE), ("std", QosTier.SILVER),
+                      ("premium", QosTier.PLATINUM)]:
         eng.submit(GenerationRequest(prompt_token_ids=PROMPTS[0], sampling=greedy(2),
                                      qos_tier=tier, request_id=rid, on_token=record))
     eng.run_until_idle()
