@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0finference.proto\x12\x0cloraplane.v1\"\xaf\x01\n\x0fTenantSignature\x12\x0e\n\x06org_id\x18\x01 \x01(\t\x12\x0f\n\x07team_id\x18\x02 \x01(\t\x12\x12\n\nproject_id\x18\x03 \x01(\t\x12\x0f\n\x07user_id\x18\x04 \x01(\t\x12\x18\n\x10\x63ompliance_scope\x18\x05 \x01(\t\x12\x13\n\x0bregion_hint\x18\x06 \x01(\t\x12\'\n\x08qos_tier\x18\x07 \x01(\x0e\x32\x15.loraplane.v1.QosTier\"S\n\nAdapterRef\x12\x0f\n\x05\x61lias\x18\x01 \x01(\tH\x00\x12-\n\x06pinned\x18\x02 \x01(\x0b\x32\x1b.loraplane.v1.PinnedVersionH\x00\x42\x05\n\x03ref\"4\n\rPinnedVersion\x12\x12\n\nadapter_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\r\"\x9a\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x12\n\nmin_tokens\x18\x06 \x01(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\x07\n\x05_seed\"\x88\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\x06tenant\x18\x02 \x01(\x0b\x32\x1d.loraplane.v1.TenantSignature\x12)\n\x07\x61\x64\x61pter\x18\x03 \x01(\x0b\x32\x18.loraplane.v1.AdapterRef\x12\x0e\n\x04text\x18\x04 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x05 \x01(\x0b\x32\x16.loraplane.v1.TokenIdsH\x00\x12.\n\x08sampling\x18\x06 \x01(\x0b\x32\x1c.loraplane.v1.SamplingParams\x12\x10\n\x08trace_id\x18\x07 \x01(\tB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"p\n\x10GenerateResponse\x12)\n\x05token\x18\x01 \x01(\x0b\x32\x18.loraplane.v1.TokenChunkH\x00\x12)\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x18.loraplane.v1.FinalUsageH\x00\x42\x06\n\x04kind\";\n\nTokenChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\"D\n\rServedAdapter\x12\x12\n\nadapter_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\r\x12\x0e\n\x06sha256\x18\x03 \x01(\t\"\xb6\x02\n\nFinalUsage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\x12\x33\n\x0eserved_adapter\x18\x04 \x01(\x0b\x32\x1b.loraplane.v1.ServedAdapter\x12\x19\n\x11\x62\x61se_model_digest\x18\x05 \x01(\t\x12\x10\n\x08trace_id\x18\x06 \x01(\t\x12\x11\n\tworker_id\x18\x07 \x01(\t\x12\x31\n\rfinish_reason\x18\x08 \x01(\x0e\x32\x1a.loraplane.v1.FinishReason\x12\x1e\n\x16time_to_first_token_ms\x18\t \x01(\x01\x12\x10\n\x08total_ms\x18\n \x01(\x01\"z\n\x0fPrefetchRequest\x12-\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x1b.loraplane.v1.PinnedVersion\x12(\n\x04tier\x18\x02 \x01(\x0e\x32\x1a.loraplane.v1.PrefetchTier\x12\x0e\n\x06reason\x18\x03 \x01(\t\"n\n\x0ePrefetchStatus\x12,\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x1b.loraplane.v1.PinnedVersion\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x08\x12\x0c\n\x04tier\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\"?\n\rPrefetchReply\x12.\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x1c.loraplane.v1.PrefetchStatus*w\n\x07QosTier\x12\x18\n\x14QOS_TIER_UNSPECIFIED\x10\x00\x12\x13\n\x0fQOS_TIER_BRONZE\x10\x01\x12\x13\n\x0fQOS_TIER_SILVER\x10\x02\x12\x11\n\rQOS_TIER_GOLD\x10\x03\x12\x15\n\x11QOS_TIER_PLATINUM\x10\x04*\x93\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*_\n\x0cPrefetchTier\x12\x1d\n\x19PREFETCH_TIER_UNSPECIFIED\x10\x00\x12\x16\n\x12PREFETCH_TIER_HOST\x10\x01\x12\x18\n\x14PREFETCH_TIER_DEVICE\x10\x02\x32X\n\tInference\x12K\n\x08Generate\x12\x1d.loraplane.v1.GenerateRequest\x1a\x1e.loraplane.v1.GenerateResponse0\x01\x32W\n\rWorkerControl\x12\x46\n\x08Prefetch\x12\x1d.loraplane.v1.PrefetchRequest\x1a\x1b.loraplane.v1.PrefetchReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0finference.proto\x12\x0cloraplane.v1\"\xaf\x01\n\x0fTenantSignature\x12\x0e\n\x06org_id\x18\x01 \x01(\t\x12\x0f\n\x07team_id\x18\x02 \x01(\t\x12\x12\n\nproject_id\x18\x03 \x01(\t\x12\x0f\n\x07user_id\x18\x04 \x01(\t\x12\x18\n\x10\x63ompliance_scope\x18\x05 \x01(\t\x12\x13\n\x0bregion_hint\x18\x06 \x01(\t\x12\'\n\x08qos_tier\x18\x07 \x01(\x0e\x32\x15.loraplane.v1.QosTier\"S\n\nAdapterRef\x12\x0f\n\x05\x61lias\x18\x01 \x01(\tH\x00\x12-\n\x06pinned\x18\x02 \x01(\x0b\x32\x1b.loraplane.v1.PinnedVersionH\x00\x42\x05\n\x03ref\"4\n\rPinnedVersion\x12\x12\n\nadapter_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\r\"\x9a\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x12\n\nmin_tokens\x18\x06 \x01(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\x07\n\x05_seed\"\xb4\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\x06tenant\x18\x02 \x01(\x0b\x32\x1d.loraplane.v1.TenantSignature\x12)\n\x07\x61\x64\x61pter\x18\x03 \x01(\x0b\x32\x18.loraplane.v1.AdapterRef\x12\x0e\n\x04text\x18\x04 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x05 \x01(\x0b\x32\x16.loraplane.v1.TokenIdsH\x00\x12*\n\x04\x63hat\x18\x08 \x01(\x0b\x32\x1a.loraplane.v1.ChatMessagesH\x00\x12.\n\x08sampling\x18\x06 \x01(\x0b\x32\x1c.loraplane.v1.SamplingParams\x12\x10\n\x08trace_id\x18\x07 \x01(\tB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.loraplane.v1.ChatMessage\"p\n\x10GenerateResponse\x12)\n\x05token\x18\x01 \x01(\x0b\x32\x18.loraplane.v1.TokenChunkH\x00\x12)\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x18.loraplane.v1.FinalUsageH\x00\x42\x06\n\x04kind\";\n\nTokenChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\"D\n\rServedAdapter\x12\x12\n\nadapter_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\r\x12\x0e\n\x06sha256\x18\x03 \x01(\t\"\xb6\x02\n\nFinalUsage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\x12\x33\n\x0eserved_adapter\x18\x04 \x01(\x0b\x32\x1b.loraplane.v1.ServedAdapter\x12\x19\n\x11\x62\x61se_model_digest\x18\x05 \x01(\t\x12\x10\n\x08trace_id\x18\x06 \x01(\t\x12\x11\n\tworker_id\x18\x07 \x01(\t\x12\x31\n\rfinish_reason\x18\x08 \x01(\x0e\x32\x1a.loraplane.v1.FinishReason\x12\x1e\n\x16time_to_first_token_ms\x18\t \x01(\x01\x12\x10\n\x08total_ms\x18\n \x01(\x01\"z\n\x0fPrefetchRequest\x12-\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x1b.loraplane.v1.PinnedVersion\x12(\n\x04tier\x18\x02 \x01(\x0e\x32\x1a.loraplane.v1.PrefetchTier\x12\x0e\n\x06reason\x18\x03 \x01(\t\"n\n\x0ePrefetchStatus\x12,\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x1b.loraplane.v1.PinnedVersion\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x08\x12\x0c\n\x04tier\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\"?\n\rPrefetchReply\x12.\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x1c.loraplane.v1.PrefetchStatus*w\n\x07QosTier\x12\x18\n\x14QOS_TIER_UNSPECIFIED\x10\x00\x12\x13\n\x0fQOS_TIER_BRONZE\x10\x01\x12\x13\n\x0fQOS_TIER_SILVER\x10\x02\x12\x11\n\rQOS_TIER_GOLD\x10\x03\x12\x15\n\x11QOS_TIER_PLATINUM\x10\x04*\x93\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*_\n\x0cPrefetchTier\x12\x1d\n\x19PREFETCH_TIER_UNSPECIFIED\x10\x00\x12\x16\n\x12PREFETCH_TIER_HOST\x10\x01\x12\x18\n\x14PREFETCH_TIER_DEVICE\x10\x02\x32X\n\tInference\x12K\n\x08Generate\x12\x1d.loraplane.v1.GenerateRequest\x1a\x1e.loraplane.v1.GenerateResponse0\x01\x32W\n\rWorkerControl\x12\x46\n\x08Prefetch\x12\x1d.loraplane.v1.PrefetchRequest\x1a\x1b.loraplane.v1.PrefetchReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'inference_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_QOSTIER']._serialized_start=1658
-  _globals['_QOSTIER']._serialized_end=1777
-  _globals['_FINISHREASON']._serialized_start=1780
-  _globals['_FINISHREASON']._serialized_end=1927
-  _globals['_PREFETCHTIER']._serialized_start=1929
-  _globals['_PREFETCHTIER']._serialized_end=2024
+  _globals['_QOSTIER']._serialized_start=1809
+  _globals['_QOSTIER']._serialized_end=1928
+  _globals['_FINISHREASON']._serialized_start=1931
+  _globals['_FINISHREASON']._serialized_end=2078
+  _globals['_PREFETCHTIER']._serialized_start=2080
+  _globals['_PREFETCHTIER']._serialized_end=2175
   _globals['_TENANTSIGNATURE']._serialized_start=34
   _globals['_TENANTSIGNATURE']._serialized_end=209
   _globals['_ADAPTERREF']._serialized_start=211
@@ -46,25 +46,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS']._serialized_start=351
   _globals['_SAMPLINGPARAMS']._serialized_end=505
   _globals['_GENERATEREQUEST']._serialized_start=508
-  _globals['_GENERATEREQUEST']._serialized_end=772
-  _globals['_TOKENIDS']._serialized_start=774
-  _globals['_TOKENIDS']._serialized_end=797
-  _globals['_GENERATERESPONSE']._serialized_start=799
-  _globals['_GENERATERESPONSE']._serialized_end=911
-  _globals['_TOKENCHUNK']._serialized_start=913
-  _globals['_TOKENCHUNK']._serialized_end=972
-  _globals['_SERVEDADAPTER']._serialized_start=974
-  _globals['_SERVEDADAPTER']._serialized_end=1042
-  _globals['_FINALUSAGE']._serialized_start=1045
-  _globals['_FINALUSAGE']._serialized_end=1355
-  _globals['_PREFETCHREQUEST']._serialized_start=1357
-  _globals['_PREFETCHREQUEST']._serialized_end=1479
-  _globals['_PREFETCHSTATUS']._serialized_start=1481
-  _globals['_PREFETCHSTATUS']._serialized_end=1591
-  _globals['_PREFETCHREPLY']._serialized_start=1593
-  _globals['_PREFETCHREPLY']._serialized_end=1656
-  _globals['_INFERENCE']._serialized_start=2026
-  _globals['_INFERENCE']._serialized_end=2114
-  _globals['_WORKERCONTROL']._serialized_start=2116
-  _globals['_WORKERCONTROL']._serialized_end=2203
+  _globals['_GENERATEREQUEST']._serialized_end=816
+  _globals['_TOKENIDS']._serialized_start=818
+  _globals['_TOKENIDS']._serialized_end=841
+  _globals['_CHATMESSAGE']._serialized_start=843
+  _globals['_CHATMESSAGE']._serialized_end=887
+  _globals['_CHATMESSAGES']._serialized_start=889
+  _globals['_CHATMESSAGES']._serialized_end=948
+  _globals['_GENERATERESPONSE']._serialized_start=950
+  _globals['_GENERATERESPONSE']._serialized_end=1062
+  _globals['_TOKENCHUNK']._serialized_start=1064
+  _globals['_TOKENCHUNK']._serialized_end=1123
+  _globals['_SERVEDADAPTER']._serialized_start=1125
+  _globals['_SERVEDADAPTER']._serialized_end=1193
+  _globals['_FINALUSAGE']._serialized_start=1196
+  _globals['_FINALUSAGE']._serialized_end=1506
+  _globals['_PREFETCHREQUEST']._serialized_start=1508
+  _globals['_PREFETCHREQUEST']._serialized_end=1630
+  _globals['_PREFETCHSTATUS']._serialized_start=1632
+  _globals['_PREFETCHSTATUS']._serialized_end=1742
+  _globals['_PREFETCHREPLY']._serialized_start=1744
+  _globals['_PREFETCHREPLY']._serialized_end=1807
+  _globals['_INFERENCE']._serialized_start=2177
+  _globals['_INFERENCE']._serialized_end=2265
+  _globals['_WORKERCONTROL']._serialized_start=2267
+  _globals['_WORKERCONTROL']._serialized_end=2354
 # @@protoc_insertion_point(module_scope)
