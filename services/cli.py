@@ -134,6 +134,14 @@ def serve_registry() -> None:
     serve(_settings())
 
 
+@serve_app.command("router")
+def serve_router() -> None:
+    """The router: gRPC Inference and the OpenAI-compatible HTTP API in front of the workers."""
+    from services.router.app import serve
+
+    serve(_settings())
+
+
 @app.command()
 def status() -> None:
     """Show what a running `loraplane up` started, and whether each part answers."""

@@ -15,6 +15,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 BrokerKind = Literal["auto", "apache", "tansu"]
+TierName = Literal["platinum", "gold", "silver", "bronze"]
 
 
 class Settings(BaseSettings):
@@ -80,7 +81,9 @@ class Settings(BaseSettings):
     auth_tokens: str | None = Field(
         None,
         description='JSON list of {"sha256": hex of the token, "role": admin|publisher|reader|'
-        'worker, "tenant": "org/team/project" for publishers}. Tokens are stored hashed.',
+        'worker|inference, "tenant": "org/team/project" for publishers and inference callers '
+        '(a "*" segment matches any), optional "qos_tier" of an inference caller}. Tokens are '
+        'stored hashed.',
     )
 
     # --- worker / router / audit --------------------------------------------------------
@@ -88,8 +91,45 @@ class Settings(BaseSettings):
     worker_host: str = "127.0.0.1"
     worker_port: int = 8781
     stale_lease_threshold_s: float = Field(30.0, gt=0)
+    heartbeat_interval_s: float = Field(
+        1.0, gt=0, description="How often workers emit WorkerHeartbeat (the router's clock "
+        "for liveness: a worker that misses `router_missed_heartbeats` of them leaves the ring).")
     router_host: str = "127.0.0.1"
-    router_port: int = 8782
+    router_port: int = Field(8782, description="gRPC loraplane.v1.Inference (and health).")
+    router_http_port: int = Field(
+        8784, description="OpenAI-compatible HTTP API, /metrics, /healthz and /readyz.")
+    router_id: str | None = Field(None, description="Names this router in barriers and logs.")
+    router_missed_heartbeats: int = Field(3, ge=1)
+    router_ring_vnodes: int = Field(160, ge=1, description="Ring points per worker.")
+    router_load_epsilon: float = Field(
+        0.25, gt=0, description="Bounded load: no worker above (1+eps) x mean in-flight.")
+    router_affinity_window: int = Field(
+        3, ge=1, description="How many ring workers (under the load bound) a request may go "
+        "to instead of its cold home because they hold its adapter; 1 = plain ring.")
+    router_prewarm: bool = Field(
+        True, description="Prefetch recently used adapters into the workers that gain key "
+        "ranges on a ring change, and hint a cold home while a warm neighbour serves.")
+    router_recent_adapters: int = Field(
+        4, ge=0, description="Adapters remembered per tenant signature for pre-warming.")
+    router_tenant_rate: dict[TierName, float] = Field(
+        default_factory=lambda: {"platinum": 400.0, "gold": 200.0, "silver": 100.0,
+                                 "bronze": 20.0},
+        description="Requests/s per tenant, by the tenant's QoS tier (token bucket).")
+    router_adapter_rate: dict[TierName, float] = Field(
+        default_factory=lambda: {"platinum": 200.0, "gold": 100.0, "silver": 50.0,
+                                 "bronze": 10.0},
+        description="Requests/s per adapter, by the adapter version's QoS tier.")
+    router_cold_load_rate: dict[TierName, float] = Field(
+        default_factory=lambda: {"platinum": 4.0, "gold": 2.0, "silver": 1.0, "bronze": 0.2},
+        description="Requests/s per tenant that force a worker to load an adapter from disk.")
+    router_burst_s: float = Field(
+        2.0, gt=0, description="Bucket depth in seconds of its rate (burst = rate x this).")
+    router_rate_overrides: dict[str, float] = Field(
+        default_factory=dict,
+        description='Requests/s for one tenant or adapter instead of its tier default: '
+        '{"tenant:org/team/project": 5, "adapter:acme-support": 50}.')
+    router_request_timeout_s: float = Field(
+        300.0, gt=0, description="Deadline of a request whose client set none (HTTP).")
     audit_metrics_port: int = 8783
     audit_batch_size: int = Field(
         4000, ge=1, description="Most events per projector transaction; 4000 measured best "

@@ -2,7 +2,9 @@
 
 Roles: admin (everything), publisher (publish, split, roll back, disable, purge within its
 own org/team/project; a `*` segment matches any), reader (reads), worker (blob fetches
-only). An unknown or missing token is 401; a known token without the right is 403.
+only), inference (generate through the router for its own org/team/project, nothing in the
+registry). An inference token may carry the tenant's `qos_tier` (the router's limits and
+scheduling tier). An unknown or missing token is 401; a known token without the right is 403.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ from typing import Literal
 
 from services.contracts.events import TenantRef
 
-Role = Literal["admin", "publisher", "reader", "worker"]
-ROLES: tuple[Role, ...] = ("admin", "publisher", "reader", "worker")
+Role = Literal["admin", "publisher", "reader", "worker", "inference"]
+ROLES: tuple[Role, ...] = ("admin", "publisher", "reader", "worker", "inference")
+TENANT_SCOPED: tuple[Role, ...] = ("publisher", "inference")
+QOS_TIERS = ("platinum", "gold", "silver", "bronze")
 
 
 class AuthConfigError(ValueError):
@@ -29,6 +33,8 @@ class Principal:
     token_id: str
     role: Role
     tenant_pattern: tuple[str, str, str] | None = None
+    qos_tier: str | None = None
+    """The tenant's paid tier for an inference token; None = the router's default."""
 
     @property
     def actor(self) -> str:
@@ -37,7 +43,17 @@ class Principal:
     def may_write_for(self, tenant: TenantRef) -> bool:
         if self.role == "admin":
             return True
-        if self.role != "publisher" or self.tenant_pattern is None:
+        return self.role == "publisher" and self.in_scope(tenant)
+
+    def may_infer_for(self, tenant: TenantRef) -> bool:
+        """May this token run inference for `tenant` (admin, or a matching scope)?"""
+        if self.role == "admin":
+            return True
+        return self.role in TENANT_SCOPED and self.in_scope(tenant)
+
+    def in_scope(self, tenant: TenantRef) -> bool:
+        """Does the token's org/team/project pattern cover `tenant` (`*` matches any)?"""
+        if self.tenant_pattern is None:
             return False
         return all(p in ("*", v) for p, v in
                    zip(self.tenant_pattern, (tenant.org, tenant.team, tenant.project),
@@ -74,12 +90,15 @@ class TokenBook:
             if len(digest) != 64 or role not in ROLES:
                 raise AuthConfigError(f"bad token entry (need sha256 and role): {entry!r}")
             pattern = None
-            if role == "publisher":
+            if role in TENANT_SCOPED:
                 parts = tuple(str(entry.get("tenant", "")).split("/"))
                 if len(parts) != 3 or not all(parts):
-                    raise AuthConfigError("a publisher token needs tenant 'org/team/project'")
+                    raise AuthConfigError(f"a {role} token needs tenant 'org/team/project'")
                 pattern = (parts[0], parts[1], parts[2])
-            principals[digest] = Principal(digest[:12], role, pattern)
+            tier = entry.get("qos_tier")
+            if tier is not None and tier not in QOS_TIERS:
+                raise AuthConfigError(f"bad qos_tier {tier!r} (one of {', '.join(QOS_TIERS)})")
+            principals[digest] = Principal(digest[:12], role, pattern, tier)
         return cls(principals)
 
     def __len__(self) -> int:

@@ -1,0 +1,162 @@
+"""Wiring of `loraplane serve router`: one asyncio loop runs the gRPC server, the HTTP
+server (uvicorn) and the fold of the log, so the state the request path reads is only
+ever changed on that loop's thread, between two requests' decisions.
+
+Start-up: both servers listen at once (gRPC health NOT_SERVING, HTTP `/readyz` 503, and
+requests answered UNAVAILABLE / 503 with a retry hint), while the log is replayed to a
+barrier of the router's own in a worker thread; then the router is ready. A broker that
+is down at start is retried every second. A broker that goes down later leaves the router
+serving from the state it has; workers are not expired while the log cannot be read
+(their heartbeats would not be seen), only once it is read again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import Callable, Iterator
+
+import uvicorn
+
+from services.config import Settings
+from services.eventlog import Record
+from services.registry.auth import TokenBook
+from services.router.dispatch import Dispatcher
+from services.router.follower import LogFollower
+from services.router.metrics import RouterMetrics
+from services.router.openai_http import create_http_app
+from services.router.server import RouterHealth, build_server
+
+log = logging.getLogger("loraplane.router")
+
+
+class _EmbeddedUvicorn(uvicorn.Server):
+    """uvicorn inside our loop: the router, not uvicorn, owns the process's signals."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class RouterApp:
+    def __init__(self, settings: Settings, *, router_id: str | None = None,
+                 grpc_port: int | None = None, http_port: int | None = None) -> None:
+        self.settings = settings
+        self.router_id = router_id or settings.router_id or f"router-{uuid.uuid4().hex[:12]}"
+        self.metrics = RouterMetrics()
+        self.dispatcher = Dispatcher(settings, self.metrics)
+        self.tokens = TokenBook.from_setting(settings.auth_tokens)
+        self.follower = LogFollower(settings, self.router_id)
+        self.grpc_port = settings.router_port if grpc_port is None else grpc_port
+        self.http_port = settings.router_http_port if http_port is None else http_port
+        self.health = RouterHealth()
+        self.last_error: str | None = None
+        self._stop: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._http: _EmbeddedUvicorn | None = None
+
+    def stop(self) -> None:
+        """Ask a running `run` to finish (from any thread)."""
+        if self._stop is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+
+    async def run(self, on_listening: Callable[[], None] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        host = self.settings.router_host
+        grpc_server, self.grpc_port = build_server(self.dispatcher, self.tokens, self.health,
+                                                   f"{host}:{self.grpc_port}")
+        await self.health.set(False)
+        await grpc_server.start()
+        self._http = _EmbeddedUvicorn(uvicorn.Config(
+            create_http_app(self.dispatcher, self.tokens), host=host, port=self.http_port,
+            log_level=self.settings.log_level.lower(), lifespan="off",
+            timeout_graceful_shutdown=10))
+        http_task = asyncio.create_task(self._http.serve())
+        while not self._http.started and not http_task.done():
+            await asyncio.sleep(0.01)
+        if http_task.done():
+            await grpc_server.stop(0)
+            http_task.result()
+            raise OSError(f"HTTP server did not start on {host}:{self.http_port}")
+        log.info("router %s listening: gRPC %s:%d, HTTP %s:%d", self.router_id, host,
+                 self.grpc_port, host, self.http_port)
+        if on_listening is not None:
+            on_listening()
+        fold_task = asyncio.create_task(self._follow())
+        try:
+            await self._stop.wait()
+        finally:
+            fold_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await fold_task
+            await self.health.set(False)
+            self._http.should_exit = True
+            await grpc_server.stop(grace=5)
+            await http_task
+            await self.dispatcher.close()
+            await asyncio.to_thread(self.follower.close)
+            self.metrics.ready.set(0)
+
+    async def _follow(self) -> None:
+        d = self.dispatcher
+        while True:
+            try:
+                count = await asyncio.to_thread(self.follower.open, self._fold_replayed)
+                break
+            except Exception as exc:
+                self.last_error = f"start-up: {exc}"
+                log.warning("router cannot replay the log yet, retrying: %s", exc)
+                await asyncio.sleep(1.0)
+        d.tick()
+        d.ready = True
+        self.metrics.ready.set(1)
+        await self.health.set(True)
+        log.info("router %s ready: %d events replayed, %d workers in the ring",
+                 self.router_id, count, len(d.ring))
+        healthy = True
+        while True:
+            try:
+                records = await asyncio.to_thread(self.follower.poll, 0.1)
+            except Exception as exc:
+                if healthy:
+                    log.warning("router cannot read the log, serving from memory: %s", exc)
+                self.last_error = f"fold: {exc}"
+                healthy = False
+                await asyncio.sleep(0.5)
+                continue
+            healthy = True
+            self._fold_live(records)
+            d.tick()
+
+    def _fold_replayed(self, envelope: object, seen_at: float) -> None:
+        # Runs in the replay thread before the router is ready: nothing reads the state yet.
+        self.dispatcher.fold(envelope, seen_at)  # type: ignore[arg-type]
+
+    def _fold_live(self, records: list[Record]) -> None:
+        now = self.dispatcher.clock()
+        for record in records:
+            try:
+                self.dispatcher.fold(record.envelope, now)
+            except Exception:  # a fold bug must not stop the router from reading
+                log.exception("cannot fold %s %s", record.envelope.type,
+                              record.envelope.event_id)
+
+
+def serve(settings: Settings) -> None:
+    """`loraplane serve router` in the foreground; SIGINT / SIGTERM stop it gracefully."""
+    import signal
+
+    logging.basicConfig(level=settings.log_level,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = RouterApp(settings)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, app.stop)
+        await app.run()
+
+    asyncio.run(main())

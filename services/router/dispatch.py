@@ -1,0 +1,514 @@
+"""The request path both fronts share: authorise, resolve, admit, place, forward, fail over.
+
+gRPC (`services.router.server`) and the OpenAI HTTP API (`services.router.openai_http`)
+hand every request to `Dispatcher.generate`, so both get the same resolution, placement,
+limits and failover. State is folded from the log on the event loop's thread
+(`services.router.app`), so nothing here takes a lock: one decision sees one state.
+
+Steps of a request:
+1. Tenant from the token (`authorize`): a tenant-scoped token's org/team/project is the
+   tenant; the request may only repeat it or fill the segments the token leaves as `*`.
+2. Version (`services.catalog.serving`): an alias by its split, sticky per user; an
+   adapter id by its active version; `adapter@version` pinned. The worker receives the
+   result as `AdapterRef.pinned`, never the alias.
+3. Placement (`services.router.ring.place`) among live workers on the version's base model.
+4. Admission (`services.router.limits`): tenant and adapter buckets, and the cold-load cap
+   when the placement is cold. A refusal is RESOURCE_EXHAUSTED with a retry-after.
+5. Forwarding with the client's deadline. A worker that fails before its first response is
+   replaced once by the next ring worker; after the first response the worker's error
+   goes to the client as it is. Every attempt is written into the request's `RouteTrace`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import asdict, dataclass, field
+
+import grpc
+
+from services.catalog.serving import ServingChoice, resolve_pinned, resolve_reference
+from services.catalog.state import CatalogState, Refusal
+from services.config import Settings
+from services.contracts.events import SLUG_PATTERN, Envelope, TenantRef
+from services.contracts.grpc import inference_pb2 as pb
+from services.contracts.grpc import inference_pb2_grpc as pb_grpc
+from services.contracts.qos import TIER_TO_PROTO, lower_tier, tier_of
+from services.registry.auth import TENANT_SCOPED, Principal
+from services.router.limits import DEFAULT_TIER, Limits
+from services.router.membership import Membership
+from services.router.metrics import RouterMetrics
+from services.router.prewarm import RecentAdapter, RecentUse, plan
+from services.router.ring import Placement, Ring, place, ring_key
+
+log = logging.getLogger("loraplane.router")
+trace_log = logging.getLogger("loraplane.router.trace")
+
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN,
+                       grpc.StatusCode.INTERNAL, grpc.StatusCode.ABORTED,
+                       grpc.StatusCode.RESOURCE_EXHAUSTED})
+"""Worker failures worth one more try elsewhere; the rest would fail there too."""
+MIN_RETRY_BUDGET_S = 0.05
+"""A retry is not started with less time than this left before the deadline."""
+HINT_EVERY_S = 2.0
+"""The same prefetch hint is not repeated to the same worker more often than this."""
+
+_SLUG = re.compile(SLUG_PATTERN)
+_REFUSAL_CODES = {"not_found": grpc.StatusCode.NOT_FOUND,
+                  "forbidden": grpc.StatusCode.PERMISSION_DENIED,
+                  "precondition": grpc.StatusCode.FAILED_PRECONDITION,
+                  "invalid": grpc.StatusCode.INVALID_ARGUMENT,
+                  "conflict": grpc.StatusCode.FAILED_PRECONDITION}
+
+
+class RouteError(Exception):
+    """A request the router answers with an error; both fronts map it to their own shape."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, reason: str, *,
+                 retry_after_s: float | None = None, retry_after: str | None = None,
+                 after_first_token: bool = False) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.reason = reason
+        self.retry_after_s = retry_after_s
+        self.retry_after = retry_after
+        """Whole seconds for HTTP `Retry-After` / gRPC `retry-after` metadata."""
+        self.after_first_token = after_first_token
+
+
+@dataclass
+class Attempt:
+    worker: str
+    address: str
+    outcome: str = "pending"
+    """ok, failed_before_first_token, failed_after_first_token, cancelled."""
+    code: str | None = None
+    detail: str | None = None
+    responses: int = 0
+
+
+@dataclass
+class RouteTrace:
+    """What the router did with one request: kept in memory and logged."""
+
+    trace_id: str
+    request_id: str
+    front: str
+    tenant: str
+    ring_key: str
+    adapter: str | None
+    alias: str | None
+    placement_tier: str | None = None
+    diverted: bool = False
+    attempts: list[Attempt] = field(default_factory=list)
+    status: str = "pending"
+    error: str | None = None
+    started_at: float = field(default_factory=time.time)
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Decision:
+    tenant: TenantRef
+    tier: str
+    key: str
+    choice: ServingChoice | None
+    base_digest: str | None
+    placement: Placement
+
+
+@dataclass(frozen=True)
+class Asked:
+    """What a request asks for, in the fronts' common terms."""
+
+    signature: pb.TenantSignature
+    adapter: pb.AdapterRef
+    base_model: str | None = None
+    """The base model the caller named (HTTP `model`); None = any base (gRPC)."""
+
+
+def authorize(principal: Principal, signature: pb.TenantSignature) -> TenantRef:
+    """The tenant a request runs as: the token's scope, filled in (where `*`) by the request."""
+    asked = (signature.org_id, signature.team_id, signature.project_id)
+    names = ("org", "team", "project")
+    if principal.role == "admin":
+        if not all(asked):
+            raise RouteError(grpc.StatusCode.INVALID_ARGUMENT,
+                             "an admin token must name the tenant (org, team, project)",
+                             "invalid")
+        values = list(asked)
+    elif principal.role in TENANT_SCOPED and principal.tenant_pattern is not None:
+        values = []
+        for name, scope, value in zip(names, principal.tenant_pattern, asked, strict=True):
+            if scope != "*":
+                if value and value != scope:
+                    raise RouteError(grpc.StatusCode.PERMISSION_DENIED,
+                                     f"token is scoped to {name} {scope!r}, not {value!r}",
+                                     "forbidden")
+                values.append(scope)
+            elif not value:
+                raise RouteError(grpc.StatusCode.INVALID_ARGUMENT,
+                                 f"token covers any {name}: name the {name} in the request",
+                                 "invalid")
+            else:
+                values.append(value)
+    else:
+        raise RouteError(grpc.StatusCode.PERMISSION_DENIED,
+                         f"role {principal.role} may not run inference", "forbidden")
+    for name, value in zip(names, values, strict=True):
+        if not _SLUG.match(value):
+            raise RouteError(grpc.StatusCode.INVALID_ARGUMENT, f"bad {name} {value!r}",
+                             "invalid")
+    return TenantRef(org=values[0], team=values[1], project=values[2])
+
+
+class Dispatcher:
+    """The router's state (catalog, membership, ring) and its request path."""
+
+    def __init__(self, settings: Settings, metrics: RouterMetrics | None = None, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.settings = settings
+        self.metrics = metrics or RouterMetrics()
+        self.clock = clock
+        self.catalog = CatalogState(stale_after_s=settings.stale_lease_threshold_s)
+        self.membership = Membership(interval_s=settings.heartbeat_interval_s,
+                                     misses=settings.router_missed_heartbeats)
+        self.ring = Ring(vnodes=settings.router_ring_vnodes)
+        self.limits = Limits(tenant_rate=settings.router_tenant_rate,
+                             adapter_rate=settings.router_adapter_rate,
+                             cold_load_rate=settings.router_cold_load_rate,
+                             burst_s=settings.router_burst_s,
+                             overrides=settings.router_rate_overrides)
+        self.recent = RecentUse(per_key=settings.router_recent_adapters)
+        self.ready = False
+        self.traces: deque[RouteTrace] = deque(maxlen=2000)
+        self._channels: dict[str, tuple[str, grpc.aio.Channel]] = {}
+        self._hinted: dict[tuple[str, str, int], float] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # --- folding the log (on the event loop's thread) -------------------------------------
+
+    def fold(self, envelope: Envelope, seen_at: float) -> None:
+        self.catalog.apply(envelope)
+        if self.membership.observe(envelope, seen_at):
+            worker = envelope.payload.worker_id  # type: ignore[attr-defined]
+            self._change_ring(lambda ring: ring.add(worker), "join")
+        self.metrics.events_folded.labels(envelope.type).inc()
+
+    def tick(self, now: float | None = None) -> None:
+        """Expire silent workers and close channels nobody uses any more."""
+        now = self.clock() if now is None else now
+        gone = self.membership.expire(now)
+        if gone:
+            def drop(ring: Ring) -> None:
+                for worker in gone:
+                    ring.remove(worker)
+            self._change_ring(drop, "leave")
+            log.warning("workers left the ring after %d missed heartbeats: %s",
+                        self.membership.misses, ", ".join(gone))
+        for worker in list(self._channels):
+            if (worker not in self.membership.live
+                    and not self.membership.in_flight.get(worker)):
+                _, channel = self._channels.pop(worker)
+                self._spawn(channel.close())
+
+    def _change_ring(self, change: Callable[[Ring], None], kind: str) -> None:
+        old = self.ring.copy()
+        change(self.ring)
+        self.metrics.ring_size.set(len(self.ring))
+        self.metrics.ring_changes.labels(kind).inc(abs(len(self.ring) - len(old)))
+        if self.ready and self.settings.router_prewarm:
+            reason = "ring join" if kind == "join" else "ring leave"
+            for worker, adapters in plan(old, self.ring, self.recent,
+                                         self.membership.serves_base).items():
+                self._hint(worker, adapters, pb.PREFETCH_TIER_HOST, reason)
+
+    # --- the request path ------------------------------------------------------------------
+
+    def decide(self, principal: Principal, asked: Asked, now: float) -> Decision:
+        """Steps 1-4 of the module doc: no I/O; raises `RouteError`."""
+        if not self.ready:
+            raise RouteError(grpc.StatusCode.UNAVAILABLE, "router is replaying the log",
+                             "not_ready", retry_after_s=1.0, retry_after="1")
+        sig = asked.signature
+        tenant = authorize(principal, sig)
+        tier = lower_tier(principal.qos_tier or DEFAULT_TIER, tier_of(sig.qos_tier))
+        choice, base_digest = self._resolve(tenant, sig.user_id, asked)
+        key = ring_key(tenant.org, tenant.team, tenant.project, sig.compliance_scope,
+                       sig.region_hint)
+        eligible = self.membership.eligible(base_digest)
+        if not eligible:
+            raise RouteError(grpc.StatusCode.UNAVAILABLE,
+                             "no live worker serves this base model", "no_worker",
+                             retry_after_s=self.membership.interval_s, retry_after="1")
+        in_flight = self.membership.in_flight
+        if choice is None:
+            def holding(_: str) -> str:
+                return "device"
+        else:
+            sha, membership = choice.sha256, self.membership
+
+            def holding(worker: str) -> str | None:  # type: ignore[misc]
+                return membership.tier(worker, sha, now)
+        placement = place(self.ring, key, eligible=eligible.__contains__, loads=in_flight,
+                          holding=holding, epsilon=self.settings.router_load_epsilon,
+                          window=self.settings.router_affinity_window,
+                          eligible_count=len(eligible),
+                          total_in_flight=sum(in_flight.get(w, 0) for w in eligible))
+        if placement is None:  # pragma: no cover - eligible is not empty
+            raise RouteError(grpc.StatusCode.UNAVAILABLE, "no worker", "no_worker")
+        refusal = self.limits.admit(
+            now, tenant=tenant.key, tenant_tier=tier,
+            adapter=choice.adapter_id if choice else None,
+            adapter_tier=choice.qos_tier if choice else None,
+            cold=choice is not None and placement.cold)
+        if refusal is not None:
+            raise RouteError(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal.message,
+                             refusal.reason, retry_after_s=refusal.retry_after_s,
+                             retry_after=refusal.retry_after_header)
+        if choice is not None:
+            self.recent.touch(key, RecentAdapter(choice.adapter_id, choice.version,
+                                                 choice.sha256, base_digest or ""))
+        return Decision(tenant, tier, key, choice, base_digest, placement)
+
+    def _resolve(self, tenant: TenantRef, user_id: str, asked: Asked
+                 ) -> tuple[ServingChoice | None, str | None]:
+        base_digest = None
+        if asked.base_model is not None:
+            base = self.catalog.base_models.get(asked.base_model)
+            if base is None:
+                raise RouteError(grpc.StatusCode.NOT_FOUND,
+                                 f"base model {asked.base_model!r} does not exist", "not_found")
+            base_digest = base.digest
+        ref = asked.adapter
+        which = ref.WhichOneof("ref")
+        if which is None:
+            return None, base_digest
+        try:
+            if which == "alias":
+                choice = resolve_reference(self.catalog, tenant, ref.alias, user_id,
+                                           base_digest=base_digest)
+            else:
+                if ref.pinned.version == 0:
+                    raise Refusal("invalid", "a pinned version starts at 1")
+                choice = resolve_pinned(self.catalog, tenant, ref.pinned.adapter_id,
+                                        ref.pinned.version, base_digest=base_digest)
+        except Refusal as refusal:
+            raise RouteError(_REFUSAL_CODES[refusal.kind], refusal.message,
+                             refusal.kind) from None
+        version = self.catalog.adapters[choice.adapter_id].versions[choice.version]
+        return choice, version.published.base_model_digest
+
+    async def generate(self, principal: Principal, request: pb.GenerateRequest, *,
+                       timeout_s: float | None, front: str, base_model: str | None = None
+                       ) -> AsyncIterator[pb.GenerateResponse]:
+        """Route one request and stream the worker's answer; see the module doc.
+
+        Raises `RouteError` before the first response (nothing was sent) or after it
+        (`after_first_token`: the worker's own status, passed on as it is).
+        """
+        started = self.clock()
+        deadline = started + (timeout_s if timeout_s is not None
+                              else self.settings.router_request_timeout_s)
+        request_id = request.request_id or uuid.uuid4().hex
+        trace_id = request.trace_id or uuid.uuid4().hex
+        asked = Asked(request.tenant, request.adapter, base_model)
+        tenant_label = adapter_label = "-"
+        try:
+            try:
+                decision = self.decide(principal, asked, started)
+            finally:
+                self.metrics.route_seconds.observe(self.clock() - started)
+        except RouteError as error:
+            self.metrics.rejections.labels(error.reason).inc()
+            self.metrics.requests.labels(tenant_label, adapter_label, front,
+                                         error.reason).inc()
+            raise
+        choice, placement = decision.choice, decision.placement
+        tenant_label = decision.tenant.key
+        adapter_label = choice.adapter_id if choice else "-"
+        trace = RouteTrace(trace_id, request_id, front, decision.tenant.key, decision.key,
+                           choice.pinned if choice else None, choice.alias if choice else None,
+                           placement.tier, placement.diverted)
+        self.traces.append(trace)
+        self.metrics.placements.labels(placement.tier or "cold").inc()
+        self._after_placement(decision)
+        forwarded = self._forwarded(request, decision, request_id, trace_id)
+        workers = [placement.worker] + ([placement.fallback] if placement.fallback else [])
+        outcome = "error"
+        try:
+            async for response in self._forward(forwarded, workers, deadline, trace, started,
+                                                front):
+                yield response
+            outcome = "ok"
+        except RouteError as error:
+            outcome = error.reason
+            trace.error = f"{error.code.name}: {error.message}"
+            if not error.after_first_token:
+                self.metrics.rejections.labels(error.reason).inc()
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            outcome = "cancelled"
+            raise
+        finally:
+            trace.status = outcome
+            self.metrics.requests.labels(tenant_label, adapter_label, front, outcome).inc()
+            level = logging.INFO if outcome in ("ok", "cancelled") else logging.WARNING
+            if trace_log.isEnabledFor(level):
+                trace_log.log(level, "%s", json.dumps(trace.as_dict(), default=str))
+
+    def _after_placement(self, decision: Decision) -> None:
+        """Hints: a cold home prefetches what it is about to load; a cold home passed over
+        for a warm neighbour prefetches into host memory so traffic can move back."""
+        choice, placement = decision.choice, decision.placement
+        if choice is None:
+            return
+        adapter = RecentAdapter(choice.adapter_id, choice.version, choice.sha256,
+                                decision.base_digest or "")
+        if placement.cold:
+            self.membership.note_sent(placement.worker, choice.sha256, self.clock())
+            self._hint(placement.worker, [adapter], pb.PREFETCH_TIER_DEVICE, "cold placement")
+        elif placement.diverted and self.settings.router_prewarm:
+            self._hint(placement.home, [adapter], pb.PREFETCH_TIER_HOST,
+                       "warm neighbour serving")
+
+    def _forwarded(self, request: pb.GenerateRequest, decision: Decision, request_id: str,
+                   trace_id: str) -> pb.GenerateRequest:
+        forwarded = pb.GenerateRequest()
+        forwarded.CopyFrom(request)
+        forwarded.request_id = request_id
+        forwarded.trace_id = trace_id
+        sig = forwarded.tenant
+        sig.org_id, sig.team_id, sig.project_id = (decision.tenant.org, decision.tenant.team,
+                                                   decision.tenant.project)
+        sig.qos_tier = TIER_TO_PROTO[decision.tier]
+        if decision.choice is not None:
+            forwarded.adapter.pinned.adapter_id = decision.choice.adapter_id
+            forwarded.adapter.pinned.version = decision.choice.version
+        return forwarded
+
+    async def _forward(self, request: pb.GenerateRequest, workers: list[str], deadline: float,
+                       trace: RouteTrace, started: float, front: str
+                       ) -> AsyncIterator[pb.GenerateResponse]:
+        for index, worker in enumerate(workers):
+            remaining = deadline - self.clock()
+            if remaining <= 0:
+                raise RouteError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                 "deadline passed before a worker answered", "deadline")
+            address = self.membership.address(worker)
+            attempt = Attempt(worker, address)
+            trace.attempts.append(attempt)
+            call = pb_grpc.InferenceStub(self._channel(worker, address)).Generate(
+                request, timeout=remaining)
+            self.membership.acquire(worker)
+            self.metrics.in_flight.labels(worker).inc()
+            try:
+                async for response in call:
+                    if attempt.responses == 0:
+                        self.metrics.first_token_seconds.labels(front).observe(
+                            self.clock() - started)
+                    attempt.responses += 1
+                    yield response
+                attempt.outcome = "ok"
+                return
+            except grpc.aio.AioRpcError as exc:
+                code, detail = exc.code(), exc.details() or ""
+                attempt.code, attempt.detail = code.name, detail
+                if attempt.responses:
+                    attempt.outcome = "failed_after_first_token"
+                    self.metrics.midstream_errors.labels(code.name).inc()
+                    raise RouteError(code, detail, "worker_error",
+                                     after_first_token=True) from None
+                attempt.outcome = "failed_before_first_token"
+                more = index + 1 < len(workers)
+                if (more and code in RETRYABLE
+                        and deadline - self.clock() > MIN_RETRY_BUDGET_S):
+                    self.metrics.retries.labels(code.name).inc()
+                    log.info("retrying %s on %s: %s failed before its first token (%s)",
+                             trace.request_id, workers[index + 1], worker, code.name)
+                    continue
+                reason = "deadline" if code == grpc.StatusCode.DEADLINE_EXCEEDED else \
+                    "worker_error"
+                raise RouteError(code, f"worker {worker}: {detail}", reason) from None
+            except (asyncio.CancelledError, GeneratorExit):
+                attempt.outcome = "cancelled"
+                raise
+            finally:
+                call.cancel()
+                self.membership.release(worker)
+                self.metrics.in_flight.labels(worker).dec()
+
+    # --- connections and hints -------------------------------------------------------------
+
+    def _channel(self, worker: str, address: str) -> grpc.aio.Channel:
+        known = self._channels.get(worker)
+        if known is not None and known[0] == address:
+            return known[1]
+        if known is not None:
+            self._spawn(known[1].close())
+        channel = grpc.aio.insecure_channel(address, options=[
+            ("grpc.keepalive_time_ms", 30_000), ("grpc.http2.max_pings_without_data", 0)])
+        self._channels[worker] = (address, channel)
+        return channel
+
+    def _hint(self, worker: str, adapters: list[RecentAdapter], tier: int,
+              reason: str) -> None:
+        """Send a Prefetch to `worker` in the background (at most one per HINT_EVERY_S)."""
+        if worker not in self.membership.live:
+            return
+        now = self.clock()
+        fresh = []
+        for adapter in adapters:
+            key = (worker, adapter.sha256, tier)
+            if now - self._hinted.get(key, -HINT_EVERY_S) >= HINT_EVERY_S:
+                self._hinted[key] = now
+                fresh.append(adapter)
+        if len(self._hinted) > 100_000:
+            self._hinted = {k: t for k, t in self._hinted.items() if now - t < HINT_EVERY_S}
+        if not fresh:
+            return
+        request = pb.PrefetchRequest(tier=tier, reason=reason, adapters=[
+            pb.PinnedVersion(adapter_id=a.adapter_id, version=a.version) for a in fresh])
+        self._spawn(self._send_hint(worker, request, reason))
+
+    async def _send_hint(self, worker: str, request: pb.PrefetchRequest, reason: str) -> None:
+        address = self.membership.address(worker)
+        stub = pb_grpc.WorkerControlStub(self._channel(worker, address))
+        try:
+            reply = await stub.Prefetch(request, timeout=5.0)
+        except grpc.aio.AioRpcError as exc:
+            self.metrics.prefetch_hints.labels(reason, "failed").inc()
+            log.info("prefetch hint to %s failed: %s", worker, exc.code().name)
+            return
+        accepted = sum(1 for s in reply.adapters if s.accepted)
+        self.metrics.prefetch_hints.labels(reason, "accepted").inc(accepted)
+        if accepted < len(reply.adapters):
+            self.metrics.prefetch_hints.labels(reason, "declined").inc(
+                len(reply.adapters) - accepted)
+
+    def _spawn(self, coro: object) -> None:
+        try:
+            task = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
+        except RuntimeError:  # no loop (pure tests of the fold): nothing to send
+            with contextlib.suppress(Exception):
+                coro.close()  # type: ignore[attr-defined]
+            return
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        for _, channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()

@@ -1,0 +1,131 @@
+"""Admission: token buckets per tenant and per adapter, and a cap on cold loads. Pure.
+
+Rates come from the settings by QoS tier (the tenant's tier from its token, the adapter's
+from its published version), unless `router_rate_overrides` names the tenant or adapter.
+A bucket holds `rate * burst_s` tokens and refills continuously; a request takes one
+token from its tenant's bucket and one from its adapter's, or neither: a refusal never
+spends tokens. The cold-load cap is a third bucket per tenant, taken only when placement
+has to make a worker load the adapter from disk, so one tenant cycling through many
+adapters cannot thrash every worker's pool. A refusal says how long until a retry can
+succeed (gRPC RESOURCE_EXHAUSTED with `retry-after`, HTTP 429 with `Retry-After`).
+
+Token buckets are a dozen lines; the libraries that offer them answer yes/no without the
+exact wait a Retry-After needs, hence this.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+RejectReason = Literal["tenant_rate", "adapter_rate", "cold_load_cap"]
+
+DEFAULT_TIER = "silver"
+
+
+@dataclass
+class TokenBucket:
+    rate: float
+    """Tokens per second."""
+    capacity: float
+    tokens: float
+    updated: float
+
+    def _refill(self, now: float) -> None:
+        if now > self.updated:
+            self.tokens = min(self.capacity, self.tokens + (now - self.updated) * self.rate)
+            self.updated = now
+
+    def wait(self, now: float, n: float = 1.0) -> float:
+        """Seconds until `n` tokens are there (0 = now); takes nothing."""
+        self._refill(now)
+        if self.tokens >= n:
+            return 0.0
+        if self.rate <= 0 or n > self.capacity:
+            return math.inf
+        return (n - self.tokens) / self.rate
+
+    def take(self, now: float, n: float = 1.0) -> None:
+        self._refill(now)
+        self.tokens -= n
+
+
+@dataclass(frozen=True)
+class Rejection:
+    reason: RejectReason
+    retry_after_s: float
+    message: str
+
+    @property
+    def retry_after_header(self) -> str:
+        """Whole seconds, at least 1 (RFC 9110 delay-seconds)."""
+        return str(max(1, math.ceil(self.retry_after_s))) if math.isfinite(
+            self.retry_after_s) else "3600"
+
+
+class Limits:
+    def __init__(self, *, tenant_rate: Mapping[str, float], adapter_rate: Mapping[str, float],
+                 cold_load_rate: Mapping[str, float], burst_s: float = 2.0,
+                 overrides: Mapping[str, float] | None = None, max_buckets: int = 200_000
+                 ) -> None:
+        self.tenant_rate = dict(tenant_rate)
+        self.adapter_rate = dict(adapter_rate)
+        self.cold_load_rate = dict(cold_load_rate)
+        self.burst_s = burst_s
+        self.overrides = dict(overrides or {})
+        self.max_buckets = max_buckets
+        self._buckets: dict[tuple[str, str], TokenBucket] = {}
+
+    def _rate(self, rates: Mapping[str, float], tier: str | None) -> float:
+        return rates.get(tier or DEFAULT_TIER, rates.get(DEFAULT_TIER, 0.0))
+
+    def _bucket(self, kind: str, name: str, rate: float, now: float) -> TokenBucket:
+        key = (kind, name)
+        bucket = self._buckets.get(key)
+        capacity = max(1.0, rate * self.burst_s)
+        if bucket is None:
+            if len(self._buckets) >= self.max_buckets:
+                self._forget_full(now)
+            bucket = self._buckets[key] = TokenBucket(rate, capacity, capacity, now)
+        elif bucket.rate != rate:  # the tier of an adapter changed with a new version
+            bucket._refill(now)
+            bucket.rate, bucket.capacity = rate, capacity
+            bucket.tokens = min(bucket.tokens, capacity)
+        return bucket
+
+    def _forget_full(self, now: float) -> None:
+        """A full bucket is the same as no bucket: drop those to bound memory."""
+        for key, bucket in list(self._buckets.items()):
+            bucket._refill(now)
+            if bucket.tokens >= bucket.capacity:
+                del self._buckets[key]
+
+    def admit(self, now: float, *, tenant: str, tenant_tier: str | None,
+              adapter: str | None = None, adapter_tier: str | None = None,
+              cold: bool = False) -> Rejection | None:
+        """Take a token from each bucket the request needs (tenant, adapter, and the cold-load
+        cap when `cold`), or refuse and take none."""
+        t_rate = self.overrides.get(f"tenant:{tenant}", self._rate(self.tenant_rate,
+                                                                   tenant_tier))
+        needed = [(self._bucket("tenant", tenant, t_rate, now), "tenant_rate",
+                   f"tenant {tenant} is over its rate limit of {t_rate:g} requests/s")]
+        if adapter is not None:
+            a_rate = self.overrides.get(f"adapter:{adapter}", self._rate(self.adapter_rate,
+                                                                         adapter_tier))
+            needed.append((self._bucket("adapter", adapter, a_rate, now), "adapter_rate",
+                           f"adapter {adapter} is over its rate limit of {a_rate:g} "
+                           "requests/s"))
+        if cold:
+            c_rate = self._rate(self.cold_load_rate, tenant_tier)
+            needed.append((self._bucket("cold", tenant, c_rate, now), "cold_load_cap",
+                           f"tenant {tenant} is over its cap of {c_rate:g} cold adapter "
+                           "loads/s; retry, or use an adapter a worker already holds"))
+        for bucket, reason, message in needed:
+            wait = bucket.wait(now)
+            if wait > 0:
+                return Rejection(reason, wait, message)  # type: ignore[arg-type]
+        for bucket, _, _ in needed:
+            bucket.take(now)
+        return None

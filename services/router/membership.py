@@ -1,0 +1,151 @@
+"""Which workers are in the ring, what each holds per tier, and how busy each is.
+
+A fold of the worker events, pure: the caller passes `seen_at` (its monotonic clock when
+it read the event) and `now`. A `WorkerHeartbeat` is a worker's full report (address,
+base model, adapters held per tier, free slots and KV blocks) and replaces the previous
+one; `AdapterLoaded` / `AdapterUnloaded` between two heartbeats update what it holds. A
+worker that has missed `misses` heartbeats (`misses * interval_s` without one) leaves
+the ring; its next heartbeat brings it back.
+
+The router also remembers where it sent an adapter cold a moment ago (`note_sent`): for
+up to `misses` heartbeat intervals that worker counts as `loading` it, so the next
+requests follow it there instead of each forcing another cold load elsewhere, and the
+cold-load cap counts one load, not one per request until the next heartbeat.
+
+In-flight counts are the router's own (requests it forwarded and has not seen end): they
+move with every request, while a heartbeat is up to a second old.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from services.contracts.events import (
+    AdapterLoaded,
+    AdapterUnloaded,
+    Envelope,
+    WorkerHeartbeat,
+)
+from services.router.ring import Tier
+
+
+@dataclass
+class WorkerView:
+    worker_id: str
+    address: str
+    base_model: str
+    base_digest: str
+    seen_at: float
+    held: dict[str, Tier] = field(default_factory=dict)
+    """Adapter weights sha256 → tier, as the worker last reported."""
+    sent: dict[str, float] = field(default_factory=dict)
+    """Adapter sha256 → when this router last placed it here cold."""
+    free_slots: int = 0
+    free_kv_blocks: int = 0
+
+
+class Membership:
+    def __init__(self, *, interval_s: float = 1.0, misses: int = 3) -> None:
+        self.interval_s = interval_s
+        self.misses = misses
+        self.workers: dict[str, WorkerView] = {}
+        self.live: set[str] = set()
+        """Workers in the ring now; changed only by `observe` and `expire`."""
+        self.in_flight: dict[str, int] = {}
+        self._eligible: dict[str | None, frozenset[str]] = {}
+
+    @property
+    def timeout_s(self) -> float:
+        return self.interval_s * self.misses
+
+    def observe(self, envelope: Envelope, seen_at: float) -> bool:
+        """Fold one worker event; True when it brought a worker (back) into the ring."""
+        p = envelope.payload
+        if isinstance(p, WorkerHeartbeat):
+            view = self.workers.get(p.worker_id)
+            if view is not None and seen_at < view.seen_at:
+                return False  # an older report read late changes nothing
+            held: dict[str, Tier] = {a.sha256: a.tier for a in p.loaded}
+            if view is None:
+                view = self.workers[p.worker_id] = WorkerView(
+                    p.worker_id, p.address, p.base_model, p.base_model_digest, seen_at)
+            if view.base_digest != p.base_model_digest:
+                self._eligible.clear()
+            view.address = p.address
+            view.base_model = p.base_model
+            view.base_digest = p.base_model_digest
+            view.seen_at = seen_at
+            view.held = held
+            view.free_slots = p.free_slots
+            view.free_kv_blocks = p.free_kv_blocks
+            for sha in list(view.sent):
+                if sha in held:
+                    del view.sent[sha]
+            joined = p.worker_id not in self.live
+            if joined:
+                self._eligible.clear()
+            self.live.add(p.worker_id)
+            return joined
+        if isinstance(p, AdapterLoaded):
+            view = self.workers.get(p.worker_id)
+            if view is not None:
+                view.held[p.sha256] = p.tier
+                view.sent.pop(p.sha256, None)
+        elif isinstance(p, AdapterUnloaded):
+            view = self.workers.get(p.worker_id)
+            if view is not None:
+                view.held.pop(p.sha256, None)
+        return False
+
+    def expire(self, now: float) -> list[str]:
+        """Take out of the ring every worker silent for `misses` intervals; returns them."""
+        gone = [w for w in self.live if now - self.workers[w].seen_at > self.timeout_s]
+        for worker in gone:
+            self.live.discard(worker)
+            self.workers[worker].sent.clear()
+        if gone:
+            self._eligible.clear()
+        return sorted(gone)
+
+    def tier(self, worker: str, sha256: str, now: float) -> Tier | None:
+        view = self.workers.get(worker)
+        if view is None:
+            return None
+        tier = view.held.get(sha256)
+        if tier is not None and tier != "disk":
+            return tier
+        sent = view.sent.get(sha256)
+        if sent is not None and now - sent <= self.timeout_s:
+            return "loading"
+        return tier
+
+    def note_sent(self, worker: str, sha256: str, now: float) -> None:
+        view = self.workers.get(worker)
+        if view is not None and view.held.get(sha256) in (None, "disk"):
+            view.sent[sha256] = now
+
+    def serves_base(self, worker: str, base_digest: str | None) -> bool:
+        if worker not in self.live:
+            return False
+        return base_digest is None or self.workers[worker].base_digest == base_digest
+
+    def eligible(self, base_digest: str | None) -> frozenset[str]:
+        """Live workers on this base model (any base for None); cached until a change."""
+        found = self._eligible.get(base_digest)
+        if found is None:
+            found = self._eligible[base_digest] = frozenset(
+                w for w in self.live if self.serves_base(w, base_digest))
+        return found
+
+    def acquire(self, worker: str) -> None:
+        self.in_flight[worker] = self.in_flight.get(worker, 0) + 1
+
+    def release(self, worker: str) -> None:
+        self.in_flight[worker] = max(0, self.in_flight.get(worker, 0) - 1)
+
+    def address(self, worker: str) -> str:
+        return self.workers[worker].address
+
+    def holders(self, sha256: str) -> Iterable[str]:
+        return (w for w in self.live if sha256 in self.workers[w].held)

@@ -1,0 +1,605 @@
+"""The OpenAI-compatible HTTP front: `/v1/completions`, `/v1/chat/completions`, `/v1/models`.
+
+Requests become `GenerateRequest`s handed to the same `Dispatcher.generate` as gRPC, so
+resolution, placement, limits and failover are the same. Specifics:
+
+- `model` is `base:adapter_or_alias`, `adapter@version` or `base:adapter@version` (pinned),
+  a base model name alone (no adapter), or an adapter id / alias alone.
+- The tenant is the token's scope; a token with `*` segments (or an admin token) names the
+  rest in `X-Loraplane-Tenant: org/team/project`. `X-Loraplane-Compliance-Scope` and
+  `X-Loraplane-Region` complete the tenant signature; OpenAI's `user` field is the user id
+  that keeps a user on one side of a canary.
+- Streaming is server-sent events ending in `data: [DONE]`; the last chunk before it always
+  carries `usage` (as with `stream_options.include_usage`), so usage is in every response.
+- Errors use OpenAI's shape `{"error": {"message", "type", "param", "code"}}`; a rate
+  limit is 429 with `Retry-After`. An error after the first token of a stream arrives as
+  an SSE event with an `error` member (the official client raises it as `APIError`).
+- Chat messages are passed to the worker, which renders the base model's chat template.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+import grpc
+from fastapi import Depends, FastAPI, Header, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ConfigDict, Field
+
+from services.catalog.serving import split_order
+from services.catalog.state import CatalogState
+from services.contracts.events import TenantRef
+from services.contracts.grpc import inference_pb2 as pb
+from services.registry.auth import Principal, TokenBook
+from services.router.dispatch import Dispatcher, RouteError, authorize
+
+bearer = HTTPBearer(auto_error=False, description="An inference token (stored hashed).")
+
+_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.OUT_OF_RANGE: 400, grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403, grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.ALREADY_EXISTS: 409, grpc.StatusCode.ABORTED: 409,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.UNIMPLEMENTED: 501, grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error", 409: "conflict_error", 429: "rate_limit_error",
+          503: "service_unavailable_error", 504: "timeout_error"}
+_FINISH = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_STOP: "stop",
+           pb.FINISH_REASON_ABORTED: "abort", pb.FINISH_REASON_ERROR: "error",
+           pb.FINISH_REASON_UNSPECIFIED: "stop"}
+
+
+class OpenAIError(Exception):
+    def __init__(self, status: int, message: str, *, code: str | None = None,
+                 param: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+        self.headers = headers or {}
+
+    @classmethod
+    def of(cls, error: RouteError) -> OpenAIError:
+        status = _STATUS.get(error.code, 502 if error.reason == "worker_error" else 500)
+        if error.reason == "worker_error" and status >= 500:
+            status = 502
+        headers = {"Retry-After": error.retry_after} if error.retry_after else {}
+        return cls(status, error.message, code=error.reason, headers=headers)
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message,
+                          "type": _TYPES.get(self.status, "server_error"),
+                          "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+# --- request bodies -----------------------------------------------------------------------
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(min_length=1, max_length=512)
+    max_tokens: int | None = Field(None, ge=0)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, ge=0, le=1)
+    n: int = Field(1, ge=1)
+    stream: bool = False
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0, lt=2**64)
+    user: str | None = Field(None, max_length=256)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+
+    def unsupported(self) -> list[str]:
+        found = []
+        if self.n != 1:
+            found.append("n")
+        if self.presence_penalty or self.frequency_penalty:
+            found.append("presence_penalty/frequency_penalty")
+        if self.logit_bias:
+            found.append("logit_bias")
+        return found
+
+    def sampling(self, default_max: int | None) -> pb.SamplingParams:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        max_tokens = self.max_tokens if self.max_tokens is not None else default_max
+        params = pb.SamplingParams(
+            max_tokens=max_tokens or 0,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p, stop=stops,
+            min_tokens=self.min_tokens, ignore_eos=self.ignore_eos)
+        if self.seed is not None:
+            params.seed = self.seed
+        return params
+
+
+class CompletionBody(_Body):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=0)
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def unsupported(self) -> list[str]:
+        found = super().unsupported()
+        found += [name for name, bad in (("echo", self.echo), ("logprobs", self.logprobs),
+                                         ("best_of", (self.best_of or 1) != 1),
+                                         ("suffix", self.suffix)) if bad]
+        return found
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise OpenAIError(400, "prompt is empty", param="prompt")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        if any(part.type != "text" for part in self.content):
+            raise OpenAIError(400, "only text content parts are supported",
+                              param="messages")
+        return "".join(part.text or "" for part in self.content)
+
+
+class ChatBody(_Body):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=0)
+    logprobs: bool = False
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def unsupported(self) -> list[str]:
+        found = super().unsupported()
+        if self.logprobs:
+            found.append("logprobs")
+        if self.tools:
+            found.append("tools")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            found.append("response_format")
+        return found
+
+
+# --- model names ----------------------------------------------------------------------------
+
+
+def parse_model(model: str, catalog: CatalogState) -> tuple[str | None, pb.AdapterRef]:
+    """`model` → (base model name or None, adapter reference); see the module doc."""
+    base, sep, name = model.partition(":")
+    if not sep:
+        base, name = "", model
+        if "@" not in model and model in catalog.base_models:
+            return model, pb.AdapterRef()
+    if sep and not name:
+        return base, pb.AdapterRef()
+    adapter, at, version = name.partition("@")
+    if at:
+        if not version.isdigit() or int(version) < 1 or not adapter:
+            raise OpenAIError(400, f"model {model!r}: the version after '@' is a number "
+                                   "from 1", param="model", code="invalid_model")
+        ref = pb.AdapterRef(pinned=pb.PinnedVersion(adapter_id=adapter, version=int(version)))
+    else:
+        ref = pb.AdapterRef(alias=name)
+    return base or None, ref
+
+
+def listed_models(catalog: CatalogState, tenant: TenantRef) -> list[dict[str, Any]]:
+    """The caller's servable adapters and aliases as `base:name`, and the base models."""
+    models = [{"id": b.name, "object": "model", "created": int(b.registered_at.timestamp()),
+               "owned_by": "loraplane"} for b in catalog.base_models.values()]
+    for adapter in catalog.adapters.values():
+        number = adapter.active_version
+        if adapter.tenant != tenant or number is None or number not in adapter.versions:
+            continue
+        version = adapter.versions[number]
+        if version.disabled or version.rolled_back:
+            continue
+        models.append({"id": f"{version.published.base_model}:{adapter.adapter_id}",
+                       "object": "model", "created": int(version.published_at.timestamp()),
+                       "owned_by": tenant.key})
+    for alias in catalog.aliases.values():
+        if alias.tenant != tenant:
+            continue
+        entries = [e for e in split_order(alias.split) if e.weight > 0]
+        target = catalog.adapters.get(entries[0].adapter_id) if entries else None
+        version = target.versions.get(entries[0].version) if target else None
+        if version is None:
+            continue
+        models.append({"id": f"{version.published.base_model}:{alias.alias}",
+                       "object": "model", "created": int(alias.changed_at.timestamp()),
+                       "owned_by": tenant.key})
+    return sorted(models, key=lambda m: m["id"])
+
+
+# --- running requests -----------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    """One prompt's answer, gathered from the worker's stream."""
+
+    index: int
+    text: list[str] = field(default_factory=list)
+    final: pb.FinalUsage | None = None
+
+
+@dataclass(frozen=True)
+class Caller:
+    principal: Principal
+    signature: pb.TenantSignature
+    tenant: TenantRef
+
+
+class Front:
+    """Turns HTTP bodies into dispatcher calls and answers back in OpenAI's shapes."""
+
+    def __init__(self, dispatcher: Dispatcher) -> None:
+        self.dispatcher = dispatcher
+
+    def requests(self, caller: Caller, body: _Body, base: str | None, ref: pb.AdapterRef,
+                 prompts: Sequence[str | list[int] | list[ChatMessage]], default_max: int | None
+                 ) -> list[pb.GenerateRequest]:
+        bad = body.unsupported()
+        if bad:
+            raise OpenAIError(400, f"not supported by this server: {', '.join(bad)}",
+                              param=bad[0], code="unsupported_parameter")
+        sampling = body.sampling(default_max)
+        signature = pb.TenantSignature()
+        signature.CopyFrom(caller.signature)
+        signature.user_id = body.user or ""
+        built = []
+        for prompt in prompts:
+            request = pb.GenerateRequest(request_id=uuid.uuid4().hex, tenant=signature,
+                                         adapter=ref, sampling=sampling)
+            if isinstance(prompt, str):
+                request.text = prompt
+            elif prompt and isinstance(prompt[0], ChatMessage):
+                request.chat.messages.extend(
+                    pb.ChatMessage(role="system" if m.role == "developer" else m.role,
+                                   content=m.text())
+                    for m in prompt)  # type: ignore[union-attr]
+            else:
+                request.token_ids.ids.extend(prompt)  # type: ignore[arg-type]
+            built.append(request)
+        return built
+
+    async def open_streams(self, caller: Caller, requests: list[pb.GenerateRequest],
+                           base: str | None
+                           ) -> list[tuple[pb.GenerateResponse, AsyncIterator[Any]]]:
+        """Start every request and wait for its first response, so that an error before
+        any token is an HTTP error status rather than a broken stream."""
+        streams = [self.dispatcher.generate(caller.principal, r, timeout_s=None, front="http",
+                                            base_model=base) for r in requests]
+        firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
+        failure = next((f for f in firsts if isinstance(f, BaseException)), None)
+        if failure is not None:
+            for stream in streams:
+                await stream.aclose()
+            if isinstance(failure, RouteError):
+                raise OpenAIError.of(failure)
+            if isinstance(failure, StopAsyncIteration):
+                raise OpenAIError(502, "the worker closed the stream without an answer",
+                                  code="worker_error")
+            raise failure
+        return list(zip(firsts, streams, strict=True))  # type: ignore[arg-type]
+
+    async def gather(self, opened: list[tuple[pb.GenerateResponse, AsyncIterator[Any]]]
+                     ) -> list[Outcome]:
+        async def one(index: int, first: pb.GenerateResponse,
+                      stream: AsyncIterator[pb.GenerateResponse]) -> Outcome:
+            outcome = Outcome(index)
+            async with contextlib.aclosing(stream):  # type: ignore[type-var]
+                response: pb.GenerateResponse | None = first
+                while response is not None:
+                    if response.HasField("token"):
+                        outcome.text.append(response.token.text)
+                    elif response.HasField("final"):
+                        outcome.final = response.final
+                    response = await anext(stream, None)
+            return outcome
+
+        try:
+            return list(await asyncio.gather(*(one(i, f, s)
+                                               for i, (f, s) in enumerate(opened))))
+        except RouteError as error:
+            raise OpenAIError.of(error) from None
+
+    async def events(self, opened: list[tuple[pb.GenerateResponse, AsyncIterator[Any]]]
+                     ) -> AsyncIterator[tuple[int, pb.GenerateResponse]]:
+        """Responses of all prompts, as they come, tagged with the prompt's index."""
+        queue: asyncio.Queue[tuple[int, pb.GenerateResponse | BaseException | None]] = \
+            asyncio.Queue()
+
+        async def pump(index: int, first: pb.GenerateResponse,
+                       stream: AsyncIterator[pb.GenerateResponse]) -> None:
+            try:
+                async with contextlib.aclosing(stream):  # type: ignore[type-var]
+                    await queue.put((index, first))
+                    async for response in stream:
+                        await queue.put((index, response))
+                await queue.put((index, None))
+            except Exception as exc:
+                await queue.put((index, exc))
+
+        tasks = [asyncio.create_task(pump(i, f, s)) for i, (f, s) in enumerate(opened)]
+        try:
+            open_count = len(tasks)
+            while open_count:
+                index, item = await queue.get()
+                if item is None:
+                    open_count -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield index, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def usage_of(finals: Sequence[pb.FinalUsage | None]) -> dict[str, Any]:
+    prompt = sum(f.prompt_tokens for f in finals if f)
+    completion = sum(f.completion_tokens for f in finals if f)
+    cached = sum(f.cached_prompt_tokens for f in finals if f)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def fingerprint(finals: Sequence[pb.FinalUsage | None]) -> str | None:
+    digest = next((f.base_model_digest for f in finals if f and f.base_model_digest), "")
+    return f"lp-{digest[:16]}" if digest else None
+
+
+def served(finals: Sequence[pb.FinalUsage | None]) -> list[dict[str, Any]]:
+    """Which adapter version and worker answered each choice (for the caller's records)."""
+    out = []
+    for f in finals:
+        if f is None:
+            out.append({})
+            continue
+        entry: dict[str, Any] = {"worker_id": f.worker_id, "trace_id": f.trace_id,
+                                 "base_model_digest": f.base_model_digest}
+        if f.HasField("served_adapter"):
+            a = f.served_adapter
+            entry["adapter"] = f"{a.adapter_id}@{a.version}"
+            entry["sha256"] = a.sha256
+        out.append(entry)
+    return out
+
+
+def _sse(data: dict[str, Any]) -> bytes:
+    import json
+
+    return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+
+
+# --- the app ------------------------------------------------------------------------------------
+
+
+def create_http_app(dispatcher: Dispatcher, tokens: TokenBook) -> FastAPI:
+    front = Front(dispatcher)
+    app = FastAPI(title="loraplane router (OpenAI-compatible)", version="1",
+                  docs_url=None, redoc_url=None)
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = ".".join(str(p) for p in first.get("loc", ())[1:])
+        dispatcher.metrics.rejections.labels("invalid").inc()
+        return OpenAIError(400, f"{loc or 'body'}: {first.get('msg', 'invalid request')}",
+                           param=loc or None, code="invalid_request").response()
+
+    def caller(
+        credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
+        tenant: Annotated[str | None, Header(alias="X-Loraplane-Tenant")] = None,
+        scope: Annotated[str | None, Header(alias="X-Loraplane-Compliance-Scope")] = None,
+        region: Annotated[str | None, Header(alias="X-Loraplane-Region")] = None,
+    ) -> Caller:
+        principal = tokens.resolve(credentials.credentials) if credentials else None
+        if principal is None:
+            dispatcher.metrics.rejections.labels("unauthenticated").inc()
+            raise OpenAIError(401, "missing or unknown bearer token", code="invalid_api_key")
+        parts = (tenant or "").split("/") if tenant else ["", "", ""]
+        if len(parts) != 3:
+            raise OpenAIError(400, "X-Loraplane-Tenant is org/team/project",
+                              param="X-Loraplane-Tenant")
+        signature = pb.TenantSignature(org_id=parts[0], team_id=parts[1], project_id=parts[2],
+                                       compliance_scope=scope or "", region_hint=region or "")
+        try:
+            ref = authorize(principal, signature)
+        except RouteError as error:
+            dispatcher.metrics.rejections.labels(error.reason).inc()
+            raise OpenAIError.of(error) from None
+        return Caller(principal, signature, ref)
+
+    Who = Annotated[Caller, Depends(caller)]
+
+    def _ready() -> None:
+        if not dispatcher.ready:
+            raise OpenAIError(503, "router is replaying the log", code="not_ready",
+                              headers={"Retry-After": "1"})
+
+    @app.get("/v1/models")
+    async def models(who: Who) -> dict[str, Any]:
+        _ready()
+        return {"object": "list", "data": listed_models(dispatcher.catalog, who.tenant)}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str, who: Who) -> dict[str, Any]:
+        _ready()
+        for entry in listed_models(dispatcher.catalog, who.tenant):
+            if entry["id"] == model:
+                return entry
+        raise OpenAIError(404, f"model {model!r} does not exist", param="model",
+                          code="model_not_found")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionBody, who: Who) -> Response:
+        _ready()
+        base, ref = parse_model(body.model, dispatcher.catalog)
+        requests = front.requests(who, body, base, ref, body.prompts(), body.max_tokens)
+        opened = await front.open_streams(who, requests, base)
+        created, rid = int(time.time()), f"cmpl-{requests[0].request_id}"
+        if body.stream:
+            return _stream(front, opened, lambda index, response: {
+                "id": rid, "object": "text_completion", "created": created,
+                "model": body.model, "choices": [{
+                    "index": index, "text": response.token.text if response.HasField("token")
+                    else "", "logprobs": None, "finish_reason": _finish(response)}]},
+                lambda finals: {"id": rid, "object": "text_completion", "created": created,
+                                "model": body.model, "choices": [],
+                                "usage": usage_of(finals)}, len(opened))
+        outcomes = await front.gather(opened)
+        _raise_worker_errors(outcomes)
+        finals = [o.final for o in outcomes]
+        return JSONResponse({
+            "id": rid, "object": "text_completion", "created": created, "model": body.model,
+            "system_fingerprint": fingerprint(finals),
+            "choices": [{"index": o.index, "text": "".join(o.text), "logprobs": None,
+                         "finish_reason": _finish_of(o.final)} for o in outcomes],
+            "usage": usage_of(finals), "loraplane": {"served": served(finals)}})
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatBody, who: Who) -> Response:
+        _ready()
+        base, ref = parse_model(body.model, dispatcher.catalog)
+        limit = body.max_completion_tokens if body.max_completion_tokens is not None \
+            else body.max_tokens
+        requests = front.requests(who, body, base, ref, [body.messages], limit)
+        opened = await front.open_streams(who, requests, base)
+        created, rid = int(time.time()), f"chatcmpl-{requests[0].request_id}"
+        if body.stream:
+            started: set[int] = set()
+
+            def chunk(index: int, response: pb.GenerateResponse) -> dict[str, Any]:
+                delta: dict[str, Any] = {}
+                if index not in started:
+                    started.add(index)
+                    delta["role"] = "assistant"
+                if response.HasField("token"):
+                    delta["content"] = response.token.text
+                return {"id": rid, "object": "chat.completion.chunk", "created": created,
+                        "model": body.model, "choices": [{
+                            "index": index, "delta": delta, "logprobs": None,
+                            "finish_reason": _finish(response)}]}
+
+            return _stream(front, opened, chunk, lambda finals: {
+                "id": rid, "object": "chat.completion.chunk", "created": created,
+                "model": body.model, "choices": [], "usage": usage_of(finals)}, len(opened))
+        outcomes = await front.gather(opened)
+        _raise_worker_errors(outcomes)
+        finals = [o.final for o in outcomes]
+        return JSONResponse({
+            "id": rid, "object": "chat.completion", "created": created, "model": body.model,
+            "system_fingerprint": fingerprint(finals),
+            "choices": [{"index": o.index, "message": {"role": "assistant",
+                                                       "content": "".join(o.text)},
+                         "logprobs": None, "finish_reason": _finish_of(o.final)}
+                        for o in outcomes],
+            "usage": usage_of(finals), "loraplane": {"served": served(finals)}})
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz() -> JSONResponse:
+        ready = dispatcher.ready
+        return JSONResponse({"ready": ready, "ring": sorted(dispatcher.ring.members)},
+                            status_code=200 if ready else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(dispatcher.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/debug/traces")
+    async def traces(who: Who, trace_id: str | None = None, limit: int = 50
+                     ) -> dict[str, Any]:
+        """The router's recent route traces for the caller's tenant (all, for an admin)."""
+        found = [t.as_dict() for t in reversed(dispatcher.traces)
+                 if (who.principal.role == "admin" or t.tenant == who.tenant.key)
+                 and (trace_id is None or t.trace_id == trace_id)]
+        return {"traces": found[:max(1, min(limit, 500))]}
+
+    return app
+
+
+def _finish(response: pb.GenerateResponse) -> str | None:
+    return _finish_of(response.final) if response.HasField("final") else None
+
+
+def _finish_of(final: pb.FinalUsage | None) -> str:
+    return _FINISH.get(final.finish_reason, "stop") if final is not None else "error"
+
+
+def _raise_worker_errors(outcomes: list[Outcome]) -> None:
+    for outcome in outcomes:
+        if outcome.final is not None and outcome.final.finish_reason == pb.FINISH_REASON_ERROR:
+            raise OpenAIError(502, f"the worker failed after {len(outcome.text)} tokens "
+                                   f"(trace {outcome.final.trace_id})", code="worker_error")
+
+
+def _stream(front: Front, opened: list[tuple[pb.GenerateResponse, AsyncIterator[Any]]],
+            chunk: Any, usage_chunk: Any, count: int) -> StreamingResponse:
+    async def body() -> AsyncIterator[bytes]:
+        finals: list[pb.FinalUsage | None] = [None] * count
+        try:
+            async for index, response in front.events(opened):
+                if response.HasField("final"):
+                    finals[index] = response.final
+                    if response.final.finish_reason == pb.FINISH_REASON_ERROR:
+                        raise OpenAIError(502, "the worker failed mid-stream (trace "
+                                               f"{response.final.trace_id})",
+                                          code="worker_error")
+                yield _sse(chunk(index, response))
+            yield _sse(usage_chunk(finals))
+            yield b"data: [DONE]\n\n"
+        except RouteError as error:
+            yield _sse(OpenAIError.of(error).body())
+        except OpenAIError as error:
+            yield _sse(error.body())
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -1,0 +1,94 @@
+"""The gRPC front: `loraplane.v1.Inference` as a worker serves it, plus health and reflection.
+
+The caller authenticates with `authorization: Bearer <token>` metadata. Everything else
+(resolution, placement, limits, failover) is `Dispatcher.generate`; this module only maps
+its errors to gRPC statuses. A rate-limit refusal carries trailing metadata `retry-after`
+(whole seconds, as HTTP's header) and `retry-after-ms`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services.contracts.grpc import inference_pb2 as pb
+from services.contracts.grpc import inference_pb2_grpc as pb_grpc
+from services.registry.auth import Principal, TokenBook
+from services.router.dispatch import Dispatcher, RouteError
+
+INFERENCE_SERVICE = pb.DESCRIPTOR.services_by_name["Inference"].full_name
+
+
+def bearer_of(metadata: object) -> str | None:
+    """The token of an `authorization: Bearer …` entry (gRPC metadata keys are lowercase)."""
+    for key, value in metadata or ():  # type: ignore[attr-defined]
+        if key == "authorization" and isinstance(value, str):
+            scheme, _, token = value.partition(" ")
+            if scheme.lower() == "bearer" and token.strip():
+                return token.strip()
+    return None
+
+
+class InferenceServicer(pb_grpc.InferenceServicer):
+    def __init__(self, dispatcher: Dispatcher, tokens: TokenBook) -> None:
+        self.dispatcher = dispatcher
+        self.tokens = tokens
+
+    async def _principal(self, context: grpc.aio.ServicerContext) -> Principal:
+        token = bearer_of(context.invocation_metadata())
+        principal = self.tokens.resolve(token) if token else None
+        if principal is None:
+            self.dispatcher.metrics.rejections.labels("unauthenticated").inc()
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                "missing or unknown bearer token (authorization metadata)")
+        assert principal is not None
+        return principal
+
+    async def Generate(self, request: pb.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        principal = await self._principal(context)
+        stream = self.dispatcher.generate(principal, request,
+                                          timeout_s=context.time_remaining(), front="grpc")
+        try:
+            async with contextlib.aclosing(stream):
+                async for response in stream:
+                    yield response
+        except RouteError as error:
+            if error.retry_after is not None and error.retry_after_s is not None:
+                context.set_trailing_metadata((
+                    ("retry-after", error.retry_after),
+                    ("retry-after-ms", str(max(1, round(error.retry_after_s * 1000)))),
+                ))
+            await context.abort(error.code, error.message)
+
+
+class RouterHealth:
+    """grpc.health.v1 for the router: NOT_SERVING until the log is replayed."""
+
+    def __init__(self) -> None:
+        self.servicer = health.aio.HealthServicer()
+
+    async def set(self, serving: bool) -> None:
+        status = (health_pb2.HealthCheckResponse.SERVING if serving
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for service in ("", INFERENCE_SERVICE):
+            await self.servicer.set(service, status)
+
+
+def build_server(dispatcher: Dispatcher, tokens: TokenBook, health_: RouterHealth,
+                 address: str) -> tuple[grpc.aio.Server, int]:
+    """The grpc.aio server with every service added and `address` bound; returns its port."""
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    pb_grpc.add_InferenceServicer_to_server(InferenceServicer(dispatcher, tokens), server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_.servicer, server)
+    reflection.enable_server_reflection(
+        (INFERENCE_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+         reflection.SERVICE_NAME), server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"cannot listen for gRPC on {address}")
+    return server, port
