@@ -1,0 +1,209 @@
+"""The request path's decisions without the network: tenant from the token, resolution,
+the canary over 10,000 users, refusals. (The same `decide` runs under both fronts; the
+gRPC tests check that what it decides is what workers receive.)"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Any
+
+import grpc
+import pytest
+
+from services.catalog.state import adapter_stream, alias_stream
+from services.config import Settings
+from services.contracts.events import (
+    AdapterDisabled,
+    AdapterRolledBack,
+    AdapterVersionPublished,
+    AdapterVersionSwitched,
+    BaseModelRegistered,
+    Envelope,
+    LoadedAdapter,
+    SplitEntry,
+    TenantRef,
+    TrafficSplitChanged,
+    WorkerHeartbeat,
+)
+from services.contracts.grpc import inference_pb2 as pb
+from services.registry.auth import Principal
+from services.router.dispatch import Asked, Dispatcher, RouteError, authorize
+
+ACME = TenantRef(org="acme", team="search", project="prod")
+RIVAL = TenantRef(org="rival", team="x", project="y")
+CALLER = Principal("t1", "inference", ("acme", "search", "prod"), "gold")
+RIVAL_CALLER = Principal("t2", "inference", ("rival", "x", "y"))
+BASE = "b" * 64
+HIGH = {t: 1e9 for t in ("platinum", "gold", "silver", "bronze")}
+
+
+def sig(tenant: TenantRef | None = None, user: str = "", tier: int = 0) -> pb.TenantSignature:
+    s = pb.TenantSignature(user_id=user, qos_tier=tier)
+    if tenant:
+        s.org_id, s.team_id, s.project_id = tenant.org, tenant.team, tenant.project
+    return s
+
+
+def test_the_tenant_comes_from_the_token_scope() -> None:
+    assert authorize(CALLER, sig()) == ACME
+    assert authorize(CALLER, sig(ACME)) == ACME
+    with pytest.raises(RouteError) as err:
+        authorize(CALLER, sig(RIVAL))
+    assert err.value.code == grpc.StatusCode.PERMISSION_DENIED
+    wildcard = Principal("t3", "inference", ("acme", "*", "*"))
+    assert authorize(wildcard, sig(ACME)) == ACME
+    with pytest.raises(RouteError) as err:
+        authorize(wildcard, sig())
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(RouteError):
+        authorize(wildcard, sig(RIVAL))
+    admin = Principal("t4", "admin")
+    assert authorize(admin, sig(RIVAL)) == RIVAL
+    with pytest.raises(RouteError):
+        authorize(admin, sig())
+    for role in ("reader", "worker"):
+        with pytest.raises(RouteError) as err:
+            authorize(Principal("t5", role), sig(ACME))  # type: ignore[arg-type]
+        assert err.value.code == grpc.StatusCode.PERMISSION_DENIED
+    with pytest.raises(RouteError):
+        authorize(wildcard, pb.TenantSignature(org_id="acme", team_id="Bad!", project_id="x"))
+
+
+def _event(payload: Any, stream: str, tenant: TenantRef | None = ACME) -> Envelope:
+    return Envelope.new(payload, stream=stream, seq=1, actor="test", tenant=tenant)
+
+
+def publish(d: Dispatcher, adapter_id: str, version: int, *, tenant: TenantRef = ACME,
+            activate: bool = True, base: str = BASE) -> None:
+    d.fold(_event(AdapterVersionPublished(
+        adapter_id=adapter_id, version=version, label=f"v{version}", base_model="tiny",
+        base_model_digest=base, sha256=sha(adapter_id, version), config_sha256="c" * 64,
+        size_bytes=1, rank=8, lora_alpha=16, target_modules=["q_proj"], dtype="float16",
+        owner="o"), adapter_stream(adapter_id), tenant), 0.0)
+    if activate:
+        d.fold(_event(AdapterVersionSwitched(adapter_id=adapter_id, from_version=None,
+                                             to_version=version), adapter_stream(adapter_id),
+                      tenant), 0.0)
+
+
+def sha(adapter_id: str, version: int) -> str:
+    return hashlib.sha256(f"{adapter_id}@{version}".encode()).hexdigest()
+
+
+def split(d: Dispatcher, alias: str, weights: dict[int, int], adapter_id: str = "sup") -> None:
+    d.fold(_event(TrafficSplitChanged(alias=alias, split=[
+        SplitEntry(adapter_id=adapter_id, version=v, weight=w) for v, w in weights.items()]),
+        alias_stream(alias)), 0.0)
+
+
+@pytest.fixture
+def d() -> Dispatcher:
+    disp = Dispatcher(Settings(router_tenant_rate=HIGH, router_adapter_rate=HIGH,
+                               router_cold_load_rate=HIGH), clock=lambda: 0.0)
+    disp.fold(_event(BaseModelRegistered(name="tiny", digest=BASE, config={}), "base-model/t",
+                     None), 0.0)
+    for w in ("w1", "w2", "w3"):
+        disp.fold(_event(WorkerHeartbeat(worker_id=w, address=f"{w}:1", base_model="tiny",
+                                         base_model_digest=BASE, loaded=[]), f"worker/{w}",
+                         None), 0.0)
+    publish(disp, "sup", 1)
+    publish(disp, "sup", 2, activate=False)
+    disp.ready = True
+    return disp
+
+
+def decide(d: Dispatcher, alias: str | None = None, *, user: str = "u",
+           pinned: tuple[str, int] | None = None, caller: Principal = CALLER,
+           base: str | None = None) -> Any:
+    ref = pb.AdapterRef()
+    if alias:
+        ref.alias = alias
+    if pinned:
+        ref.pinned.adapter_id, ref.pinned.version = pinned
+    return d.decide(caller, Asked(sig(user=user), ref, base), 0.0)
+
+
+def test_not_ready_is_unavailable_with_a_retry_hint(d: Dispatcher) -> None:
+    d.ready = False
+    with pytest.raises(RouteError) as err:
+        decide(d, "sup")
+    assert err.value.code == grpc.StatusCode.UNAVAILABLE and err.value.retry_after == "1"
+
+
+def test_split_weights_hold_over_10000_users_and_users_stick(d: Dispatcher) -> None:
+    split(d, "support", {1: 95, 2: 5})
+    users = [f"user-{i}" for i in range(10_000)]
+    first = {u: decide(d, "support", user=u).choice.version for u in users}
+    share = sum(v == 2 for v in first.values()) / len(users)
+    sigma = math.sqrt(0.05 * 0.95 / len(users))
+    assert abs(share - 0.05) < 4 * sigma
+    assert all(decide(d, "support", user=u).choice.version == first[u] for u in users[:2000])
+    split(d, "support", {1: 75, 2: 25})  # 5 -> 25: users only move toward v2
+    second = {u: decide(d, "support", user=u).choice.version for u in users}
+    assert all(second[u] == 2 for u in users if first[u] == 2)
+    share = sum(v == 2 for v in second.values()) / len(users)
+    assert abs(share - 0.25) < 4 * math.sqrt(0.25 * 0.75 / len(users))
+
+
+def test_disabled_and_rolled_back_versions_are_never_chosen(d: Dispatcher) -> None:
+    split(d, "support", {1: 50, 2: 50})
+    d.fold(_event(AdapterDisabled(adapter_id="sup", version=2, reason="bad"), "adapter/sup"),
+           0.0)
+    assert {decide(d, "support", user=f"u{i}").choice.version for i in range(300)} == {1}
+    with pytest.raises(RouteError) as err:
+        decide(d, pinned=("sup", 2))
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    publish(d, "sup", 3)
+    d.fold(_event(AdapterRolledBack(adapter_id="sup", from_version=3, to_version=1,
+                                    reason="r"), "adapter/sup"), 0.0)
+    assert decide(d, "sup").choice.version == 1
+    with pytest.raises(RouteError):
+        decide(d, pinned=("sup", 3))
+
+
+def test_pinned_versions_and_base_models(d: Dispatcher) -> None:
+    split(d, "support", {1: 90, 2: 10})
+    assert decide(d, pinned=("sup", 2)).choice.pinned == "sup@2"
+    assert decide(d, "sup", base="tiny").base_digest == BASE
+    with pytest.raises(RouteError) as err:
+        decide(d, "sup", base="nope")
+    assert err.value.code == grpc.StatusCode.NOT_FOUND
+    d.fold(_event(BaseModelRegistered(name="big", digest="e" * 64, config={}),
+                  "base-model/b", None), 0.0)
+    with pytest.raises(RouteError) as err:
+        decide(d, "sup", base="big")
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    with pytest.raises(RouteError) as err:  # no live worker runs that base
+        decide(d, None, base="big")
+    assert err.value.code == grpc.StatusCode.UNAVAILABLE and err.value.reason == "no_worker"
+    assert decide(d, None).choice is None  # the base model alone
+
+
+def test_another_tenants_adapter_or_alias_is_refused(d: Dispatcher) -> None:
+    split(d, "support", {1: 100})
+    publish(d, "rival-bot", 1, tenant=RIVAL)
+    for kwargs in ({"alias": "support"}, {"alias": "sup"}, {"pinned": ("sup", 1)}):
+        with pytest.raises(RouteError) as err:
+            decide(d, caller=RIVAL_CALLER, **kwargs)  # type: ignore[arg-type]
+        assert err.value.code == grpc.StatusCode.PERMISSION_DENIED
+    with pytest.raises(RouteError):
+        decide(d, "rival-bot")
+    assert decide(d, "rival-bot", caller=RIVAL_CALLER).tenant == RIVAL
+
+
+def test_placement_prefers_the_holder_and_remembers_a_cold_send(d: Dispatcher) -> None:
+    key_home = decide(d, "sup").placement.home
+    holder = next(w for w in ("w1", "w2", "w3") if w != key_home)
+    d.fold(_event(WorkerHeartbeat(worker_id=holder, address="h:1", base_model="tiny",
+                                  base_model_digest=BASE, loaded=[LoadedAdapter(
+                                      adapter_id="sup", version=1, sha256=sha("sup", 1),
+                                      tier="device")]), f"worker/{holder}", None), 0.0)
+    p = decide(d, "sup").placement  # three workers: the holder is within the window
+    assert p.home == key_home and p.worker == holder and p.diverted and not p.cold
+    publish(d, "other", 1)
+    first = decide(d, "other").placement
+    assert first.cold
+    d._after_placement(decide(d, "other"))  # a cold send marks the worker as loading it
+    assert d.membership.tier(first.worker, sha("other", 1), 0.0) == "loading"
+    assert not decide(d, "other").placement.cold

@@ -1,0 +1,92 @@
+"""Membership fold, pure: joins, three missed heartbeats, holdings per tier, `loading`."""
+
+from __future__ import annotations
+
+from services.contracts.events import (
+    AdapterLoaded,
+    AdapterUnloaded,
+    Envelope,
+    LoadedAdapter,
+    Payload,
+    WorkerHeartbeat,
+)
+from services.router.membership import Membership
+
+A, B = "a" * 64, "b" * 64
+
+
+def ev(payload: Payload) -> Envelope:
+    return Envelope.new(payload, stream="worker/x", seq=1, actor="test")
+
+
+def beat(worker: str, *, base: str = "f" * 64, loaded: dict[str, str] | None = None) -> Envelope:
+    return ev(WorkerHeartbeat(
+        worker_id=worker, address=f"{worker}:1", base_model="m", base_model_digest=base,
+        loaded=[LoadedAdapter(adapter_id="x", version=1, sha256=sha, tier=tier)  # type: ignore[arg-type]
+                for sha, tier in (loaded or {}).items()]))
+
+
+def test_a_heartbeat_joins_and_three_missed_ones_leave() -> None:
+    m = Membership(interval_s=1.0, misses=3)
+    assert m.observe(beat("w1"), seen_at=10.0) is True
+    assert m.observe(beat("w1"), seen_at=11.0) is False  # already in
+    assert m.expire(13.9) == [] and m.live == {"w1"}
+    assert m.expire(14.01) == ["w1"] and m.live == set()
+    assert m.observe(beat("w1"), seen_at=15.0) is True  # back on its next heartbeat
+
+
+def test_an_old_heartbeat_read_late_changes_nothing() -> None:
+    m = Membership()
+    m.observe(beat("w1", loaded={A: "device"}), seen_at=10.0)
+    m.observe(beat("w1", loaded={}), seen_at=9.0)
+    assert m.tier("w1", A, 10.0) == "device"
+
+
+def test_holdings_follow_heartbeats_and_load_events() -> None:
+    m = Membership()
+    m.observe(beat("w1", loaded={A: "host"}), seen_at=0.0)
+    assert m.tier("w1", A, 0.0) == "host" and m.tier("w1", B, 0.0) is None
+    m.observe(ev(AdapterLoaded(worker_id="w1", adapter_id="x", version=2, sha256=B,
+                               load_ms=3, tier="device")), 0.1)
+    assert m.tier("w1", B, 0.1) == "device"
+    m.observe(ev(AdapterUnloaded(worker_id="w1", adapter_id="x", version=1, sha256=A,
+                                 reason="evicted")), 0.2)
+    assert m.tier("w1", A, 0.2) is None
+    assert list(m.holders(B)) == ["w1"]
+    m.observe(beat("w1", loaded={A: "disk"}), seen_at=0.5)  # a heartbeat is the full report
+    assert m.tier("w1", B, 0.5) is None and m.tier("w1", A, 0.5) == "disk"
+
+
+def test_a_cold_placement_counts_as_loading_until_reported_or_timed_out() -> None:
+    m = Membership(interval_s=1.0, misses=3)
+    m.observe(beat("w1"), seen_at=0.0)
+    m.note_sent("w1", A, now=1.0)
+    assert m.tier("w1", A, 2.0) == "loading"
+    assert m.tier("w1", A, 4.5) is None  # never confirmed: cold again
+    m.note_sent("w1", A, now=5.0)
+    m.observe(beat("w1", loaded={A: "device"}), seen_at=5.5)
+    assert m.tier("w1", A, 5.6) == "device" and not m.workers["w1"].sent
+    m.note_sent("w1", A, now=6.0)  # already held: nothing to remember
+    assert not m.workers["w1"].sent
+
+
+def test_eligibility_is_by_base_model_and_cached_until_a_change() -> None:
+    m = Membership(interval_s=1.0, misses=3)
+    m.observe(beat("w1", base="1" * 64), 0.0)
+    m.observe(beat("w2", base="2" * 64), 0.0)
+    assert m.eligible("1" * 64) == {"w1"} and m.eligible(None) == {"w1", "w2"}
+    m.observe(beat("w2", base="1" * 64), 0.5)  # re-deployed on the other base
+    assert m.eligible("1" * 64) == {"w1", "w2"}
+    m.observe(beat("w2", base="1" * 64), 2.0)
+    m.expire(3.5)
+    assert m.eligible("1" * 64) == {"w2"}
+
+
+def test_in_flight_counts() -> None:
+    m = Membership()
+    m.acquire("w1")
+    m.acquire("w1")
+    m.release("w1")
+    m.release("w1")
+    m.release("w1")
+    assert m.in_flight["w1"] == 0
