@@ -414,10 +414,43 @@ def _sse(data: dict[str, Any]) -> bytes:
 # --- the app ------------------------------------------------------------------------------------
 
 
+def caller(
+    request: Request,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
+    tenant: Annotated[str | None, Header(alias="X-Loraplane-Tenant")] = None,
+    scope: Annotated[str | None, Header(alias="X-Loraplane-Compliance-Scope")] = None,
+    region: Annotated[str | None, Header(alias="X-Loraplane-Region")] = None,
+) -> Caller:
+    """The token's principal and tenant signature: 401 / 403 / 400 in OpenAI's shape."""
+    dispatcher: Dispatcher = request.app.state.dispatcher
+    tokens: TokenBook = request.app.state.tokens
+    principal = tokens.resolve(credentials.credentials) if credentials else None
+    if principal is None:
+        dispatcher.metrics.rejections.labels("unauthenticated").inc()
+        raise OpenAIError(401, "missing or unknown bearer token", code="invalid_api_key")
+    parts = tenant.split("/") if tenant else ["", "", ""]
+    if len(parts) != 3:
+        raise OpenAIError(400, "X-Loraplane-Tenant is org/team/project",
+                          param="X-Loraplane-Tenant")
+    signature = pb.TenantSignature(org_id=parts[0], team_id=parts[1], project_id=parts[2],
+                                   compliance_scope=scope or "", region_hint=region or "")
+    try:
+        ref = authorize(principal, signature)
+    except RouteError as error:
+        dispatcher.metrics.rejections.labels(error.reason).inc()
+        raise OpenAIError.of(error) from None
+    return Caller(principal, signature, ref)
+
+
+Who = Annotated[Caller, Depends(caller)]
+
+
 def create_http_app(dispatcher: Dispatcher, tokens: TokenBook) -> FastAPI:
     front = Front(dispatcher)
     app = FastAPI(title="loraplane router (OpenAI-compatible)", version="1",
                   docs_url=None, redoc_url=None)
+    app.state.dispatcher = dispatcher
+    app.state.tokens = tokens
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
@@ -431,30 +464,6 @@ def create_http_app(dispatcher: Dispatcher, tokens: TokenBook) -> FastAPI:
         return OpenAIError(400, f"{loc or 'body'}: {first.get('msg', 'invalid request')}",
                            param=loc or None, code="invalid_request").response()
 
-    def caller(
-        credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
-        tenant: Annotated[str | None, Header(alias="X-Loraplane-Tenant")] = None,
-        scope: Annotated[str | None, Header(alias="X-Loraplane-Compliance-Scope")] = None,
-        region: Annotated[str | None, Header(alias="X-Loraplane-Region")] = None,
-    ) -> Caller:
-        principal = tokens.resolve(credentials.credentials) if credentials else None
-        if principal is None:
-            dispatcher.metrics.rejections.labels("unauthenticated").inc()
-            raise OpenAIError(401, "missing or unknown bearer token", code="invalid_api_key")
-        parts = (tenant or "").split("/") if tenant else ["", "", ""]
-        if len(parts) != 3:
-            raise OpenAIError(400, "X-Loraplane-Tenant is org/team/project",
-                              param="X-Loraplane-Tenant")
-        signature = pb.TenantSignature(org_id=parts[0], team_id=parts[1], project_id=parts[2],
-                                       compliance_scope=scope or "", region_hint=region or "")
-        try:
-            ref = authorize(principal, signature)
-        except RouteError as error:
-            dispatcher.metrics.rejections.labels(error.reason).inc()
-            raise OpenAIError.of(error) from None
-        return Caller(principal, signature, ref)
-
-    Who = Annotated[Caller, Depends(caller)]
 
     def _ready() -> None:
         if not dispatcher.ready:

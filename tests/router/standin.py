@@ -82,6 +82,8 @@ class StandInWorker(pb_grpc.InferenceServicer, pb_grpc.WorkerControlServicer):
         """(adapter_id, version) → tier."""
         self.seen: list[Seen] = []
         self.prefetches: list[pb.PrefetchRequest] = []
+        self.served_tiers: list[str | None] = []
+        """Where the request's adapter was when each request arrived (None = not held)."""
         self.in_flight = 0
         self.max_in_flight = 0
         self.beating = threading.Event()
@@ -177,6 +179,7 @@ class StandInWorker(pb_grpc.InferenceServicer, pb_grpc.WorkerControlServicer):
                 key = (p.adapter_id, p.version)
                 sha = self.catalog.get(key, "")
                 tier = self.held.get(key)
+                self.served_tiers.append(tier)
                 if tier is None or tier == "disk":
                     await asyncio.sleep(b.cold_load_s)
                 elif tier == "host":
