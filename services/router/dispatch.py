@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import re
@@ -165,11 +166,17 @@ def authorize(principal: Principal, signature: pb.TenantSignature) -> TenantRef:
     else:
         raise RouteError(grpc.StatusCode.PERMISSION_DENIED,
                          f"role {principal.role} may not run inference", "forbidden")
-    for name, value in zip(names, values, strict=True):
+    return _tenant(values[0], values[1], values[2])
+
+
+@functools.lru_cache(maxsize=65536)
+def _tenant(org: str, team: str, project: str) -> TenantRef:
+    """Validated once per tenant: requests repeat the same few tenants many times."""
+    for name, value in (("org", org), ("team", team), ("project", project)):
         if not _SLUG.match(value):
             raise RouteError(grpc.StatusCode.INVALID_ARGUMENT, f"bad {name} {value!r}",
                              "invalid")
-    return TenantRef(org=values[0], team=values[1], project=values[2])
+    return TenantRef(org=org, team=team, project=project)
 
 
 class Dispatcher:
@@ -264,9 +271,10 @@ class Dispatcher:
                           holding=holding, epsilon=self.settings.router_load_epsilon,
                           window=self.settings.router_affinity_window,
                           eligible_count=len(eligible),
-                          total_in_flight=sum(in_flight.get(w, 0) for w in eligible))
-        if placement is None:  # pragma: no cover - eligible is not empty
-            raise RouteError(grpc.StatusCode.UNAVAILABLE, "no worker", "no_worker")
+                          total_in_flight=self.membership.pool_in_flight(base_digest))
+        if placement is None:  # a worker seen alive but not yet in the ring
+            raise RouteError(grpc.StatusCode.UNAVAILABLE, "no worker in the ring serves this "
+                             "base model yet", "no_worker", retry_after_s=1.0, retry_after="1")
         refusal = self.limits.admit(
             now, tenant=tenant.key, tenant_tier=tier,
             adapter=choice.adapter_id if choice else None,

@@ -107,25 +107,33 @@ class Limits:
               cold: bool = False) -> Rejection | None:
         """Take a token from each bucket the request needs (tenant, adapter, and the cold-load
         cap when `cold`), or refuse and take none."""
-        t_rate = self.overrides.get(f"tenant:{tenant}", self._rate(self.tenant_rate,
-                                                                   tenant_tier))
-        needed = [(self._bucket("tenant", tenant, t_rate, now), "tenant_rate",
-                   f"tenant {tenant} is over its rate limit of {t_rate:g} requests/s")]
+        overrides = self.overrides
+        t_rate = self._rate(self.tenant_rate, tenant_tier)
+        if overrides:
+            t_rate = overrides.get(f"tenant:{tenant}", t_rate)
+        t_bucket = self._bucket("tenant", tenant, t_rate, now)
+        if (wait := t_bucket.wait(now)) > 0:
+            return Rejection("tenant_rate", wait, f"tenant {tenant} is over its rate limit "
+                                                  f"of {t_rate:g} requests/s")
+        a_bucket = c_bucket = None
         if adapter is not None:
-            a_rate = self.overrides.get(f"adapter:{adapter}", self._rate(self.adapter_rate,
-                                                                         adapter_tier))
-            needed.append((self._bucket("adapter", adapter, a_rate, now), "adapter_rate",
-                           f"adapter {adapter} is over its rate limit of {a_rate:g} "
-                           "requests/s"))
+            a_rate = self._rate(self.adapter_rate, adapter_tier)
+            if overrides:
+                a_rate = overrides.get(f"adapter:{adapter}", a_rate)
+            a_bucket = self._bucket("adapter", adapter, a_rate, now)
+            if (wait := a_bucket.wait(now)) > 0:
+                return Rejection("adapter_rate", wait, f"adapter {adapter} is over its rate "
+                                                       f"limit of {a_rate:g} requests/s")
         if cold:
             c_rate = self._rate(self.cold_load_rate, tenant_tier)
-            needed.append((self._bucket("cold", tenant, c_rate, now), "cold_load_cap",
-                           f"tenant {tenant} is over its cap of {c_rate:g} cold adapter "
-                           "loads/s; retry, or use an adapter a worker already holds"))
-        for bucket, reason, message in needed:
-            wait = bucket.wait(now)
-            if wait > 0:
-                return Rejection(reason, wait, message)  # type: ignore[arg-type]
-        for bucket, _, _ in needed:
-            bucket.take(now)
+            c_bucket = self._bucket("cold", tenant, c_rate, now)
+            if (wait := c_bucket.wait(now)) > 0:
+                return Rejection("cold_load_cap", wait, f"tenant {tenant} is over its cap of "
+                                 f"{c_rate:g} cold adapter loads/s; retry, or use an adapter "
+                                 "a worker already holds")
+        t_bucket.take(now)
+        if a_bucket is not None:
+            a_bucket.take(now)
+        if c_bucket is not None:
+            c_bucket.take(now)
         return None

@@ -53,7 +53,8 @@ class Membership:
         self.live: set[str] = set()
         """Workers in the ring now; changed only by `observe` and `expire`."""
         self.in_flight: dict[str, int] = {}
-        self._eligible: dict[str | None, frozenset[str]] = {}
+        self._eligible: dict[str | None, tuple[frozenset[str], list[int]]] = {}
+        """Base digest (None = any) → (live workers on it, their total in-flight count)."""
 
     @property
     def timeout_s(self) -> float:
@@ -132,17 +133,34 @@ class Membership:
 
     def eligible(self, base_digest: str | None) -> frozenset[str]:
         """Live workers on this base model (any base for None); cached until a change."""
+        return self._pool(base_digest)[0]
+
+    def pool_in_flight(self, base_digest: str | None) -> int:
+        """Requests in flight over `eligible(base_digest)`, kept as requests come and go."""
+        return self._pool(base_digest)[1][0]
+
+    def _pool(self, base_digest: str | None) -> tuple[frozenset[str], list[int]]:
         found = self._eligible.get(base_digest)
         if found is None:
-            found = self._eligible[base_digest] = frozenset(
-                w for w in self.live if self.serves_base(w, base_digest))
+            workers = frozenset(w for w in self.live if self.serves_base(w, base_digest))
+            found = self._eligible[base_digest] = (
+                workers, [sum(self.in_flight.get(w, 0) for w in workers)])
         return found
 
     def acquire(self, worker: str) -> None:
         self.in_flight[worker] = self.in_flight.get(worker, 0) + 1
+        for workers, total in self._eligible.values():
+            if worker in workers:
+                total[0] += 1
 
     def release(self, worker: str) -> None:
-        self.in_flight[worker] = max(0, self.in_flight.get(worker, 0) - 1)
+        count = self.in_flight.get(worker, 0)
+        if count <= 0:
+            return
+        self.in_flight[worker] = count - 1
+        for workers, total in self._eligible.values():
+            if worker in workers:
+                total[0] -= 1
 
     def address(self, worker: str) -> str:
         return self.workers[worker].address

@@ -29,6 +29,7 @@ that failed before its first token is retried.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -60,16 +61,17 @@ class Ring:
 
     def _reindex(self) -> None:
         self._points = [name for _, name in self._hash.get_points()]
+        self._members = frozenset(self._hash.get_nodes())
 
     @property
     def members(self) -> frozenset[str]:
-        return frozenset(self._hash.get_nodes())
+        return self._members
 
     def __len__(self) -> int:
-        return len(self._hash.get_nodes())
+        return len(self._members)
 
     def __contains__(self, worker: object) -> bool:
-        return worker in self._hash.get_nodes()
+        return worker in self._members
 
     def add(self, worker: str) -> None:
         if worker not in self:
@@ -90,7 +92,7 @@ class Ring:
         points = self._points
         if not points:
             return
-        total = len(self._hash.get_nodes())
+        total = len(self._members)
         start = self._hash.get_node_pos(key)
         seen: set[str] = set()
         count = len(points)
@@ -151,47 +153,50 @@ def place(ring: Ring, key: str, *, eligible: Callable[[str], bool],
     if eligible_count == 0:
         return None
     bound = load_bound(total_in_flight, eligible_count, epsilon)
+    walk = ring.walk(key)
+    seen: list[str] = []  # eligible workers visited so far, in ring order
     under: list[str] = []
-    over: list[str] = []
     home_tier: Tier | None = None
     best: tuple[int, str, Tier] | None = None
-    for worker in ring.walk(key):
+    for worker in walk:
         if not eligible(worker):
             continue
+        seen.append(worker)
         if loads.get(worker, 0) >= bound:
-            over.append(worker)
             continue
         under.append(worker)
         if len(under) == 1:
             home_tier = holding(worker)
-            if home_tier in WARM:
+            if home_tier in WARM or window == 1:
                 break
-        elif len(under) <= window:
+        else:
             tier = holding(worker)
             rank = _TIER_RANK.get(tier or "", 9)
             if rank < 9 and (best is None or rank < best[0]):
                 best = (rank, worker, tier)  # type: ignore[arg-type]
-                if rank == 0:
-                    break
-        if len(under) > window:
-            break
+            if rank == 0 or len(under) >= window:
+                break
+    if not seen:  # the caller's counts include workers the ring does not have
+        return None
     if not under:  # unreachable while loads are counted over the same workers
-        under, over = over[:1], over[1:]
+        under = seen[:1]
         home_tier = holding(under[0])
     home = under[0]
     if home_tier in WARM or best is None:
         worker, tier = home, home_tier
     else:
         worker, tier = best[1], best[2]
-    return Placement(worker, tier, home, _next_after(ring, key, worker, eligible, loads, bound))
+    return Placement(worker, tier, home, _fallback(worker, seen, walk, eligible, loads, bound))
 
 
-def _next_after(ring: Ring, key: str, chosen: str, eligible: Callable[[str], bool],
-                loads: Mapping[str, int], bound: int) -> str | None:
-    """The first other eligible worker of the walk under the bound, else any other one."""
+def _fallback(chosen: str, seen: list[str], rest: Iterator[str],
+              eligible: Callable[[str], bool], loads: Mapping[str, int], bound: int
+              ) -> str | None:
+    """The first other eligible worker of the walk under the bound, else any other one.
+    `seen` is the walk so far; `rest` the same walk, continued."""
     spare = None
-    for worker in ring.walk(key):
-        if worker == chosen or not eligible(worker):
+    for worker in itertools.chain(seen, (w for w in rest if eligible(w))):
+        if worker == chosen:
             continue
         if loads.get(worker, 0) < bound:
             return worker
