@@ -62,6 +62,17 @@ class Ring:
     def _reindex(self) -> None:
         self._points = [name for _, name in self._hash.get_points()]
         self._members = frozenset(self._hash.get_nodes())
+        self._starts: dict[str, int] = {}
+
+    def _start(self, key: str) -> int:
+        """The key's position on the continuum, remembered until the ring changes: the same
+        tenants ask again and again, and hashing is most of a short walk's cost."""
+        start = self._starts.get(key)
+        if start is None:
+            if len(self._starts) >= 262_144:
+                self._starts.clear()
+            start = self._starts[key] = self._hash.get_node_pos(key)
+        return start
 
     @property
     def members(self) -> frozenset[str]:
@@ -93,7 +104,7 @@ class Ring:
         if not points:
             return
         total = len(self._members)
-        start = self._hash.get_node_pos(key)
+        start = self._start(key)
         seen: set[str] = set()
         count = len(points)
         for step in range(count):
