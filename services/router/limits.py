@@ -109,17 +109,16 @@ class Limits:
         cap when `cold`), or refuse and take none."""
         overrides = self.overrides
         t_rate = self._rate(self.tenant_rate, tenant_tier)
+        a_rate = self._rate(self.adapter_rate, adapter_tier)
         if overrides:
             t_rate = overrides.get(f"tenant:{tenant}", t_rate)
+            a_rate = overrides.get(f"adapter:{adapter}", a_rate)
         t_bucket = self._bucket("tenant", tenant, t_rate, now)
         if (wait := t_bucket.wait(now)) > 0:
             return Rejection("tenant_rate", wait, f"tenant {tenant} is over its rate limit "
                                                   f"of {t_rate:g} requests/s")
         a_bucket = c_bucket = None
         if adapter is not None:
-            a_rate = self._rate(self.adapter_rate, adapter_tier)
-            if overrides:
-                a_rate = overrides.get(f"adapter:{adapter}", a_rate)
             a_bucket = self._bucket("adapter", adapter, a_rate, now)
             if (wait := a_bucket.wait(now)) > 0:
                 return Rejection("adapter_rate", wait, f"adapter {adapter} is over its rate "

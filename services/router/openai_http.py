@@ -490,25 +490,15 @@ def create_http_app(dispatcher: Dispatcher, tokens: TokenBook) -> FastAPI:
         base, ref = parse_model(body.model, dispatcher.catalog)
         requests = front.requests(who, body, base, ref, body.prompts(), body.max_tokens)
         opened = await front.open_streams(who, requests, base)
-        created, rid = int(time.time()), f"cmpl-{requests[0].request_id}"
-        if body.stream:
-            return _stream(front, opened, lambda index, response: {
-                "id": rid, "object": "text_completion", "created": created,
-                "model": body.model, "choices": [{
-                    "index": index, "text": response.token.text if response.HasField("token")
-                    else "", "logprobs": None, "finish_reason": _finish(response)}]},
-                lambda finals: {"id": rid, "object": "text_completion", "created": created,
-                                "model": body.model, "choices": [],
-                                "usage": usage_of(finals)}, len(opened))
-        outcomes = await front.gather(opened)
-        _raise_worker_errors(outcomes)
-        finals = [o.final for o in outcomes]
-        return JSONResponse({
-            "id": rid, "object": "text_completion", "created": created, "model": body.model,
-            "system_fingerprint": fingerprint(finals),
-            "choices": [{"index": o.index, "text": "".join(o.text), "logprobs": None,
-                         "finish_reason": _finish_of(o.final)} for o in outcomes],
-            "usage": usage_of(finals), "loraplane": {"served": served(finals)}})
+        return await _respond(front, opened, body, f"cmpl-{requests[0].request_id}",
+                              ("text_completion", "text_completion"),
+                              lambda index, response: {
+                                  "index": index, "text": response.token.text
+                                  if response.HasField("token") else "", "logprobs": None,
+                                  "finish_reason": _finish(response)},
+                              lambda o: {"index": o.index, "text": "".join(o.text),
+                                         "logprobs": None,
+                                         "finish_reason": _finish_of(o.final)})
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody, who: Who) -> Response:
@@ -518,36 +508,23 @@ def create_http_app(dispatcher: Dispatcher, tokens: TokenBook) -> FastAPI:
             else body.max_tokens
         requests = front.requests(who, body, base, ref, [body.messages], limit)
         opened = await front.open_streams(who, requests, base)
-        created, rid = int(time.time()), f"chatcmpl-{requests[0].request_id}"
-        if body.stream:
-            started: set[int] = set()
+        started: set[int] = set()
 
-            def chunk(index: int, response: pb.GenerateResponse) -> dict[str, Any]:
-                delta: dict[str, Any] = {}
-                if index not in started:
-                    started.add(index)
-                    delta["role"] = "assistant"
-                if response.HasField("token"):
-                    delta["content"] = response.token.text
-                return {"id": rid, "object": "chat.completion.chunk", "created": created,
-                        "model": body.model, "choices": [{
-                            "index": index, "delta": delta, "logprobs": None,
-                            "finish_reason": _finish(response)}]}
+        def chunk(index: int, response: pb.GenerateResponse) -> dict[str, Any]:
+            delta: dict[str, Any] = {}
+            if index not in started:
+                started.add(index)
+                delta["role"] = "assistant"
+            if response.HasField("token"):
+                delta["content"] = response.token.text
+            return {"index": index, "delta": delta, "logprobs": None,
+                    "finish_reason": _finish(response)}
 
-            return _stream(front, opened, chunk, lambda finals: {
-                "id": rid, "object": "chat.completion.chunk", "created": created,
-                "model": body.model, "choices": [], "usage": usage_of(finals)}, len(opened))
-        outcomes = await front.gather(opened)
-        _raise_worker_errors(outcomes)
-        finals = [o.final for o in outcomes]
-        return JSONResponse({
-            "id": rid, "object": "chat.completion", "created": created, "model": body.model,
-            "system_fingerprint": fingerprint(finals),
-            "choices": [{"index": o.index, "message": {"role": "assistant",
-                                                       "content": "".join(o.text)},
-                         "logprobs": None, "finish_reason": _finish_of(o.final)}
-                        for o in outcomes],
-            "usage": usage_of(finals), "loraplane": {"served": served(finals)}})
+        return await _respond(front, opened, body, f"chatcmpl-{requests[0].request_id}",
+                              ("chat.completion.chunk", "chat.completion"), chunk,
+                              lambda o: {"index": o.index, "message": {
+                                  "role": "assistant", "content": "".join(o.text)},
+                                  "logprobs": None, "finish_reason": _finish_of(o.final)})
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
@@ -573,6 +550,28 @@ def create_http_app(dispatcher: Dispatcher, tokens: TokenBook) -> FastAPI:
         return {"traces": found[:max(1, min(limit, 500))]}
 
     return app
+
+
+async def _respond(front: Front, opened: list[tuple[pb.GenerateResponse, AsyncIterator[Any]]],
+                   body: _Body, rid: str, objects: tuple[str, str], chunk_choice: Any,
+                   full_choice: Any) -> Response:
+    """The answer in OpenAI's shape: SSE chunks (`objects[0]`) or one body (`objects[1]`)."""
+    created = int(time.time())
+    if body.stream:
+        head = {"id": rid, "object": objects[0], "created": created, "model": body.model}
+        return _stream(front, opened,
+                       lambda index, response: {**head, "choices": [chunk_choice(index,
+                                                                                 response)]},
+                       lambda finals: {**head, "choices": [], "usage": usage_of(finals)},
+                       len(opened))
+    outcomes = await front.gather(opened)
+    _raise_worker_errors(outcomes)
+    finals = [o.final for o in outcomes]
+    return JSONResponse({
+        "id": rid, "object": objects[1], "created": created, "model": body.model,
+        "system_fingerprint": fingerprint(finals),
+        "choices": [full_choice(o) for o in outcomes],
+        "usage": usage_of(finals), "loraplane": {"served": served(finals)}})
 
 
 def _finish(response: pb.GenerateResponse) -> str | None:

@@ -33,6 +33,16 @@ pytestmark = pytest.mark.slow
 ACME_KEY = ring_key(ACME.org, ACME.team, ACME.project)
 
 
+def three_workers(catalog: CatalogWriter, fleet: Fleet, make_router):
+    """One adapter, workers w1-w3, and a router that has them all in its ring."""
+    catalog.publish("acme-support", 1)
+    for w in ("w1", "w2", "w3"):
+        fleet.add(w)
+    router = make_router()
+    router.wait_ring({"w1", "w2", "w3"})
+    return router
+
+
 def served(responses: list[pb.GenerateResponse]) -> pb.FinalUsage:
     assert responses and responses[-1].HasField("final")
     return responses[-1].final
@@ -82,11 +92,7 @@ def test_canary_resolution_reaches_workers_pinned_sticky_and_only_forward(
 
 def test_a_worker_that_misses_three_heartbeats_leaves_the_ring_and_returns(
         catalog: CatalogWriter, fleet: Fleet, make_router) -> None:
-    catalog.publish("acme-support", 1)
-    for w in ("w1", "w2", "w3"):
-        fleet.add(w)
-    router = make_router()
-    router.wait_ring({"w1", "w2", "w3"})
+    router = three_workers(catalog, fleet, make_router)
     home = router.dispatcher.ring.home(ACME_KEY)
     assert served(collect(router.stub(), request("acme-support"))).worker_id == home
     fleet[home].beating.clear()
@@ -163,11 +169,7 @@ def test_rate_limits_answer_resource_exhausted_with_retry_after(
 
 def test_failover_before_the_first_token_and_none_after_it(
         catalog: CatalogWriter, fleet: Fleet, make_router) -> None:
-    catalog.publish("acme-support", 1)
-    for w in ("w1", "w2", "w3"):
-        fleet.add(w)
-    router = make_router()
-    router.wait_ring({"w1", "w2", "w3"})
+    router = three_workers(catalog, fleet, make_router)
     stub = router.stub()
     walk = list(router.dispatcher.ring.walk(ACME_KEY))
     home, second = fleet[walk[0]], fleet[walk[1]]
