@@ -142,6 +142,45 @@ class Settings(BaseSettings):
         1000, ge=1, description="Events per partition between signed Merkle checkpoints."
     )
 
+    # --- release safety: quality gates, canary rollouts (services/release) -------------
+    release_ungated: Literal["block", "allow"] = Field(
+        "block", description="Versions published without a regression set: block = no "
+        "traffic until a regression set passes or an admin overrides with a reason; allow = "
+        "they serve as before (migration aid). Decided per version at publish and written "
+        "into its event, so every reader agrees and a later change does not reach back.")
+    gate_timeout_s: float = Field(
+        600.0, gt=0, le=86400, description="A gate with no result by then is FAILED (expired).")
+    gate_max_cases: int = Field(256, ge=1, le=4096, description="Cases per regression set.")
+    gate_max_set_bytes: int = Field(4 * 1024 * 1024, ge=1, description="Regression set size.")
+    gate_sweep_interval_s: float = Field(
+        1.0, gt=0, description="How often the registry looks for gates that cannot complete.")
+    canary_stages: list[int] = Field(
+        default_factory=lambda: [5, 25, 50, 100],
+        description="Default canary traffic stages in percent (a rollout may give its own).")
+    canary_min_stage_s: float = Field(
+        900.0, gt=0, description="Default least time at a stage before advancing (15 min).")
+    canary_window_s: float | None = Field(
+        None, gt=0, description="Traces judged: the stage's last window_s (default: the "
+        "stage's minimum time).")
+    canary_max_error_ratio: float = Field(1.5, gt=0)
+    canary_error_rate_floor: float = Field(
+        0.0, ge=0, le=1, description="A canary error rate up to this never fails the ratio.")
+    canary_min_requests: int = Field(50, ge=1, description="Per arm and window, to judge.")
+    canary_max_p95_ms: float = Field(5000.0, gt=0, description="Canary p95 latency bound.")
+    canary_max_p95_ratio: float | None = Field(
+        None, gt=0, description="Optional bound on canary p95 / baseline p95.")
+    canary_interval_s: float = Field(1.0, gt=0, description="Controller evaluation period.")
+    canary_settle_s: float = Field(
+        3.0, ge=0, description="Judgement windows end this long ago: traces arrive in batches.")
+    canary_lookback_s: float = Field(
+        7200.0, gt=0, description="How far back the controller reads request traces at start.")
+    canary_id: str | None = Field(None, description="Names the controller in logs and events.")
+    canary_token: str | None = Field(
+        None, description="Bearer token (role canary or admin) the controller sends the registry.")
+    api_token: str | None = Field(
+        None, description="Bearer token the loraplane CLI sends the registry (default: the "
+        "admin token `loraplane up` wrote to STATE_DIR/admin.token).")
+
     log_level: str = "INFO"
 
     @property

@@ -12,6 +12,9 @@ keeps their version, and moving weight from an older to a newer version (5 → 2
 moves users toward the newer one. A user whose entry cannot be served (disabled, rolled
 back) takes the next servable entry in the same order; nobody else moves.
 
+A version the release rule refuses (`services.catalog.release`: a quality gate not
+passed, a canary rollback) is never chosen, like a disabled one.
+
 Refusals use `Refusal.kind`: `not_found` (no such adapter, alias or version),
 `forbidden` (it belongs to another tenant: never served, whatever the version), and
 `precondition` (exists but may not be served now: disabled, rolled back, not active or
@@ -24,6 +27,7 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from services.catalog.release import release_refusal
 from services.catalog.state import Adapter, AdapterVersion, CatalogState, Refusal
 from services.contracts.events import SplitEntry, TenantRef
 
@@ -78,7 +82,7 @@ def unservable_reason(adapter: Adapter, number: int, version: AdapterVersion) ->
         return f"{adapter.adapter_id}@{number} is disabled{reason}"
     if version.rolled_back:
         return f"{adapter.adapter_id}@{number} was rolled back"
-    return None
+    return release_refusal(adapter, number, version)
 
 
 def _choice(adapter: Adapter, number: int, alias: str | None) -> ServingChoice:

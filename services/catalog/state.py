@@ -50,7 +50,17 @@ from services.contracts.events import (
     AdapterVersionSwitched,
     BaseModelRegistered,
     Envelope,
+    GateRequest,
+    Judgement,
+    QualityGateCompleted,
+    QualityGateExpired,
+    QualityGateRequested,
     RegistryLease,
+    ReleaseOverridden,
+    RolloutHalted,
+    RolloutPlan,
+    RolloutResumed,
+    RolloutStep,
     SplitEntry,
     TenantPurged,
     TenantPurgeRequested,
@@ -58,6 +68,7 @@ from services.contracts.events import (
     TrafficSplitChanged,
     WorkerHeartbeat,
 )
+from services.release.gate import result_failures
 
 LEASE_STREAM = "registry/lease"
 
@@ -107,6 +118,59 @@ class BaseModel:
     seq: int
 
 
+GateStatus = Literal["pending", "passed", "failed", "expired"]
+
+
+@dataclass
+class GateState:
+    """One quality-gate run of a version (the latest request replaces older ones).
+
+    The outcome depends only on event timestamps, never on the order a reader consumed
+    the two topics in: a `QualityGateCompleted` counts when it comes from the assigned
+    worker, no later than `requested_at + timeout_s`, and before any expiry of the gate;
+    otherwise an expiry makes it `expired`; otherwise it is `pending`.
+    """
+
+    request: GateRequest
+    requested_at: datetime
+    requested_by: str
+    event_id: str
+    results: list[tuple[datetime, QualityGateCompleted]] = field(default_factory=list)
+    expiry: tuple[datetime, QualityGateExpired] | None = None
+
+    @property
+    def gate_id(self) -> str:
+        return self.request.gate_id
+
+    @property
+    def deadline(self) -> datetime:
+        return self.requested_at + timedelta(seconds=self.request.timeout_s)
+
+    @property
+    def result(self) -> tuple[datetime, QualityGateCompleted] | None:
+        """The result that counts, if any (the first in time)."""
+        counting = [(at, r) for at, r in self.results
+                    if r.worker_id == self.request.worker_id and at <= self.deadline
+                    and (self.expiry is None or at < self.expiry[0])]
+        return min(counting, key=lambda item: item[0]) if counting else None
+
+    @property
+    def failures(self) -> list[str]:
+        found = self.result
+        if found is not None:
+            return result_failures(found[1], self.request)
+        if self.expiry is not None:
+            return [f"expired ({self.expiry[1].cause}): {self.expiry[1].reason}"]
+        return []
+
+    @property
+    def status(self) -> GateStatus:
+        found = self.result
+        if found is not None:
+            return "failed" if result_failures(found[1], self.request) else "passed"
+        return "expired" if self.expiry is not None else "pending"
+
+
 @dataclass
 class AdapterVersion:
     published: AdapterVersionPublished
@@ -120,6 +184,12 @@ class AdapterVersion:
     rolled_back: bool = False
     """An `AdapterRolledBack` moved away from it and no switch has made it active since."""
     seq: int = 0
+    gate: GateState | None = None
+    """The latest quality-gate run (`services.catalog.release` decides what it allows)."""
+    override: tuple[datetime, str, str] | None = None
+    """The latest `ReleaseOverridden`: when, by whom, why."""
+    canary_rollback: tuple[datetime, str] | None = None
+    """The latest canary rollout that rolled this version back: when, why."""
 
 
 @dataclass
@@ -148,6 +218,40 @@ class Alias:
     seq: int
     split: tuple[SplitEntry, ...]
     changed_at: datetime
+
+
+RolloutStatus = Literal["running", "halted", "rolled_back", "completed", "superseded"]
+
+
+@dataclass
+class Rollout:
+    """A canary rollout of one version on one alias, as its steps on the log left it."""
+
+    rollout_id: str
+    alias: str
+    adapter_id: str
+    canary_version: int
+    baseline_version: int
+    plan: RolloutPlan
+    tenant: TenantRef | None
+    started_at: datetime
+    stage: int = 0
+    stage_started_at: datetime | None = None
+    """When the current stage began (or the rollout last resumed): its clock."""
+    status: RolloutStatus = "running"
+    status_reason: str = ""
+    last_judgement: Judgement | None = None
+    """The figures of the last step decided on them (the 100% stage's baseline)."""
+    steps: list[tuple[datetime, str, str]] = field(default_factory=list)
+    """(when, action, actor) of every step, in log order."""
+
+    @property
+    def weight(self) -> int:
+        return self.plan.stages[self.stage]
+
+    @property
+    def final_stage(self) -> bool:
+        return self.stage == len(self.plan.stages) - 1
 
 
 @dataclass
@@ -199,6 +303,16 @@ class CatalogState:
     idempotency: dict[tuple[str, str], IdempotentAnswer] = field(default_factory=dict)
     heartbeats: dict[str, datetime] = field(default_factory=dict)
     """Each worker's newest heartbeat by its timestamp, whatever order they were read in."""
+    worker_bases: dict[str, str] = field(default_factory=dict)
+    """Each worker's base model digest, from its newest heartbeat."""
+    gates: dict[str, tuple[str, int]] = field(default_factory=dict)
+    """gate_id → (adapter_id, version) of every gate ever requested."""
+    orphan_results: dict[str, list[tuple[datetime, QualityGateCompleted]]] = field(
+        default_factory=dict)
+    """Gate results read before their request (the topics are read in no fixed order)."""
+    rollouts: dict[str, Rollout] = field(default_factory=dict)
+    """alias → its latest rollout."""
+    rollouts_by_id: dict[str, Rollout] = field(default_factory=dict)
     lease: Lease | None = None
     stale_after_s: float = 30.0
     """Heartbeat age after which a worker is no longer expected to ack a purge."""
@@ -209,7 +323,10 @@ class CatalogState:
         """Fold one event. Total: an event about something unknown is still recorded."""
         p = envelope.payload
         at = envelope.occurred_at
-        if isinstance(p, BaseModelRegistered):
+        if isinstance(p, (QualityGateRequested, QualityGateCompleted, QualityGateExpired,
+                          ReleaseOverridden, RolloutHalted, RolloutResumed)):
+            self._apply_release(envelope)
+        elif isinstance(p, BaseModelRegistered):
             self.base_models[p.name] = BaseModel(p.name, p.digest, dict(p.config), at,
                                                  envelope.seq)
         elif isinstance(p, AdapterVersionPublished):
@@ -219,6 +336,8 @@ class CatalogState:
             adapter.versions[p.version] = AdapterVersion(
                 p, at, str(envelope.event_id), position, seq=envelope.seq)
             adapter.seq = envelope.seq
+            if p.quality_gate is not None:
+                self._request_gate(p.adapter_id, p.version, p.quality_gate, envelope)
         elif isinstance(p, AdapterVersionSwitched | AdapterRolledBack):
             adapter = self._adapter_for(p.adapter_id, envelope)
             adapter.active_version = p.to_version
@@ -227,6 +346,8 @@ class CatalogState:
                 adapter.versions[p.to_version].rolled_back = False
             if isinstance(p, AdapterRolledBack) and p.from_version in adapter.versions:
                 adapter.versions[p.from_version].rolled_back = True
+            if isinstance(p, AdapterVersionSwitched) and p.rollout is not None:
+                self._apply_rollout_step(p.rollout, envelope)
         elif isinstance(p, AdapterDisabled | AdapterEnabled):
             adapter = self._adapter_for(p.adapter_id, envelope)
             version = adapter.versions.get(p.version)
@@ -236,6 +357,12 @@ class CatalogState:
         elif isinstance(p, TrafficSplitChanged):
             self.aliases[p.alias] = Alias(p.alias, envelope.tenant, envelope.seq,
                                           tuple(p.split), at)
+            if p.rollout is not None:
+                self._apply_rollout_step(p.rollout, envelope)
+            else:
+                current = self.rollouts.get(p.alias)
+                if current is not None and current.status in ("running", "halted"):
+                    current.status, current.status_reason = "superseded", "split set by hand"
         elif isinstance(p, TenantPurgeRequested):
             self.tenant_seqs[envelope.stream] = envelope.seq
             self.purges[p.purge_id] = Purge(p.purge_id, envelope.tenant, p.deadline_s, p.hard,
@@ -245,6 +372,7 @@ class CatalogState:
         elif isinstance(p, WorkerHeartbeat):
             if at > self.heartbeats.get(p.worker_id, at - timedelta(days=1)):
                 self.heartbeats[p.worker_id] = at
+                self.worker_bases[p.worker_id] = p.base_model_digest
         elif isinstance(p, TenantPurged):
             purge = self.purges.get(p.purge_id)
             if purge is not None:
@@ -254,6 +382,92 @@ class CatalogState:
         key = getattr(p, "idempotency_key", None)
         if key:
             self.idempotency[(envelope.actor, key)] = IdempotentAnswer(envelope, position)
+
+    # --- release safety (rules in services.catalog.release) -----------------------------
+
+    def _request_gate(self, adapter_id: str, number: int, request: GateRequest,
+                      envelope: Envelope) -> None:
+        version = self.adapters[adapter_id].versions.get(number)
+        if version is None:
+            return
+        gate = GateState(request, envelope.occurred_at, envelope.actor, str(envelope.event_id))
+        gate.results.extend(self.orphan_results.pop(request.gate_id, []))
+        version.gate = gate
+        self.gates[request.gate_id] = (adapter_id, number)
+
+    def gate(self, gate_id: str) -> GateState | None:
+        """The gate run with this id, if it is still its version's latest."""
+        where = self.gates.get(gate_id)
+        if where is None:
+            return None
+        version = self.adapters[where[0]].versions.get(where[1])
+        if version is None or version.gate is None or version.gate.gate_id != gate_id:
+            return None
+        return version.gate
+
+    def _apply_release(self, envelope: Envelope) -> None:
+        p = envelope.payload
+        at = envelope.occurred_at
+        if isinstance(p, QualityGateRequested):
+            adapter = self._adapter_for(p.adapter_id, envelope)
+            if p.version in adapter.versions:
+                self._request_gate(p.adapter_id, p.version, p.gate, envelope)
+        elif isinstance(p, QualityGateCompleted):
+            gate = self.gate(p.gate_id)
+            if gate is not None:
+                gate.results.append((at, p))
+            elif p.gate_id not in self.gates:
+                self.orphan_results.setdefault(p.gate_id, []).append((at, p))
+        elif isinstance(p, QualityGateExpired):
+            self._adapter_for(p.adapter_id, envelope)
+            gate = self.gate(p.gate_id)
+            if gate is not None and (gate.expiry is None or at < gate.expiry[0]):
+                gate.expiry = (at, p)
+        elif isinstance(p, ReleaseOverridden):
+            adapter = self._adapter_for(p.adapter_id, envelope)
+            version = adapter.versions.get(p.version)
+            if version is not None:
+                version.override = (at, envelope.actor, p.reason)
+        elif isinstance(p, RolloutHalted | RolloutResumed):
+            alias = self.aliases.get(p.alias)
+            if alias is not None:
+                alias.seq = envelope.seq
+            rollout = self.rollouts_by_id.get(p.rollout_id)
+            if rollout is None:
+                return
+            if isinstance(p, RolloutHalted) and rollout.status == "running":
+                rollout.status, rollout.status_reason = "halted", p.reason
+                if p.judgement is not None:
+                    rollout.last_judgement = p.judgement
+            elif isinstance(p, RolloutResumed) and rollout.status == "halted":
+                rollout.status, rollout.status_reason = "running", p.reason
+                rollout.stage_started_at = at
+            rollout.steps.append((at, "halted" if isinstance(p, RolloutHalted) else "resumed",
+                                  envelope.actor))
+
+    def _apply_rollout_step(self, step: RolloutStep, envelope: Envelope) -> None:
+        at = envelope.occurred_at
+        rollout = self.rollouts_by_id.get(step.rollout_id)
+        if step.action == "started" or rollout is None:
+            rollout = Rollout(step.rollout_id, step.alias, step.adapter_id, step.canary_version,
+                              step.baseline_version, step.plan, envelope.tenant, at)
+            self.rollouts_by_id[step.rollout_id] = rollout
+            self.rollouts[step.alias] = rollout
+        rollout.stage = step.stage
+        rollout.steps.append((at, step.action, envelope.actor))
+        if step.judgement is not None:
+            rollout.last_judgement = step.judgement
+        if step.action in ("started", "advanced"):
+            rollout.stage_started_at = at
+        elif step.action == "rolled_back":
+            rollout.status, rollout.status_reason = "rolled_back", step.reason
+            canary = self.adapters.get(step.adapter_id)
+            version = canary.versions.get(step.canary_version) if canary else None
+            if version is not None:
+                version.canary_rollback = (at, f"canary rollout {step.rollout_id} rolled it "
+                                               f"back at {step.weight}%: {step.reason}")
+        elif step.action == "completed":
+            rollout.status, rollout.status_reason = "completed", step.reason
 
     def _adapter_for(self, adapter_id: str, envelope: Envelope) -> Adapter:
         adapter = self.adapters.get(adapter_id)

@@ -104,6 +104,15 @@ class AdapterVersionPublished(Payload):
     rollback_to: Version | None = None
     idempotency_key: str | None = Field(
         None, max_length=128, description="Client Idempotency-Key of the command (with the actor).")
+    gate_required: bool = Field(
+        False, description="Decided by the registry at publish: the version gets traffic (switch, "
+                           "split, rollout) only after a passed quality gate or an admin "
+                           "override. True when it carries a regression set or when "
+                           "LORAPLANE_RELEASE_UNGATED=block; false in events written before "
+                           "release gates existed.")
+    quality_gate: GateRequest | None = Field(
+        None, description="The gate run requested with the publish (a regression set was "
+                          "uploaded with the version).")
 
 
 class SplitEntry(_Frozen):
@@ -120,6 +129,9 @@ class TrafficSplitChanged(Payload):
     previous: list[SplitEntry] = Field(default_factory=list)
     idempotency_key: str | None = Field(
         None, max_length=128, description="Client Idempotency-Key of the command (with the actor).")
+    rollout: RolloutStep | None = Field(
+        None, description="Set when a canary rollout moved the split (started, advanced, rolled "
+                          "back), with the figures it was decided on.")
 
 
 class AdapterVersionSwitched(Payload):
@@ -131,6 +143,9 @@ class AdapterVersionSwitched(Payload):
     alias: AdapterId | None = None
     idempotency_key: str | None = Field(
         None, max_length=128, description="Client Idempotency-Key of the command (with the actor).")
+    rollout: RolloutStep | None = Field(
+        None, description="Set when a canary rollout completed: its last stage held, and the "
+                          "canary became the adapter's active version.")
 
 
 class AdapterRolledBack(Payload):
@@ -262,6 +277,201 @@ class RequestServed(_WorkerPayload):
     requests: list[ServedRequest] = Field(min_length=1)
 
 
+# --- release safety: quality gates and canary rollouts (services/release) ---------------
+
+
+class GateRequest(_Frozen):
+    """A quality-gate run the registry assigns to one live worker on the version's base."""
+
+    gate_id: str = Field(min_length=1, max_length=64)
+    regression_set_sha256: Sha256Hex = Field(description="The JSONL set, in the blob store.")
+    cases: int = Field(ge=1, description="Number of cases in the set.")
+    worker_id: str | None = Field(
+        None, max_length=128, description="The worker that must run it, chosen from live "
+        "heartbeats on the version's base model; none = no such worker (the gate expires).")
+    baseline_version: Version | None = Field(
+        None, description="Previous stable version compared against: the active version when "
+                          "the gate was requested; none for an adapter's first version.")
+    timeout_s: float = Field(gt=0, le=86400, description="After this the gate is FAILED.")
+
+
+class QualityGateRequested(Payload):
+    """A (new) gate run for a version that is not serving: a regression set given later over
+    REST, or a re-run of the stored one."""
+
+    adapter_id: AdapterId
+    version: Version
+    gate: GateRequest
+    reason: str = Field("", max_length=1024)
+    idempotency_key: str | None = Field(
+        None, max_length=128, description="Client Idempotency-Key of the command (with the actor).")
+
+
+class QualityGateExpired(Payload):
+    """The registry gave up on a gate run: it counts as FAILED, never as passed."""
+
+    adapter_id: AdapterId
+    version: Version
+    gate_id: str = Field(min_length=1, max_length=64)
+    cause: Literal["no_worker", "timeout", "worker_lost"]
+    reason: str = Field(max_length=1024)
+
+
+class ReleaseOverridden(Payload):
+    """An admin cleared a version for traffic despite its gate (missing, pending, failed,
+    expired) or a canary rollback; the reason is mandatory."""
+
+    adapter_id: AdapterId
+    version: Version
+    reason: str = Field(min_length=1, max_length=1024)
+    lifted: list[str] = Field(default_factory=list,
+                              description="What the override lifted, as the refusals read.")
+    idempotency_key: str | None = Field(
+        None, max_length=128, description="Client Idempotency-Key of the command (with the actor).")
+
+
+class RolloutPlan(_Frozen):
+    """How a canary walks: traffic stages and what each must show before the next."""
+
+    stages: list[Annotated[int, Field(ge=1, le=100)]] = Field(min_length=2, max_length=20)
+    min_stage_s: float = Field(gt=0, description="Least time at a stage before advancing.")
+    window_s: float = Field(gt=0, description="Traces judged: the stage's last window_s.")
+    max_error_ratio: float = Field(gt=0, description="Canary error rate / baseline's, at most.")
+    error_rate_floor: float = Field(0.0, ge=0, le=1, description="A canary error rate up to "
+                                    "this never fails the ratio (baseline near zero).")
+    min_requests: int = Field(ge=1, description="Per arm, before judging.")
+    max_p95_ms: float = Field(gt=0, description="Canary p95 latency bound.")
+    max_p95_ratio: float | None = Field(None, gt=0, description="Canary p95 / baseline p95.")
+
+    @model_validator(mode="after")
+    def _stages_climb_to_100(self) -> RolloutPlan:
+        if any(b <= a for a, b in zip(self.stages, self.stages[1:], strict=False)):
+            raise ValueError("stages must increase")
+        if self.stages[-1] != 100:
+            raise ValueError("the last stage must be 100")
+        return self
+
+
+class ArmFigures(_Frozen):
+    """One version's request traces over a judgement window."""
+
+    version: Version
+    requests: int = Field(ge=0, description="ok + error traces (aborted and rejected excluded)")
+    errors: int = Field(ge=0)
+    error_rate: float | None = Field(None, ge=0, le=1)
+    p95_ms: float | None = Field(None, ge=0)
+
+
+class Judgement(_Frozen):
+    """What a canary stage was decided on: both arms over the same window of traces."""
+
+    window_start: datetime
+    window_end: datetime
+    canary: ArmFigures
+    baseline: ArmFigures
+    baseline_from_window: bool = Field(
+        True, description="False at the 100% stage: the baseline figures are those of the "
+                          "last judged stage, since the baseline serves nothing now.")
+    verdict: Literal["advance", "rollback", "wait"]
+    reasons: list[str] = Field(default_factory=list)
+
+
+class RolloutStep(_Frozen):
+    """One decision of a canary rollout, carried by the event that applies it."""
+
+    rollout_id: str = Field(min_length=1, max_length=64)
+    action: Literal["started", "advanced", "rolled_back", "completed"]
+    alias: AdapterId
+    adapter_id: AdapterId
+    canary_version: Version
+    baseline_version: Version
+    stage: int = Field(ge=0, description="Stage index after the step (into plan.stages).")
+    weight: int = Field(ge=0, le=100, description="Canary weight after the step.")
+    plan: RolloutPlan
+    judgement: Judgement | None = None
+    automatic: bool = Field(False, description="Decided by the canary controller.")
+    reason: str = Field("", max_length=2048)
+
+
+class RolloutHalted(Payload):
+    """A rollout stops advancing; traffic stays where it is until resumed or rolled back."""
+
+    alias: AdapterId
+    rollout_id: str = Field(min_length=1, max_length=64)
+    stage: int = Field(ge=0)
+    reason: str = Field(min_length=1, max_length=2048)
+    automatic: bool = False
+    judgement: Judgement | None = None
+    idempotency_key: str | None = Field(
+        None, max_length=128, description="Client Idempotency-Key of the command (with the actor).")
+
+
+class RolloutResumed(Payload):
+    """A halted rollout continues; its stage clock starts again."""
+
+    alias: AdapterId
+    rollout_id: str = Field(min_length=1, max_length=64)
+    stage: int = Field(ge=0)
+    reason: str = Field("", max_length=2048)
+    idempotency_key: str | None = Field(
+        None, max_length=128, description="Client Idempotency-Key of the command (with the actor).")
+
+
+GATE_TEXT_CHARS = 512
+"""Output text kept per version per case in a gate result (digests cover the whole)."""
+
+
+class GateOutput(_Frozen):
+    """One version's greedy output for one case."""
+
+    role: Literal["base", "previous", "new"]
+    version: Version | None = None
+    tokens: int = Field(ge=0)
+    tokens_sha256: Sha256Hex = Field(description="SHA-256 of the token ids, comma-joined.")
+    text_sha256: Sha256Hex = Field(description="SHA-256 of the whole output text (UTF-8).")
+    text: str = Field(max_length=GATE_TEXT_CHARS, description="The text, cut to the limit.")
+    truncated: bool = False
+    finish_reason: str = Field(max_length=16)
+
+
+class GateCheckResult(_Frozen):
+    kind: Literal["exact", "regex", "json_schema", "max_divergence"]
+    verdict: Literal["pass", "fail", "skipped"]
+    detail: str = Field("", max_length=1024)
+    measured: float | None = None
+    limit: float | None = None
+
+
+class GateCaseResult(_Frozen):
+    case_id: str = Field(min_length=1, max_length=128)
+    line: int = Field(ge=1, description="Line of the case in the JSONL set.")
+    prompt_sha256: Sha256Hex
+    outputs: list[GateOutput] = Field(min_length=1, max_length=3)
+    checks: list[GateCheckResult] = Field(default_factory=list)
+    passed: bool
+
+
+class QualityGateCompleted(_WorkerPayload):
+    """A worker ran a gate: every case's outputs (digests and bounded text) and verdicts."""
+
+    gate_id: str = Field(min_length=1, max_length=64)
+    adapter_id: AdapterId
+    version: Version
+    baseline_version: Version | None = None
+    base_model_digest: Sha256Hex
+    regression_set_sha256: Sha256Hex
+    adapter_sha256: Sha256Hex
+    passed: bool
+    error: str | None = Field(None, max_length=4096, description="Why the run could not finish "
+                              "(a FAILED gate): adapter files refused, engine error.")
+    cases: list[GateCaseResult] = Field(default_factory=list)
+    duration_ms: float = Field(0.0, ge=0)
+
+
+for _model in (AdapterVersionPublished, TrafficSplitChanged, AdapterVersionSwitched):
+    _model.model_rebuild()  # they name release models defined further down
+
+
 # --- any topic ---------------------------------------------------------------------------
 
 
@@ -297,6 +507,12 @@ PAYLOAD_TYPES: dict[str, type[Payload]] = {
         KVInvalidated,
         TenantPurged,
         RequestServed,
+        QualityGateRequested,
+        QualityGateExpired,
+        ReleaseOverridden,
+        RolloutHalted,
+        RolloutResumed,
+        QualityGateCompleted,
         ReplayBarrier,
     )
 }

@@ -21,9 +21,10 @@ from services.catalog.state import Refusal
 from services.config import Settings
 from services.registry.auth import TokenBook
 from services.registry.blobstore import LocalBlobStore
+from services.registry.gate_sweeper import GateSweeper
 from services.registry.metrics import RegistryMetrics
 from services.registry.node import RegistryNode, WritesUnavailable
-from services.registry.routes import adapters, aliases, base_models, blobs, health, purges
+from services.registry.routes import adapters, aliases, base_models, blobs, health, purges, release
 from services.registry.validation import UploadRejected
 
 log = logging.getLogger("loraplane.registry")
@@ -110,9 +111,12 @@ def create_app(settings: Settings, *, registry_id: str | None = None) -> FastAPI
         node = RegistryNode(settings, metrics, registry_id)
         app.state.node = node
         node.start()
+        sweeper = GateSweeper(node)
+        sweeper.start()
         try:
             yield
         finally:
+            sweeper.stop()
             node.stop()
 
     app = FastAPI(
@@ -127,7 +131,7 @@ def create_app(settings: Settings, *, registry_id: str | None = None) -> FastAPI
     app.state.blobs = LocalBlobStore(settings.blob_root)
     if not len(app.state.tokens):
         log.warning("no LORAPLANE_AUTH_TOKENS configured: every API call will answer 401")
-    for module in (adapters, base_models, aliases, purges, blobs, health):
+    for module in (adapters, base_models, aliases, purges, release, blobs, health):
         app.include_router(module.router)
 
     @app.exception_handler(Refusal)

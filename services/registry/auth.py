@@ -3,8 +3,9 @@
 Roles: admin (everything), publisher (publish, split, roll back, disable, purge within its
 own org/team/project; a `*` segment matches any), reader (reads), worker (blob fetches
 only), inference (generate through the router for its own org/team/project, nothing in the
-registry). An inference token may carry the tenant's `qos_tier` (the router's limits and
-scheduling tier). An unknown or missing token is 401; a known token without the right is 403.
+registry), canary (the canary controller: rollout steps on any alias, each re-judged from
+the figures it sends; nothing else). An inference token may carry the tenant's
+`qos_tier` (the router's limits and scheduling tier). An unknown or missing token is 401; a known token without the right is 403.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from typing import Literal
 
 from services.contracts.events import TenantRef
 
-Role = Literal["admin", "publisher", "reader", "worker", "inference"]
-ROLES: tuple[Role, ...] = ("admin", "publisher", "reader", "worker", "inference")
+Role = Literal["admin", "publisher", "reader", "worker", "inference", "canary"]
+ROLES: tuple[Role, ...] = ("admin", "publisher", "reader", "worker", "inference", "canary")
 TENANT_SCOPED: tuple[Role, ...] = ("publisher", "inference")
 QOS_TIERS = ("platinum", "gold", "silver", "bronze")
 

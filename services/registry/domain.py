@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
 
+from services.catalog.release import GateSpec, gate_baseline, gate_request, release_refusal
 from services.catalog.state import (
     LEASE_STREAM,
     Adapter,
@@ -93,6 +94,10 @@ class PublishRequest:
     label: str
     qos_tier: Literal["platinum", "gold", "silver", "bronze"] = "silver"
     rollback_to: int | None = None
+    gate_required: bool = False
+    """No traffic before a passed gate or an override (`services.catalog.release`)."""
+    gate: GateSpec | None = None
+    """A regression set uploaded with the version: its gate is requested by the publish."""
 
 
 def precheck_publish(state: CatalogState, request: PublishRequest,
@@ -127,9 +132,15 @@ def publish_version(state: CatalogState, request: PublishRequest, facts: Artifac
                     idempotency_key: str | None = None) -> Decision:
     base = precheck_publish(state, request, expected)
     adapter = state.adapters.get(request.adapter_id)
+    number = (adapter.latest_version if adapter else 0) + 1
+    gate = None
+    if request.gate is not None:
+        gate = gate_request(state, request.gate, base.digest,
+                            gate_baseline(adapter, number) if adapter else None,
+                            datetime.now(UTC))
     payload = AdapterVersionPublished(
         adapter_id=request.adapter_id,
-        version=(adapter.latest_version if adapter else 0) + 1,
+        version=number,
         label=request.label,
         base_model=base.name,
         base_model_digest=base.digest,
@@ -144,6 +155,8 @@ def publish_version(state: CatalogState, request: PublishRequest, facts: Artifac
         owner=request.owner,
         rollback_to=request.rollback_to,
         idempotency_key=idempotency_key,
+        gate_required=request.gate_required or gate is not None,
+        quality_gate=gate,
     )
     return Decision(payload, adapter_stream(request.adapter_id),
                     (adapter.seq if adapter else 0) + 1, request.tenant)
@@ -164,6 +177,9 @@ def switch_active(state: CatalogState, adapter_id: str, to_version: int,
         raise Refusal("conflict", f"version {to_version} is disabled; enable it first")
     if adapter.active_version == to_version:
         raise Refusal("conflict", f"version {to_version} is already active")
+    refused = release_refusal(adapter, to_version, target)
+    if refused:
+        raise Refusal("conflict", refused)
     return _adapter_decision(adapter, AdapterVersionSwitched(
         adapter_id=adapter_id, from_version=adapter.active_version, to_version=to_version,
         idempotency_key=idempotency_key))
@@ -236,6 +252,9 @@ def set_split(state: CatalogState, alias: str, split: Iterable[SplitEntry],
             raise Refusal("invalid", f"{entry.adapter_id} version {entry.version} does not exist")
         if version.disabled and entry.weight > 0:
             raise Refusal("conflict", f"{entry.adapter_id} version {entry.version} is disabled")
+        refused = release_refusal(adapter, entry.version, version) if entry.weight else None
+        if refused:
+            raise Refusal("conflict", refused)
         if adapter.tenant is not None:
             tenants.add(adapter.tenant.key)
             tenant = adapter.tenant
@@ -243,6 +262,10 @@ def set_split(state: CatalogState, alias: str, split: Iterable[SplitEntry],
         raise Refusal("invalid", f"a split may not span tenants ({sorted(tenants)})")
     if current is not None and current.tenant is not None and tenant != current.tenant:
         raise Refusal("conflict", f"alias {alias!r} belongs to tenant {current.tenant.key}")
+    rollout = state.rollouts.get(alias)
+    if rollout is not None and rollout.status in ("running", "halted"):
+        raise Refusal("conflict", f"alias {alias!r} is in canary rollout {rollout.rollout_id} "
+                                  f"({rollout.status} at {rollout.weight}%): roll it back first")
     payload = TrafficSplitChanged(alias=alias, split=list(entries),
                                   previous=list(current.split) if current else [],
                                   idempotency_key=idempotency_key)

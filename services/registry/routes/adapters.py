@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import IO, Annotated, Literal
 
 from fastapi import APIRouter, File, Form, Path, Query, Response, UploadFile
@@ -30,6 +31,7 @@ from services.registry.domain import (
     switch_active,
 )
 from services.registry.node import Committed
+from services.registry.routes.release import gate_spec, read_regression_set
 from services.registry.validation import (
     UnpackedAdapter,
     UploadRejected,
@@ -107,13 +109,20 @@ def publish(
         description="adapter_model.safetensors")] = None,
     archive: Annotated[UploadFile | None, File(
         description="a .tar.gz of the adapter directory, instead of the two files")] = None,
+    regression_set: Annotated[UploadFile | None, File(
+        description="JSONL regression set: the version gets traffic only once it passes "
+                    "(services/release/regression.py)")] = None,
 ) -> VersionView:
     """Validate a PEFT LoRA adapter, store it by digest, emit AdapterVersionPublished."""
     tenant = TenantRef(org=org, team=team, project=project)
     ensure_write_scope(principal, tenant)
+    settings = node.settings
+    checked_set = (read_regression_set(regression_set, settings)
+                   if regression_set is not None else None)
     request = PublishRequest(adapter_id=adapter_id, tenant=tenant, owner=owner,
                              base_model=base_model, label=label, qos_tier=qos_tier,
-                             rollback_to=rollback_to)
+                             rollback_to=rollback_to,
+                             gate_required=settings.release_ungated == "block")
     expect = (AdapterVersionPublished.event_type(), adapter_stream(adapter_id))
     with node.state_lock:
         prior = node.state.prior_answer(principal.actor, key, *expect)
@@ -124,7 +133,6 @@ def publish(
         answer_headers(response, Committed(prior.envelope, prior.position, replayed=True))
         return published_view(prior.envelope, prior.position)
 
-    settings = node.settings
     try:
         files = _adapter_files(adapter_config, adapter_model, archive, settings.max_upload_bytes)
         writer = blobs.writer()
@@ -139,6 +147,8 @@ def publish(
         node.metrics.uploads_rejected.labels(str(exc.status)).inc()
         raise
     blobs.put(files.config)
+    if checked_set is not None:
+        request = replace(request, gate=gate_spec(*checked_set, blobs, settings))
     node.metrics.upload_bytes.inc(facts.size_bytes)
     committed = node.execute(
         "publish", lambda s: publish_version(s, request, facts, expected, key),
