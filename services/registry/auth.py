@@ -5,7 +5,8 @@ own org/team/project; a `*` segment matches any), reader (reads), worker (blob f
 only), inference (generate through the router for its own org/team/project, nothing in the
 registry), canary (the canary controller: rollout steps on any alias, each re-judged from
 the figures it sends; nothing else). An inference token may carry the tenant's
-`qos_tier` (the router's limits and scheduling tier). An unknown or missing token is 401; a known token without the right is 403.
+`qos_tier` (the router's limits and scheduling tier). An unknown or missing token is 401;
+a known token without the right is 403.
 """
 
 from __future__ import annotations

@@ -1,0 +1,177 @@
+"""A quality-gate run on a worker's engine: the base model, the previous stable version and
+the new one, greedy, over every case of the regression set.
+
+`GateRun` turns a gate request into engine requests and their results into the
+`QualityGateCompleted` event; it does not step the engine, so the worker's engine loop can
+submit the requests among its serving traffic (at the lowest QoS tier, under the
+adapter's tenant key, so gate prompts share KV with nobody else) and hand the results back
+when they finish. `run_gate` is the whole run on an engine the caller owns (tests,
+benches, a worker between steps). `gates_to_run` is what a worker reads off its fold of
+the log: the pending gates assigned to it that it has not answered.
+
+A run that cannot finish (adapter bytes that do not match the published digests, an
+engine error) still answers, with `error` set: the gate is FAILED, never left hanging.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from services.catalog.state import CatalogState, GateState
+from services.contracts.events import GateCaseResult, QualityGateCompleted
+from services.release.gate import gate_output
+from services.release.regression import (
+    CaseOutput,
+    CaseRole,
+    RegressionSet,
+    case_passed,
+    evaluate,
+    parse_regression_set,
+)
+from services.worker.engine import (
+    AdapterDigest,
+    AdapterFiles,
+    Engine,
+    EngineError,
+    GenerationRequest,
+    GenerationResult,
+    QosTier,
+    SamplingParams,
+)
+
+
+@dataclass(frozen=True)
+class GateJob:
+    """Everything a run needs, resolved from the log and the blob store."""
+
+    gate_id: str
+    worker_id: str
+    adapter_id: str
+    version: int
+    baseline_version: int | None
+    tenant_key: str
+    regression_set: RegressionSet
+    new: AdapterDigest
+    previous: AdapterDigest | None
+
+    @property
+    def roles(self) -> list[tuple[CaseRole, int | None, AdapterDigest | None]]:
+        roles: list[tuple[CaseRole, int | None, AdapterDigest | None]] = [
+            ("base", None, None)]
+        if self.previous is not None:
+            roles.append(("previous", self.baseline_version, self.previous))
+        roles.append(("new", self.version, self.new))
+        return roles
+
+
+def gates_to_run(state: CatalogState, worker_id: str) -> list[GateState]:
+    """Pending gates assigned to this worker that it has not answered yet."""
+    found = []
+    for gate_id in state.gates:
+        gate = state.gate(gate_id)
+        if (gate is not None and gate.status == "pending"
+                and gate.request.worker_id == worker_id
+                and not any(r.worker_id == worker_id for _, r in gate.results)):
+            found.append(gate)
+    return found
+
+
+def job_for(state: CatalogState, gate: GateState, worker_id: str,
+            fetch: Callable[[str], bytes]) -> GateJob:
+    """The job of a gate, its regression set fetched (by digest) and parsed."""
+    adapter_id, number = state.gates[gate.gate_id]
+    adapter = state.adapters[adapter_id]
+    published = adapter.versions[number].published
+    baseline = gate.request.baseline_version
+    previous = None
+    if baseline is not None:
+        p = adapter.versions[baseline].published
+        previous = AdapterDigest(p.sha256, p.config_sha256)
+    data = fetch(gate.request.regression_set_sha256)
+    return GateJob(gate.gate_id, worker_id, adapter_id, number, baseline,
+                   adapter.tenant.key if adapter.tenant else "default",
+                   parse_regression_set(data, max_cases=max(gate.request.cases, 1)),
+                   AdapterDigest(published.sha256, published.config_sha256), previous)
+
+
+class GateRun:
+    """The engine requests of one gate run, and its result event from their outputs."""
+
+    def __init__(self, job: GateJob, base_digest: str) -> None:
+        self.job = job
+        self.base_digest = base_digest
+        self.started = time.perf_counter()
+
+    def request_id(self, index: int, role: str) -> str:
+        return f"gate-{self.job.gate_id}-{index}-{role}"
+
+    def requests(self) -> list[GenerationRequest]:
+        out = []
+        for index, numbered in enumerate(self.job.regression_set.cases):
+            case = numbered.case
+            for role, _, digest in self.job.roles:
+                out.append(GenerationRequest(
+                    prompt_token_ids=list(case.prompt_token_ids)
+                    if case.prompt_token_ids is not None else None,
+                    prompt=case.prompt,
+                    sampling=SamplingParams(max_tokens=case.max_tokens, temperature=0.0),
+                    adapter_digest=digest, tenant_key=self.job.tenant_key,
+                    qos_tier=QosTier.BRONZE, request_id=self.request_id(index, role)))
+        return out
+
+    def _event(self, cases: list[GateCaseResult], passed: bool,
+               error: str | None) -> QualityGateCompleted:
+        job = self.job
+        return QualityGateCompleted(
+            worker_id=job.worker_id, gate_id=job.gate_id, adapter_id=job.adapter_id,
+            version=job.version, baseline_version=job.baseline_version,
+            base_model_digest=self.base_digest,
+            regression_set_sha256=job.regression_set.sha256, adapter_sha256=job.new.sha256,
+            passed=passed, error=error[:4096] if error else None, cases=cases,
+            duration_ms=(time.perf_counter() - self.started) * 1000.0)
+
+    def failed(self, error: str) -> QualityGateCompleted:
+        return self._event([], False, error)
+
+    def result(self, results: Mapping[str, GenerationResult]) -> QualityGateCompleted:
+        cases = []
+        for index, numbered in enumerate(self.job.regression_set.cases):
+            outputs: dict[CaseRole, CaseOutput] = {}
+            shown = []
+            for role, version, _ in self.job.roles:
+                r = results[self.request_id(index, role)]
+                outputs[role] = CaseOutput(r.text, tuple(r.token_ids))
+                shown.append(gate_output(role, version, r.text, r.token_ids,
+                                         r.finish_reason.value))
+            checks = evaluate(numbered.case, outputs)
+            cases.append(GateCaseResult(
+                case_id=numbered.case_id, line=numbered.line,
+                prompt_sha256=numbered.case.prompt_sha256, outputs=shown, checks=checks,
+                passed=case_passed(checks)))
+        return self._event(cases, all(c.passed for c in cases), None)
+
+
+def run_gate(engine: Engine, job: GateJob,
+             files: Mapping[AdapterDigest, AdapterFiles]) -> QualityGateCompleted:
+    """The whole run on `engine`: load the two adapters (checked against their digests),
+    generate every case greedy, evaluate. Adapters it loaded are unloaded after."""
+    run = GateRun(job, engine.base_digest)
+    loaded_here = []
+    try:
+        for _, _, digest in job.roles:
+            if digest is None or engine.adapters.is_loaded(digest):
+                continue
+            source = files.get(digest)
+            if source is None:
+                return run.failed(f"adapter files for {digest.sha256[:12]} are missing")
+            engine.load_adapter(source, digest)
+            loaded_here.append(digest)
+        results = engine.generate(run.requests())
+        return run.result({r.request_id: r for r in results})
+    except EngineError as exc:
+        return run.failed(f"{type(exc).__name__}: {exc}")
+    finally:
+        for digest in loaded_here:
+            engine.unload_adapter(digest)
