@@ -465,7 +465,8 @@ class CatalogState:
             version = canary.versions.get(step.canary_version) if canary else None
             if version is not None:
                 version.canary_rollback = (at, f"canary rollout {step.rollout_id} rolled it "
-                                               f"back at {step.weight}%: {step.reason}")
+                                               f"back at {step.plan.stages[step.stage]}%: "
+                                               f"{step.reason}")
         elif step.action == "completed":
             rollout.status, rollout.status_reason = "completed", step.reason
 
