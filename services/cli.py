@@ -142,6 +142,19 @@ def serve_router() -> None:
     serve(_settings())
 
 
+@serve_app.command("canary")
+def serve_canary() -> None:
+    """The canary controller: advances or rolls back rollouts from the request traces."""
+    from services.release.canary_app import serve
+
+    settings = _settings()
+    if not settings.kafka_bootstrap or not settings.canary_token:
+        console.print("[red]set LORAPLANE_KAFKA_BOOTSTRAP and LORAPLANE_CANARY_TOKEN (a token "
+                      "of role canary)[/red]")
+        raise typer.Exit(2)
+    serve(settings)
+
+
 @app.command()
 def status() -> None:
     """Show what a running `loraplane up` started, and whether each part answers."""
