@@ -150,9 +150,11 @@ class GateWorker(Follower):
             self.done.add(job.gate_id)
 
     def close(self) -> None:
-        super().close()
-        self.stream.close()
-        self.blobs.close()
+        try:
+            super().close()
+        finally:
+            self.stream.close()
+            self.blobs.close()
 
 
 class Traffic(Follower):
@@ -202,8 +204,10 @@ class Traffic(Follower):
             self.stream.emit(RequestServed(worker_id=self.stream.worker_id, requests=batch))
 
     def close(self) -> None:
-        super().close()
-        self.stream.close()
+        try:
+            super().close()
+        finally:
+            self.stream.close()
 
 
 def wait_for(check: Callable[[], Any], timeout_s: float, what: str, every_s: float = 0.2) -> Any:

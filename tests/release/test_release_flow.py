@@ -104,6 +104,8 @@ class Stack:
     def gate_worker(self, **kwargs: Any) -> GateWorker:
         worker = GateWorker(self.settings, self.engine, self.registry.url, **kwargs).start()
         self.closers.append(worker.close)
+        wait_for(lambda: worker.worker_id in self.registry.node.state.heartbeats, 30,
+                 "the registry to see the gate worker")
         return worker
 
     def publish(self, name: str, label: str, regression_set: bytes | None = None,
