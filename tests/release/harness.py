@@ -8,8 +8,8 @@
 - `Traffic` produces request traces as workers do: it folds the log, resolves each
   request with the serving rule (`resolve_reference`, sticky per user, so the split the
   registry wrote decides who gets which version) and writes `RequestServed` batches.
-  Errors are injected per version: exactly `round(rate * 100)` of every 100 requests a
-  version serves end with status `error` (deterministic, so stage verdicts are).
+  Errors are injected per version: a fraction `rate` of the requests a version serves end
+  with status `error`, spread evenly (deterministic, so stage verdicts are).
 """
 
 from __future__ import annotations
@@ -191,7 +191,8 @@ class Traffic(Follower):
                     continue
                 n = self.served.get(choice.version, 0)
                 self.served[choice.version] = n + 1
-                failed = n % 100 < round(self.errors.get(choice.version, 0.0) * 100)
+                rate = self.errors.get(choice.version, 0.0)
+                failed = int((n + 1) * rate) > int(n * rate)  # evenly spread
                 latency = self.latency_ms.get(choice.version, 40.0)
                 batch.append(ServedRequest(
                     request_id=uuid.uuid4().hex, trace_id=uuid.uuid4().hex, tenant=TENANT,

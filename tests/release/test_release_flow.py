@@ -276,7 +276,7 @@ def test_an_error_spike_is_rolled_back_at_its_stage_and_the_view_shows_why(
                     "the automatic rollback")
     assert done["weight"] == 5 and done["stage"] == 0
     assert done["split"] == [{"adapter_id": "bot", "version": 1, "weight": 100}]
-    assert "error rate 30.0%" in done["status_reason"]
+    assert "> 1.5 x baseline" in done["status_reason"], done
     served_after = dict(traffic.served)
     wait_for(lambda: sum(traffic.served.values()) > sum(served_after.values()) + 100, 30,
              "more traffic")
