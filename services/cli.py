@@ -18,6 +18,8 @@ serve_app = typer.Typer(help="Run one loraplane process in the foreground.",
                         no_args_is_help=True)
 app.add_typer(serve_app, name="serve")
 app.add_typer(audit_app, name="audit")
+gate_app = typer.Typer(help="Quality gates of adapter versions.", no_args_is_help=True)
+app.add_typer(gate_app, name="gate")
 console = Console()
 
 
@@ -153,6 +155,50 @@ def serve_canary() -> None:
                       "of role canary)[/red]")
         raise typer.Exit(2)
     serve(settings)
+
+
+def _api_token(settings: Settings) -> str | None:
+    """LORAPLANE_API_TOKEN, else the admin token a local `loraplane up` wrote."""
+    if settings.api_token:
+        return settings.api_token
+    written = settings.state_dir / "admin.token"
+    return written.read_text().strip() if written.exists() else None
+
+
+@gate_app.command("report")
+def gate_report(
+    adapter: str = typer.Argument(..., help="Adapter id"),
+    version: int = typer.Argument(..., help="Version number"),
+    as_json: bool = typer.Option(False, "--json", help="Print the registry's answer as JSON"),
+) -> None:
+    """Base / previous / new outputs side by side with each check's verdict.
+
+    Exit 0 when the version may get traffic, 1 when it may not, 2 on errors.
+    """
+    import json
+
+    import httpx
+
+    from services.release.report import gate_report as render
+
+    settings = _settings()
+    token = _api_token(settings)
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        response = httpx.get(f"{settings.registry_base_url}/v1/adapters/{adapter}/versions/"
+                             f"{version}/gate", headers=headers, timeout=30)
+    except httpx.HTTPError as exc:
+        console.print(f"[red]registry at {settings.registry_base_url} unreachable: {exc}[/red]")
+        raise typer.Exit(2) from None
+    if response.status_code != 200:
+        console.print(f"[red]{response.status_code}: {response.text}[/red]")
+        raise typer.Exit(2)
+    gate = response.json()
+    if as_json:
+        typer.echo(json.dumps(gate, indent=2))
+    else:
+        console.print(render(gate))
+    raise typer.Exit(0 if gate["may_get_traffic"] else 1)
 
 
 @app.command()

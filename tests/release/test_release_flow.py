@@ -15,9 +15,11 @@ from typing import Any
 import httpx
 import pytest
 from sqlalchemy import text
+from typer.testing import CliRunner
 
 from services.audit.db import make_engine
 from services.audit.projector import AuditProjector
+from services.cli import app
 from services.config import Settings
 from services.release.canary_app import CanaryController
 from services.worker.engine import Engine
@@ -219,6 +221,18 @@ def test_a_version_that_breaks_a_json_schema_check_gets_no_traffic(stack: Stack)
         response = stack.publisher.request(method, path, json=body)
         assert response.status_code == 409, response.text
         assert response.json()["detail"].startswith(expected), response.text
+
+    # the report: outputs side by side, each check's verdict, exit 1 (no traffic)
+    env = {"LORAPLANE_REGISTRY_URL": stack.registry.url, "LORAPLANE_API_TOKEN": "reader-token",
+           "COLUMNS": "160"}
+    report = CliRunner().invoke(app, ["gate", "report", "bot", "2"], env=env)
+    assert report.exit_code == 1, report.output
+    bad_label = gate["results"][0]["outputs"][2]["text"]
+    for shown in ("quality gate of bot@2: FAILED", "previous v1", "new v2", "FAIL", "json_schema",
+                  f"│ {bad_label} ", "[1 tok, length]", "traffic: refused: bot@2: quality gate"):
+        assert shown in report.output, report.output
+    report = CliRunner().invoke(app, ["gate", "report", "bot", "1", "--json"], env=env)
+    assert report.exit_code == 0 and json.loads(report.output)["status"] == "passed"
 
     # an override is an admin's, needs a reason, and is an event
     override = "/v1/adapters/bot/versions/2/override"
