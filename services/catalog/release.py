@@ -8,8 +8,8 @@ a split written before the rule existed still never serves it.
 A version may get traffic unless one of these holds (checked in this order):
 1. a canary rollout rolled it back, and no admin override came after that rollback;
 2. it requires a quality gate (`AdapterVersionPublished.gate_required`, decided by the
-   registry at publish) and no admin override came after its latest gate request, and
-   that gate is missing, pending, failed or expired. A gate that could not complete (no
+   registry at publish, or a gate requested for it later) and no admin override came
+   after its latest gate request, and that gate is missing, pending, failed or expired. A gate that could not complete (no
    worker, timeout, a worker that stopped) is expired: FAILED, never passed.
 
 Only event timestamps are compared, so every reader of the same log agrees whatever order
@@ -36,9 +36,9 @@ def release_refusal(adapter: Adapter, number: int, version: AdapterVersion) -> s
         rolled_at, why = version.canary_rollback
         if override_at is None or override_at < rolled_at:
             return f"{name}: {why}"
-    if not version.published.gate_required:
-        return None
     gate = version.gate
+    if not version.published.gate_required and gate is None:
+        return None
     if override_at is not None and (gate is None or override_at > gate.requested_at):
         return None
     if gate is None:

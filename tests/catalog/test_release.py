@@ -160,6 +160,15 @@ def test_override_lifts_a_failure_until_the_next_gate_request() -> None:
     assert "quality gate g2 is pending" in (refusal(state) or "")
 
 
+def test_a_gate_requested_later_gates_a_version_published_ungated() -> None:
+    state = CatalogState()
+    state.apply(event(published(1, required=False), at(0)))
+    assert refusal(state, 1) is None
+    state.apply(event(QualityGateRequested(adapter_id="bot", version=1,
+                                           gate=request(baseline=None)), at(1)))
+    assert "quality gate g1 is pending" in (refusal(state, 1) or "")
+
+
 def test_gate_required_without_a_gate() -> None:
     state = CatalogState()
     state.apply(event(published(1), at(0)))
