@@ -150,6 +150,11 @@ def _adapter_lifecycle(client: httpx.Client) -> None:
         console.print(f"published v{body['version']}: rank {body['rank']}, "
                       f"sha256 {body['sha256'][:16]}…, {body['size_bytes']} bytes")
     for version in (1, 2):
+        # No worker runs in the demo, so no regression set can run: without an override the
+        # registry refuses traffic to a version with no passed gate (LORAPLANE_RELEASE_UNGATED).
+        _check(client.post(f"/v1/adapters/acme-support/versions/{version}/override",
+                           json={"reason": "demo: no worker here to run a regression set"}))
+        console.print(f"v{version} has no quality gate: admin override (ReleaseOverridden)")
         _check(client.put("/v1/adapters/acme-support/active", json={"version": version}))
         console.print(f"switched acme-support to v{version}")
     body = _check(client.post("/v1/adapters/acme-support/rollback",

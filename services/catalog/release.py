@@ -9,8 +9,9 @@ A version may get traffic unless one of these holds (checked in this order):
 1. a canary rollout rolled it back, and no admin override came after that rollback;
 2. it requires a quality gate (`AdapterVersionPublished.gate_required`, decided by the
    registry at publish, or a gate requested for it later) and no admin override came
-   after its latest gate request, and that gate is missing, pending, failed or expired. A gate that could not complete (no
-   worker, timeout, a worker that stopped) is expired: FAILED, never passed.
+   after its latest gate request, and that gate is missing, pending, failed or expired.
+   A gate that could not complete (no worker, timeout, a worker that stopped) is
+   expired: FAILED, never passed.
 
 Only event timestamps are compared, so every reader of the same log agrees whatever order
 it read the two topics in. Versions published before gates existed have

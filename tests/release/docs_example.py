@@ -11,6 +11,7 @@ controller, and the audit projector.
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import tempfile
@@ -112,7 +113,7 @@ def run(settings: Settings, registry: RunningRegistry, numbers: Any, engine: Any
                                  .json())["status"] != "pending" and g, 60, "gate")
 
     def report(gate: dict[str, Any], name: str) -> None:
-        console = Console(record=True, width=132, force_terminal=False, color_system=None)
+        console = Console(file=io.StringIO(), record=True, width=140, color_system=None)
         console.print(gate_report(gate))
         show(f"$ loraplane gate report bot {gate['version']}   # {name}",
              console.export_text())
@@ -139,7 +140,7 @@ def run(settings: Settings, registry: RunningRegistry, numbers: Any, engine: Any
     show("$ curl -X POST …/v1/aliases/bot-prod/rollout -d '" + json.dumps(body) + "'",
          json.dumps({k: response.json()[k] for k in ("rollout_id", "stage", "weight", "status",
                                                      "split")}))
-    traffic = Traffic(settings, "bot-prod", rate_per_s=150, errors={1: 0.02, 2: 0.02, 4: 0.3})
+    traffic = Traffic(settings, "bot-prod", rate_per_s=400, errors={1: 0.02, 2: 0.02, 4: 0.3})
     traffic.start()
     closers.append(traffic.close)
     wait_for(lambda: pub.get("/v1/aliases/bot-prod/rollout").json()["status"] == "completed",

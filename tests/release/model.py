@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.worker.engine import AdapterDigest, AdapterFiles, Engine, GenerationRequest
+from services.worker.engine import AdapterFiles, Engine, GenerationRequest
 from services.worker.engine import SamplingParams as Sampling
 from tests.registry.artifacts import build_adapter
 from tests.worker.engine.tiny_llama import VOCAB, build_model
@@ -35,10 +35,6 @@ class NumberModel:
 
     def engine(self) -> Engine:
         return Engine.from_pretrained(self.path)
-
-
-def digest_of(files: AdapterFiles) -> AdapterDigest:
-    return files.digest()
 
 
 def build_number_model(root: Path) -> NumberModel:

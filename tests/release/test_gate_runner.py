@@ -4,24 +4,12 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from services.contracts.events import GateRequest
 from services.release.gate import result_failures
 from services.release.gate_runner import GateJob, GateRun, run_gate
 from services.release.regression import parse_regression_set
 from services.worker.engine import AdapterFiles, Engine
-from tests.release.model import PROMPT, NumberModel, build_number_model, first_tokens
-
-
-@pytest.fixture(scope="module")
-def numbers(tmp_path_factory: pytest.TempPathFactory) -> NumberModel:
-    return build_number_model(tmp_path_factory.mktemp("numbers"))
-
-
-@pytest.fixture(scope="module")
-def engine(numbers: NumberModel) -> Engine:
-    return numbers.engine()
+from tests.release.model import PROMPT, NumberModel, first_tokens
 
 
 def label_set(engine: Engine, numbers: NumberModel) -> bytes:

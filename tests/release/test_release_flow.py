@@ -33,23 +33,13 @@ from tests.release.harness import (
     controller_process,
     wait_for,
 )
-from tests.release.model import PROMPT, NumberModel, build_number_model, first_tokens
+from tests.release.model import PROMPT, NumberModel, first_tokens
 
 pytestmark = pytest.mark.slow
 
 ALIAS = "bot-prod"
 FAST_PLAN = {"stages": [5, 25, 50, 100], "min_stage_s": 1.5, "window_s": 1.5,
              "min_requests": 10, "max_p95_ms": 2000}
-
-
-@pytest.fixture(scope="module")
-def numbers(tmp_path_factory: pytest.TempPathFactory) -> NumberModel:
-    return build_number_model(tmp_path_factory.mktemp("numbers"))
-
-
-@pytest.fixture(scope="module")
-def engine(numbers: NumberModel) -> Engine:
-    return numbers.engine()
 
 
 @pytest.fixture
