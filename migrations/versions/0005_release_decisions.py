@@ -85,8 +85,8 @@ SELECT
     coalesce(d.step->>'rollout_id', d.payload->>'rollout_id') AS rollout_id,
     coalesce((d.step->>'stage')::int, (d.payload->>'stage')::int) AS stage,
     (d.step->>'weight')::int AS weight,
-    coalesce(nullif(d.step->>'reason', ''), d.payload->>'reason', d.payload->>'error')
-        AS reason,
+    coalesce(nullif(d.step->>'reason', ''), d.payload->>'reason', d.payload->>'error',
+             'failed cases: ' || array_to_string(g.failed_case_ids, ', ')) AS reason,
     coalesce(d.step->'judgement', d.payload->'judgement') AS judgement,
     (coalesce(d.step, d.payload)->'judgement'->>'window_start')::timestamptz AS window_start,
     (coalesce(d.step, d.payload)->'judgement'->>'window_end')::timestamptz AS window_end,
