@@ -36,7 +36,8 @@ from tests.registry.conftest import TENANT, RunningRegistry, registry_settings
 from tests.release.harness import CANARY_TOKEN, GateWorker, Traffic, auth_setting, wait_for
 from tests.release.model import PROMPT, build_number_model, first_tokens
 
-PLAN = {"stages": [5, 25, 50, 100], "min_stage_s": 3, "min_requests": 20, "max_p95_ms": 800}
+PLAN = {"stages": [5, 25, 50, 100], "min_stage_s": 4, "min_requests": 50,
+        "error_rate_floor": 0.05, "max_p95_ms": 800}
 
 
 def show(title: str, body: str) -> None:
