@@ -7,7 +7,9 @@ submit the requests among its serving traffic (at the lowest QoS tier, under the
 adapter's tenant key, so gate prompts share KV with nobody else) and hand the results back
 when they finish. `run_gate` is the whole run on an engine the caller owns (tests,
 benches, a worker between steps). `gates_to_run` is what a worker reads off its fold of
-the log: the pending gates assigned to it that it has not answered.
+the log: the pending gates assigned to it that it has not answered. `GateDuty` is all of
+it for a worker: which gates are due, fetching the set and the adapter files by digest,
+running, emitting the result once.
 
 A run that cannot finish (adapter bytes that do not match the published digests, an
 engine error) still answers, with `error` set: the gate is FAILED, never left hanging.
@@ -15,6 +17,7 @@ engine error) still answers, with `error` set: the gate is FAILED, never left ha
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -175,3 +178,85 @@ def run_gate(engine: Engine, job: GateJob,
     finally:
         for digest in loaded_here:
             engine.unload_adapter(digest)
+
+
+log = logging.getLogger("loraplane.release.gates")
+
+
+class BlobMissing(Exception):
+    """A blob the registry does not have (or no longer matches its digest): the gate fails.
+    Any other fetch error is transient and the gate is tried again later."""
+
+
+@dataclass(frozen=True)
+class DueGate:
+    """A gate this worker must answer: its job, or why none can be built (a failed gate)."""
+
+    gate: GateState
+    adapter_id: str
+    version: int
+    job: GateJob | None
+    error: str | None = None
+
+
+class GateDuty:
+    """A worker's part in quality gates: run each gate assigned to it once, emit the result.
+
+    `fetch(digest)` returns a blob's bytes (raising `BlobMissing` for one that cannot
+    exist, anything else for a transient failure); `emit` writes the result on the
+    worker's stream. `due` reads the fold (call it under the fold's lock); `run` does the
+    work (outside it: it fetches and generates).
+    """
+
+    def __init__(self, engine: Engine, worker_id: str, fetch: Callable[[str], bytes],
+                 emit: Callable[[QualityGateCompleted], None]) -> None:
+        self.engine = engine
+        self.worker_id = worker_id
+        self.fetch = fetch
+        self.emit = emit
+        self.done: set[str] = set()
+
+    def due(self, state: CatalogState) -> list[DueGate]:
+        out = []
+        for gate in gates_to_run(state, self.worker_id):
+            if gate.gate_id in self.done:
+                continue
+            adapter_id, version = state.gates[gate.gate_id]
+            try:
+                job = job_for(state, gate, self.worker_id, self.fetch)
+            except BlobMissing as exc:
+                out.append(DueGate(gate, adapter_id, version, None,
+                                   f"regression set unavailable: {exc}"))
+            except ValueError as exc:  # the stored set no longer parses
+                out.append(DueGate(gate, adapter_id, version, None,
+                                   f"regression set refused: {exc}"))
+            else:
+                out.append(DueGate(gate, adapter_id, version, job))
+        return out
+
+    def run(self, due: DueGate) -> QualityGateCompleted | None:
+        """Run (or fail) one due gate and emit its result; None if it is to be retried."""
+        job = due.job
+        if job is None:
+            request = due.gate.request
+            result = QualityGateCompleted(
+                worker_id=self.worker_id, gate_id=due.gate.gate_id, adapter_id=due.adapter_id,
+                version=due.version, baseline_version=request.baseline_version,
+                base_model_digest=self.engine.base_digest,
+                regression_set_sha256=request.regression_set_sha256, adapter_sha256="0" * 64,
+                passed=False, error=(due.error or "cannot run")[:4096])
+        else:
+            try:
+                files = {d: AdapterFiles(self.fetch(d.config_sha256), self.fetch(d.sha256))
+                         for _, _, d in job.roles if d is not None}
+            except BlobMissing as exc:
+                result = GateRun(job, self.engine.base_digest).failed(
+                    f"adapter files unavailable: {exc}")
+            except Exception as exc:  # the registry is away: try again later
+                log.warning("gate %s: cannot fetch adapter files yet: %s", job.gate_id, exc)
+                return None
+            else:
+                result = run_gate(self.engine, job, files)
+        self.emit(result)
+        self.done.add(due.gate.gate_id)
+        return result

@@ -1,8 +1,8 @@
 """Real services for release tests: registry, a gate-running worker, traffic, controller.
 
-- `GateWorker` is the gate part of a worker as the worker process runs it: it heartbeats
-  on its base model's digest, folds the log, runs the gates assigned to it through the
-  real engine (`services.release.gate_runner`) with adapter files and the regression set
+- `GateWorker` is the gate part of a worker: it heartbeats on its base model's digest,
+  folds the log and hands it to `services.release.gate_runner.GateDuty`, which runs the
+  gates assigned to it through the real engine with the regression set and adapter files
   fetched from the registry's blob store by digest, and writes `QualityGateCompleted` on
   worker-events.
 - `Traffic` produces request traces as workers do: it folds the log, resolves each
@@ -41,8 +41,8 @@ from services.contracts.events import (
 )
 from services.eventlog import EventConsumer, EventProducer
 from services.registry.auth import token_hash
-from services.release.gate_runner import gates_to_run, job_for, run_gate
-from services.worker.engine import AdapterFiles, Engine
+from services.release.gate_runner import BlobMissing, GateDuty
+from services.worker.engine import Engine
 from tests.registry.conftest import TOKENS
 
 TENANT = TenantRef(org="acme", team="search", project="prod")
@@ -121,12 +121,14 @@ class GateWorker(Follower):
         self.blobs = httpx.Client(base_url=registry_url, timeout=30,
                                   headers={"Authorization": f"Bearer {TOKENS['worker'][0]}"})
         self.stream = WorkerStream(settings, worker_id)
-        self.done: set[str] = set()
+        self.duty = GateDuty(engine, worker_id, self.fetch, self.stream.emit)
         self.beating = True
         self._last_beat = 0.0
 
     def fetch(self, digest: str) -> bytes:
         response = self.blobs.get(f"/v1/blobs/sha256/{digest}")
+        if response.status_code == 404:
+            raise BlobMissing(digest)
         response.raise_for_status()
         return response.content
 
@@ -137,17 +139,9 @@ class GateWorker(Follower):
                                              base_model="numbers",
                                              base_model_digest=self.engine.base_digest))
         with self.lock:
-            todo = [g for g in gates_to_run(self.state, self.worker_id)
-                    if g.gate_id not in self.done]
-            jobs = [job_for(self.state, g, self.worker_id, self.fetch) for g in todo]
-        for job in jobs:
-            files = {}
-            for digest in (job.new, job.previous):
-                if digest is not None:
-                    files[digest] = AdapterFiles(self.fetch(digest.config_sha256),
-                                                 self.fetch(digest.sha256))
-            self.stream.emit(run_gate(self.engine, job, files))
-            self.done.add(job.gate_id)
+            due = self.duty.due(self.state)
+        for gate in due:
+            self.duty.run(gate)
 
     def close(self) -> None:
         try:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 
-from services.contracts.events import GateRequest
+from services.catalog.state import CatalogState
+from services.contracts.events import GateRequest, QualityGateCompleted
 from services.release.gate import result_failures
-from services.release.gate_runner import GateJob, GateRun, run_gate
+from services.release.gate_runner import BlobMissing, GateDuty, GateJob, GateRun, run_gate
 from services.release.regression import parse_regression_set
 from services.worker.engine import AdapterFiles, Engine
 from tests.release.model import PROMPT, NumberModel, first_tokens
@@ -108,3 +110,56 @@ def test_a_run_that_cannot_finish_is_a_failure_not_a_pass(numbers: NumberModel) 
     assert len(run.requests()) == 2
     result = run.failed("RequestError: text prompts need a tokenizer.json")
     assert not result.passed and result.cases == []
+
+
+def duty_state(numbers: NumberModel, engine: Engine, data: bytes) -> CatalogState:
+    """bot@1 published with a gate assigned to w1 (an adapter's first version)."""
+    from services.contracts.events import AdapterVersionPublished, Envelope
+    from services.release.regression import parse_regression_set as parse
+
+    files = numbers.adapters["good"]
+    request = GateRequest(gate_id="g1", regression_set_sha256=parse(data).sha256,
+                          cases=len(parse(data).cases), worker_id="w1", timeout_s=60)
+    published = AdapterVersionPublished(
+        adapter_id="bot", version=1, label="v1", base_model="numbers",
+        base_model_digest=engine.base_digest, sha256=files.digest().sha256,
+        config_sha256=files.digest().config_sha256, size_bytes=1, rank=4, lora_alpha=8,
+        target_modules=["q_proj"], dtype="float16", owner="o", gate_required=True,
+        quality_gate=request)
+    state = CatalogState()
+    state.apply(Envelope.new(published, stream="adapter/bot", seq=1, actor="publisher:p"))
+    return state
+
+
+def test_a_worker_duty_runs_each_gate_once_and_retries_only_transient_failures(
+        engine: Engine, numbers: NumberModel) -> None:
+    data = label_set(engine, numbers)
+    state = duty_state(numbers, engine, data)
+    files = numbers.adapters["good"]
+    blobs = {hashlib.sha256(data).hexdigest(): data, files.digest().sha256: files.weights,
+             files.digest().config_sha256: files.config_json}
+    emitted: list[QualityGateCompleted] = []
+    away = {"now": True}
+
+    def fetch(digest: str) -> bytes:
+        if away["now"] and digest == files.digest().sha256:
+            raise ConnectionError("registry unreachable")
+        if digest not in blobs:
+            raise BlobMissing(digest)
+        return blobs[digest]
+
+    duty = GateDuty(engine, "w1", fetch, emitted.append)
+    [due] = duty.due(state)
+    assert duty.run(due) is None and not emitted  # transient: retried later
+    away["now"] = False
+    [due] = duty.due(state)
+    result = duty.run(due)
+    assert result is not None and result.passed and emitted == [result]
+    assert duty.due(state) == []  # answered once
+    # a set the registry no longer has fails the gate instead of hanging it
+    missing = GateDuty(engine, "w1", lambda d: (_ for _ in ()).throw(BlobMissing(d)),
+                       emitted.append)
+    [due] = missing.due(state)
+    failed = missing.run(due)
+    assert failed is not None and not failed.passed
+    assert failed.error and failed.error.startswith("regression set unavailable")
