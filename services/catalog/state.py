@@ -137,6 +137,8 @@ class GateState:
     event_id: str
     results: list[tuple[datetime, QualityGateCompleted]] = field(default_factory=list)
     expiry: tuple[datetime, QualityGateExpired] | None = None
+    _judged: tuple[tuple[int, datetime | None], GateStatus, list[str]] | None = None
+    """The outcome for (results folded, expiry): judged once, read on every request."""
 
     @property
     def gate_id(self) -> str:
@@ -154,21 +156,29 @@ class GateState:
                     and (self.expiry is None or at < self.expiry[0])]
         return min(counting, key=lambda item: item[0]) if counting else None
 
+    def _outcome(self) -> tuple[GateStatus, list[str]]:
+        key = (len(self.results), self.expiry[0] if self.expiry else None)
+        if self._judged is None or self._judged[0] != key:
+            found = self.result
+            status: GateStatus
+            if found is not None:
+                failures = result_failures(found[1], self.request)
+                status = "failed" if failures else "passed"
+            elif self.expiry is not None:
+                status = "expired"
+                failures = [f"expired ({self.expiry[1].cause}): {self.expiry[1].reason}"]
+            else:
+                status, failures = "pending", []
+            self._judged = (key, status, failures)
+        return self._judged[1], self._judged[2]
+
     @property
     def failures(self) -> list[str]:
-        found = self.result
-        if found is not None:
-            return result_failures(found[1], self.request)
-        if self.expiry is not None:
-            return [f"expired ({self.expiry[1].cause}): {self.expiry[1].reason}"]
-        return []
+        return list(self._outcome()[1])
 
     @property
     def status(self) -> GateStatus:
-        found = self.result
-        if found is not None:
-            return "failed" if result_failures(found[1], self.request) else "passed"
-        return "expired" if self.expiry is not None else "pending"
+        return self._outcome()[0]
 
 
 @dataclass
