@@ -30,7 +30,20 @@ from services.release.gate import assign_worker
 
 
 def release_refusal(adapter: Adapter, number: int, version: AdapterVersion) -> str | None:
-    """Why this version may get no traffic now; None when it may."""
+    """Why this version may get no traffic now; None when it may.
+
+    The answer depends on folded events only (never on the clock), so it is worked out
+    once per change of the version's release state and read on every request after that.
+    """
+    cached = version.release_cache
+    if cached is not None and cached[0] == version.release_generation:
+        return cached[1]
+    answer = _refusal(adapter, number, version)
+    version.release_cache = (version.release_generation, answer)
+    return answer
+
+
+def _refusal(adapter: Adapter, number: int, version: AdapterVersion) -> str | None:
     name = f"{adapter.adapter_id}@{number}"
     override_at = version.override[0] if version.override else None
     if version.canary_rollback is not None:

@@ -200,6 +200,10 @@ class AdapterVersion:
     """The latest `ReleaseOverridden`: when, by whom, why."""
     canary_rollback: tuple[datetime, str] | None = None
     """The latest canary rollout that rolled this version back: when, why."""
+    release_generation: int = 0
+    """Bumped by every fold step that can change the release rule's answer."""
+    release_cache: tuple[int, str | None] | None = None
+    """(generation, answer) of `services.catalog.release.release_refusal`."""
 
 
 @dataclass
@@ -403,7 +407,12 @@ class CatalogState:
         gate = GateState(request, envelope.occurred_at, envelope.actor, str(envelope.event_id))
         gate.results.extend(self.orphan_results.pop(request.gate_id, []))
         version.gate = gate
+        version.release_generation += 1
         self.gates[request.gate_id] = (adapter_id, number)
+
+    def _gate_changed(self, gate_id: str) -> None:
+        adapter_id, number = self.gates[gate_id]
+        self.adapters[adapter_id].versions[number].release_generation += 1
 
     def gate(self, gate_id: str) -> GateState | None:
         """The gate run with this id, if it is still its version's latest."""
@@ -426,6 +435,7 @@ class CatalogState:
             gate = self.gate(p.gate_id)
             if gate is not None:
                 gate.results.append((at, p))
+                self._gate_changed(p.gate_id)
             elif p.gate_id not in self.gates:
                 self.orphan_results.setdefault(p.gate_id, []).append((at, p))
         elif isinstance(p, QualityGateExpired):
@@ -433,11 +443,13 @@ class CatalogState:
             gate = self.gate(p.gate_id)
             if gate is not None and (gate.expiry is None or at < gate.expiry[0]):
                 gate.expiry = (at, p)
+                self._gate_changed(p.gate_id)
         elif isinstance(p, ReleaseOverridden):
             adapter = self._adapter_for(p.adapter_id, envelope)
             version = adapter.versions.get(p.version)
             if version is not None:
                 version.override = (at, envelope.actor, p.reason)
+                version.release_generation += 1
         elif isinstance(p, RolloutHalted | RolloutResumed):
             alias = self.aliases.get(p.alias)
             if alias is not None:
@@ -477,6 +489,7 @@ class CatalogState:
                 version.canary_rollback = (at, f"canary rollout {step.rollout_id} rolled it "
                                                f"back at {step.plan.stages[step.stage]}%: "
                                                f"{step.reason}")
+                version.release_generation += 1
         elif step.action == "completed":
             rollout.status, rollout.status_reason = "completed", step.reason
 

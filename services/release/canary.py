@@ -29,7 +29,9 @@ import bisect
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
+
+import numpy as np
 
 from services.contracts.events import ArmFigures, Judgement, RolloutPlan, ServedRequest
 
@@ -129,22 +131,52 @@ def same_verdict(plan: RolloutPlan, stage: int, submitted: Judgement,
                  baseline_from_window=submitted.baseline_from_window)
 
 
+class _Arm:
+    """One version's samples as parallel lists ordered by start time (epoch seconds)."""
+
+    __slots__ = ("errors", "latencies", "times")
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.latencies: list[float] = []
+        self.errors: list[bool] = []
+
+    def add(self, sample: TraceSample) -> None:
+        at = sample.started_at.timestamp()
+        index = len(self.times)
+        if index and self.times[-1] > at:
+            index = bisect.bisect_right(self.times, at)
+        self.times.insert(index, at)
+        self.latencies.insert(index, sample.latency_ms)
+        self.errors.insert(index, sample.error)
+
+    def span(self, start: datetime, end: datetime) -> tuple[int, int]:
+        return (bisect.bisect_left(self.times, start.timestamp()),
+                bisect.bisect_left(self.times, end.timestamp()))
+
+    def drop_before(self, cutoff: datetime) -> None:
+        cut = bisect.bisect_left(self.times, cutoff.timestamp())
+        if cut:
+            del self.times[:cut], self.latencies[:cut], self.errors[:cut]
+
+
 @dataclass
 class TraceBook:
-    """Recent trace samples per adapter version, ordered by start time, bounded in age."""
+    """Recent trace samples per adapter version, ordered by start time, bounded in age.
+
+    Figures over a window are computed with numpy on the window's slice (a count and a
+    partition, no sort), so a controller judging hundreds of rollouts with thousands of
+    traces each stays cheap.
+    """
 
     retention: timedelta
-    _samples: dict[tuple[str, int], list[TraceSample]] = field(default_factory=dict)
-    _newest: datetime | None = None
+    _arms: dict[tuple[str, int], _Arm] = field(default_factory=dict)
 
     def add(self, adapter_id: str, version: int, sample: TraceSample) -> None:
-        samples = self._samples.setdefault((adapter_id, version), [])
-        if not samples or samples[-1].started_at <= sample.started_at:
-            samples.append(sample)
-        else:
-            bisect.insort(samples, sample, key=lambda s: s.started_at)
-        if self._newest is None or sample.started_at > self._newest:
-            self._newest = sample.started_at
+        arm = self._arms.get((adapter_id, version))
+        if arm is None:
+            arm = self._arms[(adapter_id, version)] = _Arm()
+        arm.add(sample)
 
     def add_request(self, request: ServedRequest) -> None:
         if request.adapter_id is None or request.version is None:
@@ -155,19 +187,36 @@ class TraceBook:
 
     def window(self, adapter_id: str, version: int, start: datetime,
                end: datetime) -> list[TraceSample]:
-        samples = self._samples.get((adapter_id, version), [])
-        low = bisect.bisect_left(samples, start, key=lambda s: s.started_at)
-        high = bisect.bisect_left(samples, end, key=lambda s: s.started_at)
-        return samples[low:high]
+        arm = self._arms.get((adapter_id, version))
+        if arm is None:
+            return []
+        low, high = arm.span(start, end)
+        return [TraceSample(datetime.fromtimestamp(t, UTC), lat, err)
+                for t, lat, err in zip(arm.times[low:high], arm.latencies[low:high],
+                                       arm.errors[low:high], strict=True)]
+
+    def figures(self, adapter_id: str, version: int, start: datetime,
+                end: datetime) -> ArmFigures:
+        """`arm_figures` of the window, without materialising its samples."""
+        arm = self._arms.get((adapter_id, version))
+        if arm is None:
+            return arm_figures(version, [])
+        low, high = arm.span(start, end)
+        n = high - low
+        if n == 0:
+            return arm_figures(version, [])
+        errors = int(np.count_nonzero(np.fromiter(arm.errors[low:high], dtype=bool, count=n)))
+        latencies = np.fromiter(arm.latencies[low:high], dtype=np.float64, count=n)
+        rank = max(0, math.ceil(0.95 * n) - 1)
+        return ArmFigures(version=version, requests=n, errors=errors, error_rate=errors / n,
+                          p95_ms=float(np.partition(latencies, rank)[rank]))
 
     def prune(self, now: datetime) -> None:
         cutoff = now - self.retention
-        for key, samples in list(self._samples.items()):
-            cut = bisect.bisect_left(samples, cutoff, key=lambda s: s.started_at)
-            if cut:
-                del samples[:cut]
-            if not samples:
-                del self._samples[key]
+        for key, arm in list(self._arms.items()):
+            arm.drop_before(cutoff)
+            if not arm.times:
+                del self._arms[key]
 
     def __len__(self) -> int:
-        return sum(len(s) for s in self._samples.values())
+        return sum(len(a.times) for a in self._arms.values())

@@ -57,17 +57,14 @@ def judge_rollout(rollout: Rollout, book: TraceBook, now: datetime,
     start = max(started, end - timedelta(seconds=rollout.plan.window_s))
     if end <= start:
         return None
-    canary = arm_figures(rollout.canary_version,
-                         book.window(rollout.adapter_id, rollout.canary_version, start, end))
+    canary = book.figures(rollout.adapter_id, rollout.canary_version, start, end)
     if rollout.final_stage:
         last = rollout.last_judgement
         baseline = last.baseline if last is not None else arm_figures(
             rollout.baseline_version, [])
         from_window = False
     else:
-        baseline = arm_figures(rollout.baseline_version,
-                               book.window(rollout.adapter_id, rollout.baseline_version, start,
-                                           end))
+        baseline = book.figures(rollout.adapter_id, rollout.baseline_version, start, end)
         from_window = True
     return judge(rollout.plan, rollout.stage, canary, baseline, window_start=start,
                  window_end=end, stage_elapsed_s=(now - started).total_seconds(),

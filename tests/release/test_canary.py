@@ -125,5 +125,14 @@ def test_traces_counted_and_windowed() -> None:
     window = book.window("bot", 2, T0 + timedelta(seconds=1), T0 + timedelta(seconds=5))
     assert [s.started_at.second for s in window] == [1, 3]
     assert len(book) == 4
+    assert book.figures("bot", 2, T0, T0 + timedelta(seconds=31)) == arm_figures(
+        2, book.window("bot", 2, T0, T0 + timedelta(seconds=31)))
+    spread = TraceBook(retention=timedelta(hours=1))
+    for i in range(1, 41):
+        spread.add("bot", 2, TraceSample(T0 + timedelta(seconds=i), float(i), i % 8 == 0))
+    window = (T0, T0 + timedelta(minutes=1))
+    assert spread.figures("bot", 2, *window) == arm_figures(2, spread.window("bot", 2, *window))
+    assert spread.figures("bot", 2, *window).p95_ms == 38.0
+    assert spread.figures("bot", 9, *window).requests == 0
     book.prune(T0 + timedelta(minutes=10, seconds=4))
     assert len(book) == 2  # the samples at 5 s and 30 s
