@@ -16,11 +16,9 @@ import json
 import logging
 import tempfile
 import threading
-import uuid
 from pathlib import Path
 from typing import Any
 
-import psycopg
 from rich.console import Console
 from sqlalchemy import text
 
@@ -28,10 +26,10 @@ from bench.audit import services
 from services.audit.db import make_engine, upgrade
 from services.audit.projector import AuditProjector
 from services.config import Settings
-from services.eventlog.topics import ensure_topics
 from services.release.canary_app import CanaryController
 from services.release.report import gate_report
 from tests.audit.docs_example import cell, render
+from tests.conftest import isolated_settings
 from tests.registry.conftest import TENANT, RunningRegistry, registry_settings
 from tests.release.harness import CANARY_TOKEN, GateWorker, Traffic, auth_setting, wait_for
 from tests.release.model import PROMPT, build_number_model, first_tokens
@@ -48,19 +46,8 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     with tempfile.TemporaryDirectory() as tmp, services(Path(tmp)) as (bootstrap, url):
         root = Path(tmp)
-        tag = uuid.uuid4().hex[:8]
-        with psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://")
-                             .split("?")[0], autocommit=True) as conn:
-            conn.execute(f'CREATE SCHEMA "docs_{tag}"')
-        sep = "&" if "?" in url else "?"
-        plain = Settings(
-            kafka_bootstrap=bootstrap,
-            database_url=f"{url}{sep}options=-csearch_path%3Ddocs_{tag}",
-            adapter_events_topic=f"docs{tag}.adapter-events",
-            worker_events_topic=f"docs{tag}.worker-events",
-            dead_letter_topic=f"docs{tag}.dead-letter", topic_partitions=3,
-            audit_signing_key="42" * 32, state_dir=root / "state")
-        ensure_topics(plain)
+        plain = isolated_settings(bootstrap, url, audit_signing_key="42" * 32,
+                                  state_dir=root / "state")
         assert plain.database_url
         upgrade(plain.database_url)
         settings = registry_settings(plain, root / "blobs", release_ungated="block",
