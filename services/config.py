@@ -44,6 +44,10 @@ class Settings(BaseSettings):
     adapter_events_topic: str = "loraplane.adapter-events"
     worker_events_topic: str = "loraplane.worker-events"
     dead_letter_topic: str = "loraplane.dead-letter"
+    liveness_topic: str = Field(
+        "loraplane.liveness",
+        description="Registry leases and worker heartbeats: compacted by stream and deleted "
+                    "after `liveness_retention_ms`; never part of the audit record.")
     topic_partitions: int = Field(8, ge=1, le=1024)
     topic_replication: int = Field(1, ge=1)
     adapter_events_retention_ms: int = Field(
@@ -53,6 +57,25 @@ class Settings(BaseSettings):
         30 * 24 * 3600 * 1000, description="Worker events are projected into Postgres."
     )
     dead_letter_retention_ms: int = 30 * 24 * 3600 * 1000
+    liveness_retention_ms: int = Field(
+        3600 * 1000, ge=60_000,
+        description="How long leases and heartbeats stay on the liveness topic (the newest "
+                    "per stream is kept until then, older ones go at compaction).")
+
+    # --- readers: snapshots of the fold ------------------------------------------------
+    snapshot_dir: Path | None = Field(
+        None, description="Where log followers keep snapshots of their fold; default "
+                          "STATE_DIR/snapshots.")
+    snapshot_every_events: int = Field(
+        20_000, ge=1, description="A follower writes a snapshot once it has read this many "
+                                  "records since the last one.")
+    snapshot_every_s: float = Field(
+        60.0, gt=0, description="A follower that read anything writes a snapshot at least this "
+                                "often (and on a clean stop).")
+    fold_skip_events: list[str] = Field(
+        default_factory=list,
+        description="Event ids (UUIDs) that readers skip instead of halting on them: the "
+                    "operator's way past an event the fold cannot take (see /readyz).")
 
     # --- PostgreSQL ----------------------------------------------------------------------
     database_url: str | None = Field(
@@ -71,7 +94,8 @@ class Settings(BaseSettings):
     lease_interval_s: float = Field(2.0, gt=0)
     lease_ttl_s: float = Field(5.0, gt=0)
     registry_write_timeout_s: float = Field(
-        10.0, gt=0, description="How long a registry write waits on the broker before 503.")
+        10.0, gt=0, description="The most a registry write request takes, waiting behind "
+                                "other writes included, before it answers 503.")
     blob_dir: Path | None = Field(
         None, description="Content-addressed blob store (sha256/ab/abcd…); default STATE_DIR/blobs."
     )
@@ -192,6 +216,11 @@ class Settings(BaseSettings):
         return self.blob_dir or self.state_dir / "blobs"
 
     @property
-    def topics(self) -> tuple[str, str]:
-        """The two event topics every reader folds, in a fixed order."""
-        return (self.adapter_events_topic, self.worker_events_topic)
+    def snapshot_root(self) -> Path:
+        return self.snapshot_dir or self.state_dir / "snapshots"
+
+    @property
+    def topics(self) -> tuple[str, str, str]:
+        """Every topic a full reader folds, in a fixed order: the adapter log, the worker
+        log and the liveness topic."""
+        return (self.adapter_events_topic, self.worker_events_topic, self.liveness_topic)

@@ -108,6 +108,7 @@ def isolated_settings(bootstrap: str, database_url: str | None, **overrides: obj
         "database_url": url,
         "adapter_events_topic": f"t{tag}.adapter-events",
         "worker_events_topic": f"t{tag}.worker-events",
+        "liveness_topic": f"t{tag}.liveness",
         "dead_letter_topic": f"t{tag}.dead-letter",
         "topic_partitions": 3,
         "state_dir": CACHE.parent / "test-state" / tag,
@@ -120,8 +121,8 @@ def isolated_settings(bootstrap: str, database_url: str | None, **overrides: obj
 
 def drop_isolation(settings: Settings, database_url: str | None) -> None:
     admin = AdminClient({"bootstrap.servers": settings.kafka_bootstrap, "log_level": 0})
-    futures = admin.delete_topics([settings.adapter_events_topic, settings.worker_events_topic,
-                                   settings.dead_letter_topic], operation_timeout=10)
+    futures = admin.delete_topics([*settings.topics, settings.dead_letter_topic],
+                                  operation_timeout=10)
     for future in futures.values():
         with contextlib.suppress(Exception):
             future.result(10)

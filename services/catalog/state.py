@@ -8,8 +8,17 @@ serving rules (which version a request gets) in `services.catalog.serving`.
 
 Streams and their sequence numbers (gap-free per stream, `seq` = events so far + 1):
   `base-model/{name}`, `adapter/{adapter_id}`, `alias/{alias}`,
-  `tenant/{org}/{team}/{project}` (purges), `registry/lease`.
+  `tenant/{org}/{team}/{project}` (purges); on the liveness topic `registry/lease` and
+  `heartbeat/{worker_id}` (compacted: only the newest of each is kept).
 The If-Match "version" of an adapter or alias is its stream's last `seq` (the ETag).
+
+The fold does not depend on how the topics (or the partitions of one topic) interleave:
+only the order within a partition is fixed, and every reader may consume partitions at
+its own pace. So nothing here is "the last one read": a lease is the newest by (epoch,
+expiry), a heartbeat the newest by timestamp, a purge's acks are kept sorted and an ack
+read before its purge request waits for it, and the answer kept for an Idempotency-Key is
+the earliest event carrying it. A property test folds the same events under shuffled
+interleavings and gets the same state.
 
 Serving rules the router and workers share (applied in `services.catalog.serving`):
 - Publishing stores a version; it does not serve it. An adapter's *active version* is set
@@ -31,6 +40,7 @@ Rollback target ("previous stable version"), computed by `rollback_target`:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Literal
@@ -67,12 +77,19 @@ from services.contracts.events import (
     TenantRef,
     TrafficSplitChanged,
     WorkerHeartbeat,
+    typed_envelope,
 )
 from services.release.gate import result_failures
 
 LEASE_STREAM = "registry/lease"
 
-RefusalKind = Literal["not_found", "conflict", "precondition", "invalid", "forbidden"]
+
+def heartbeat_stream(worker_id: str) -> str:
+    """A worker's heartbeat stream on the liveness topic (compaction keeps the newest)."""
+    return f"heartbeat/{worker_id}"
+
+RefusalKind = Literal["not_found", "conflict", "precondition", "invalid", "forbidden",
+                      "key_reused"]
 
 
 class Refusal(Exception):
@@ -278,7 +295,7 @@ class Purge:
     expected_workers: tuple[str, ...]
     """The workers that must acknowledge, as the request event lists them."""
     acks: list[PurgeAck] = field(default_factory=list)
-    """Every acknowledgement, in log order (see `services.catalog.purge` for which count)."""
+    """Every acknowledgement, sorted (see `services.catalog.purge` for which count)."""
 
     @property
     def deadline(self) -> datetime:
@@ -297,12 +314,58 @@ class Lease:
     seq: int
 
 
-@dataclass(frozen=True)
 class IdempotentAnswer:
-    """The event a keyed command produced; the answer to a retry is rendered from it."""
+    """The event a keyed command produced; the answer to a retry is rendered from it.
 
-    envelope: Envelope
-    position: LogPosition | None
+    Restored from a snapshot it holds the event's JSON document and builds the event only
+    when a retry asks for it: most keys are never retried.
+    """
+
+    __slots__ = ("_document", "_envelope", "position")
+
+    def __init__(self, envelope: Envelope | None, position: LogPosition | None, *,
+                 document: dict[str, Any] | None = None) -> None:
+        if envelope is None and document is None:
+            raise ValueError("an answer needs its event or the event's document")
+        self._envelope = envelope
+        self._document = document
+        self.position = position
+
+    @property
+    def envelope(self) -> Envelope:
+        if self._envelope is None:
+            assert self._document is not None
+            self._envelope = typed_envelope(self._document["type"]).model_validate(
+                self._document)
+        return self._envelope
+
+    @property
+    def document(self) -> dict[str, Any]:
+        if self._document is None:
+            self._document = self.envelope.to_json()
+        return self._document
+
+    @property
+    def order(self) -> tuple[datetime, str]:
+        """(occurred_at, event_id): the earliest answer is the one kept."""
+        doc = self._document
+        if doc is not None:
+            return (datetime.fromisoformat(doc["occurred_at"]), str(doc["event_id"]))
+        e = self.envelope
+        return (e.occurred_at, str(e.event_id))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, IdempotentAnswer):
+            return NotImplemented
+        return self.position == other.position and self.document == other.document
+
+    def __repr__(self) -> str:
+        return f"IdempotentAnswer({self.document.get('type')}, {self.position})"
+
+
+def _ack_order(ack: PurgeAck) -> tuple[datetime, str, int, int, int, bool]:
+    return (ack.acked_at, ack.worker_id, ack.kv_blocks_freed, ack.adapters_unloaded,
+            ack.sequences_aborted, ack.refcounts_zero)
 
 
 @dataclass
@@ -313,6 +376,8 @@ class CatalogState:
     adapters: dict[str, Adapter] = field(default_factory=dict)
     aliases: dict[str, Alias] = field(default_factory=dict)
     purges: dict[str, Purge] = field(default_factory=dict)
+    early_acks: dict[str, list[PurgeAck]] = field(default_factory=dict)
+    """Acks read before their purge request (another topic, read at another pace)."""
     tenant_seqs: dict[str, int] = field(default_factory=dict)
     idempotency: dict[tuple[str, str], IdempotentAnswer] = field(default_factory=dict)
     heartbeats: dict[str, datetime] = field(default_factory=dict)
@@ -335,67 +400,101 @@ class CatalogState:
 
     def apply(self, envelope: Envelope, position: LogPosition | None = None) -> None:
         """Fold one event. Total: an event about something unknown is still recorded."""
-        p = envelope.payload
-        at = envelope.occurred_at
-        if isinstance(p, (QualityGateRequested, QualityGateCompleted, QualityGateExpired,
-                          ReleaseOverridden, RolloutHalted, RolloutResumed)):
-            self._apply_release(envelope)
-        elif isinstance(p, BaseModelRegistered):
-            self.base_models[p.name] = BaseModel(p.name, p.digest, dict(p.config), at,
-                                                 envelope.seq)
-        elif isinstance(p, AdapterVersionPublished):
-            adapter = self.adapters.get(p.adapter_id)
-            if adapter is None:
-                adapter = self.adapters[p.adapter_id] = Adapter(p.adapter_id, envelope.tenant)
-            adapter.versions[p.version] = AdapterVersion(
-                p, at, str(envelope.event_id), position, seq=envelope.seq)
-            adapter.seq = envelope.seq
-            if p.quality_gate is not None:
-                self._request_gate(p.adapter_id, p.version, p.quality_gate, envelope)
-        elif isinstance(p, AdapterVersionSwitched | AdapterRolledBack):
-            adapter = self._adapter_for(p.adapter_id, envelope)
-            adapter.active_version = p.to_version
-            if p.to_version in adapter.versions:
-                adapter.versions[p.to_version].ever_active = True
-                adapter.versions[p.to_version].rolled_back = False
-            if isinstance(p, AdapterRolledBack) and p.from_version in adapter.versions:
-                adapter.versions[p.from_version].rolled_back = True
-            if isinstance(p, AdapterVersionSwitched) and p.rollout is not None:
-                self._apply_rollout_step(p.rollout, envelope)
-        elif isinstance(p, AdapterDisabled | AdapterEnabled):
-            adapter = self._adapter_for(p.adapter_id, envelope)
-            version = adapter.versions.get(p.version)
-            if version is not None:
-                version.disabled = isinstance(p, AdapterDisabled)
-                version.disabled_reason = p.reason if version.disabled else ""
-        elif isinstance(p, TrafficSplitChanged):
-            self.aliases[p.alias] = Alias(p.alias, envelope.tenant, envelope.seq,
-                                          tuple(p.split), at)
-            if p.rollout is not None:
-                self._apply_rollout_step(p.rollout, envelope)
-            else:
-                current = self.rollouts.get(p.alias)
-                if current is not None and current.status in ("running", "halted"):
-                    current.status, current.status_reason = "superseded", "split set by hand"
-        elif isinstance(p, TenantPurgeRequested):
-            self.tenant_seqs[envelope.stream] = envelope.seq
-            self.purges[p.purge_id] = Purge(p.purge_id, envelope.tenant, p.deadline_s, p.hard,
-                                            at, tuple(p.expected_workers))
-        elif isinstance(p, RegistryLease):
-            self.lease = Lease(p.registry_id, p.epoch, p.expires_at, envelope.seq)
-        elif isinstance(p, WorkerHeartbeat):
-            if at > self.heartbeats.get(p.worker_id, at - timedelta(days=1)):
-                self.heartbeats[p.worker_id] = at
-                self.worker_bases[p.worker_id] = p.base_model_digest
-        elif isinstance(p, TenantPurged):
-            purge = self.purges.get(p.purge_id)
-            if purge is not None:
-                purge.acks.append(PurgeAck(p.worker_id, at, p.kv_blocks_freed,
-                                           p.adapters_unloaded, p.sequences_aborted,
-                                           p.refcounts_zero))
-        key = getattr(p, "idempotency_key", None)
+        step = _STEPS.get(envelope.type)
+        if step is not None:
+            step(self, envelope, position)
+        key = getattr(envelope.payload, "idempotency_key", None)
         if key:
-            self.idempotency[(envelope.actor, key)] = IdempotentAnswer(envelope, position)
+            answer = IdempotentAnswer(envelope, position)
+            kept = self.idempotency.get((envelope.actor, key))
+            if kept is None or answer.order < kept.order:
+                self.idempotency[(envelope.actor, key)] = answer
+
+    def _base_model_registered(self, e: Envelope, position: LogPosition | None) -> None:
+        p = e.payload
+        assert isinstance(p, BaseModelRegistered)
+        self.base_models[p.name] = BaseModel(p.name, p.digest, dict(p.config), e.occurred_at,
+                                             e.seq)
+
+    def _version_published(self, e: Envelope, position: LogPosition | None) -> None:
+        p = e.payload
+        assert isinstance(p, AdapterVersionPublished)
+        adapter = self.adapters.get(p.adapter_id)
+        if adapter is None:
+            adapter = self.adapters[p.adapter_id] = Adapter(p.adapter_id, e.tenant)
+        adapter.versions[p.version] = AdapterVersion(p, e.occurred_at, str(e.event_id), position,
+                                                     seq=e.seq)
+        adapter.seq = e.seq
+        if p.quality_gate is not None:
+            self._request_gate(p.adapter_id, p.version, p.quality_gate, e)
+
+    def _activated(self, e: Envelope, position: LogPosition | None) -> None:
+        p = e.payload
+        assert isinstance(p, AdapterVersionSwitched | AdapterRolledBack)
+        adapter = self._adapter_for(p.adapter_id, e)
+        adapter.active_version = p.to_version
+        if p.to_version in adapter.versions:
+            adapter.versions[p.to_version].ever_active = True
+            adapter.versions[p.to_version].rolled_back = False
+        if isinstance(p, AdapterRolledBack) and p.from_version in adapter.versions:
+            adapter.versions[p.from_version].rolled_back = True
+        if isinstance(p, AdapterVersionSwitched) and p.rollout is not None:
+            self._apply_rollout_step(p.rollout, e)
+
+    def _toggled(self, e: Envelope, position: LogPosition | None) -> None:
+        p = e.payload
+        assert isinstance(p, AdapterDisabled | AdapterEnabled)
+        adapter = self._adapter_for(p.adapter_id, e)
+        version = adapter.versions.get(p.version)
+        if version is not None:
+            version.disabled = isinstance(p, AdapterDisabled)
+            version.disabled_reason = p.reason if version.disabled else ""
+
+    def _split_changed(self, e: Envelope, position: LogPosition | None) -> None:
+        p = e.payload
+        assert isinstance(p, TrafficSplitChanged)
+        self.aliases[p.alias] = Alias(p.alias, e.tenant, e.seq, tuple(p.split), e.occurred_at)
+        if p.rollout is not None:
+            self._apply_rollout_step(p.rollout, e)
+        else:
+            current = self.rollouts.get(p.alias)
+            if current is not None and current.status in ("running", "halted"):
+                current.status, current.status_reason = "superseded", "split set by hand"
+
+    def _purge_requested(self, e: Envelope, position: LogPosition | None) -> None:
+        p = e.payload
+        assert isinstance(p, TenantPurgeRequested)
+        self.tenant_seqs[e.stream] = e.seq
+        self.purges[p.purge_id] = Purge(p.purge_id, e.tenant, p.deadline_s, p.hard,
+                                        e.occurred_at, tuple(p.expected_workers),
+                                        sorted(self.early_acks.pop(p.purge_id, []),
+                                               key=_ack_order))
+
+    def _purged(self, e: Envelope, position: LogPosition | None) -> None:
+        p = e.payload
+        assert isinstance(p, TenantPurged)
+        ack = PurgeAck(p.worker_id, e.occurred_at, p.kv_blocks_freed, p.adapters_unloaded,
+                       p.sequences_aborted, p.refcounts_zero)
+        purge = self.purges.get(p.purge_id)
+        acks = purge.acks if purge is not None else self.early_acks.setdefault(p.purge_id, [])
+        acks.append(ack)
+        acks.sort(key=_ack_order)
+
+    def _leased(self, e: Envelope, position: LogPosition | None) -> None:
+        p = e.payload
+        assert isinstance(p, RegistryLease)
+        lease = self.lease
+        if lease is None or (p.epoch, p.expires_at, e.seq) > (lease.epoch, lease.expires_at,
+                                                               lease.seq):
+            self.lease = Lease(p.registry_id, p.epoch, p.expires_at, e.seq)
+
+    def _heartbeat(self, e: Envelope, position: LogPosition | None) -> None:
+        p = e.payload
+        assert isinstance(p, WorkerHeartbeat)
+        at = e.occurred_at
+        if at > self.heartbeats.get(p.worker_id, at - timedelta(days=1)):
+            self.heartbeats[p.worker_id] = at
+            self.worker_bases[p.worker_id] = p.base_model_digest
 
     # --- release safety (rules in services.catalog.release) -----------------------------
 
@@ -424,7 +523,7 @@ class CatalogState:
             return None
         return version.gate
 
-    def _apply_release(self, envelope: Envelope) -> None:
+    def _apply_release(self, envelope: Envelope, position: LogPosition | None = None) -> None:
         p = envelope.payload
         at = envelope.occurred_at
         if isinstance(p, QualityGateRequested):
@@ -518,19 +617,47 @@ class CatalogState:
             raise Refusal("not_found", f"adapter {adapter_id!r} has no version {version}")
         return found
 
-    def prior_answer(self, actor: str, key: str | None, event_type: str,
-                     stream: str) -> IdempotentAnswer | None:
-        """The first answer to a keyed command, or None; a key reused elsewhere is refused."""
+    def prior_answer(self, actor: str, key: str | None, event_type: str, stream: str, *,
+                     request_sha256: str | None = None) -> IdempotentAnswer | None:
+        """The first answer to a keyed command, or None. A key reused for another command,
+        or (when both fingerprints are known) for another request, is refused."""
         if not key:
             return None
         prior = self.idempotency.get((actor, key))
         if prior is None:
             return None
         if prior.envelope.type != event_type or prior.envelope.stream != stream:
-            raise Refusal("invalid", f"Idempotency-Key {key!r} was already used for a "
-                                     f"different request ({prior.envelope.type} on "
-                                     f"{prior.envelope.stream})")
+            raise Refusal("key_reused", f"Idempotency-Key {key!r} was already used for a "
+                                        f"different request ({prior.envelope.type} on "
+                                        f"{prior.envelope.stream})")
+        recorded = getattr(prior.envelope.payload, "request_sha256", None)
+        if request_sha256 and recorded and recorded != request_sha256:
+            raise Refusal("key_reused", f"Idempotency-Key {key!r} was already used with a "
+                                        "different request body; use a new key for a new "
+                                        "request")
         return prior
+
+
+_Step = Callable[[CatalogState, Envelope, "LogPosition | None"], None]
+_STEPS: dict[str, _Step] = {
+    BaseModelRegistered.event_type(): CatalogState._base_model_registered,
+    AdapterVersionPublished.event_type(): CatalogState._version_published,
+    AdapterVersionSwitched.event_type(): CatalogState._activated,
+    AdapterRolledBack.event_type(): CatalogState._activated,
+    AdapterDisabled.event_type(): CatalogState._toggled,
+    AdapterEnabled.event_type(): CatalogState._toggled,
+    TrafficSplitChanged.event_type(): CatalogState._split_changed,
+    TenantPurgeRequested.event_type(): CatalogState._purge_requested,
+    TenantPurged.event_type(): CatalogState._purged,
+    RegistryLease.event_type(): CatalogState._leased,
+    WorkerHeartbeat.event_type(): CatalogState._heartbeat,
+    **{cls.event_type(): CatalogState._apply_release
+       for cls in (QualityGateRequested, QualityGateCompleted, QualityGateExpired,
+                   ReleaseOverridden, RolloutHalted, RolloutResumed)},
+}
+
+FOLDED_TYPES = frozenset(_STEPS)
+"""The event types `CatalogState.apply` takes; a reader may skip every other undecoded."""
 
 
 # --- rollback lineage ----------------------------------------------------------------------

@@ -2,14 +2,29 @@
 
 Two modes. Fan-out readers (registry, workers, router) call it without a group and get
 every partition of every topic by `assign()`, from the beginning or from offsets they
-keep themselves (the projector keeps them in Postgres). Group mode exists for readers
-that share work; it commits only after the handler has run.
+keep themselves (the projector keeps them in Postgres, followers in snapshots). Group mode
+exists for readers that share work; it commits only after the handler has run.
 
-Catching up is detected by a barrier: the reader writes a `ReplayBarrier` to every
-partition it reads and waits until its position passes each barrier's offset. The high
-watermark is not used because not every broker reports it correctly (KAFKA_NOTES).
+Catching up: a reader has seen everything committed before moment T once every assigned
+partition has reported its end (partition EOF) from a fetch begun after T. A fresh
+assignment is such a fetch; `restart_catch_up` seeks every partition to its own position
+so that the next fetch is one too. The end a fetch reports is the broker's high watermark
+(the last stable offset under read_committed) at that fetch, which is exact on Apache
+Kafka and on Tansu alike, while the offsets a ListOffsets request returns are not on
+Tansu (KAFKA_NOTES). So nothing is written to know where the log ends: the kept-forever
+adapter log holds domain events only. (Earlier readers wrote `ReplayBarrier` records for
+this; those still in a log are skipped.)
+
 A record that is not valid JSON or fails its schema never reaches the handler: it goes to
-the dead-letter path with the reason and the consumer goes on.
+the dead-letter path with the reason and the consumer goes on. A reader may name the
+event types it folds (`wanted_types`): records whose `type` header names another type are
+skipped without being decoded, which is most of what a catalog reader would otherwise
+parse (request traces).
+
+A reader resuming from a snapshot passes `anchors`: for each partition, the last record
+the snapshot covers. It starts at that record and checks it is the same one (offset,
+broker timestamp, checksum of key and value); any other record there, or the log ending
+before it, raises `AnchorMismatch`: the log is not the one the snapshot was taken from.
 """
 
 from __future__ import annotations
@@ -18,8 +33,9 @@ import logging
 import threading
 import time
 import uuid
+import zlib
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from confluent_kafka import (
@@ -34,10 +50,9 @@ from confluent_kafka import (
 
 from services.config import Settings
 from services.contracts.codec import EventValidationError, decode
-from services.contracts.events import Envelope, ReplayBarrier
+from services.contracts.events import Envelope
 from services.eventlog.client import consumer_config, producer_config
 from services.eventlog.errors import BrokerUnavailable, EventLogError
-from services.eventlog.producer import EventProducer
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +83,32 @@ class Rejected:
 
 
 RejectedSink = Callable[[Rejected], None]
+
+
+@dataclass(frozen=True)
+class Anchor:
+    """One record, identified well enough to tell whether a log still holds it."""
+
+    offset: int
+    timestamp: int
+    checksum: int
+
+    @classmethod
+    def of(cls, message: Message) -> Anchor:
+        key, value = message.key() or b"", message.value() or b""
+        return cls(message.offset(), message.timestamp()[1], zlib.crc32(value, zlib.crc32(key)))
+
+    def to_json(self) -> list[int]:
+        return [self.offset, self.timestamp, self.checksum]
+
+    @classmethod
+    def from_json(cls, value: Sequence[int]) -> Anchor:
+        offset, timestamp, checksum = (int(v) for v in value)
+        return cls(offset, timestamp, checksum)
+
+
+class AnchorMismatch(EventLogError):
+    """The log does not hold the record a snapshot ends with: it was lost or recreated."""
 
 
 class KafkaDeadLetters:
@@ -124,6 +165,8 @@ class EventConsumer:
         reader_id: str,
         group_id: str | None = None,
         start_offsets: Mapping[TopicPartitionKey, int] | None = None,
+        anchors: Mapping[TopicPartitionKey, Anchor] | None = None,
+        wanted_types: Collection[str] | None = None,
         on_rejected: RejectedSink | None = None,
         dedupe_capacity: int = 200_000,
         **overrides: object,
@@ -140,12 +183,25 @@ class EventConsumer:
         self._own_dead_letters: KafkaDeadLetters | None = None
         self._seen = RecentIds(dedupe_capacity)
         self._positions: dict[TopicPartitionKey, int] = {}
-        self._eof: set[TopicPartitionKey] = set()
+        self._starts: dict[TopicPartitionKey, int] = {}
+        self._eof_pending: set[TopicPartitionKey] = set()
+        self._last: dict[TopicPartitionKey, Message] = {}
+        self._anchors = dict(anchors or {})
+        self._wanted = frozenset(wanted_types) if wanted_types is not None else None
+        self.cluster_id: str | None = None
+        self._fresh = False
+        """Assigned and not polled yet: the first fetches will start after now anyway."""
         self._closed = False
         if group_id:
             self._consumer.subscribe(self.topics)
         else:
-            self._assign_all(start_offsets or {})
+            start = dict(start_offsets or {})
+            start.update({key: anchor.offset for key, anchor in self._anchors.items()})
+            try:
+                self._assign_all(start)
+            except BaseException:
+                self._consumer.close()
+                raise
 
     # --- setup -----------------------------------------------------------------------------
 
@@ -154,6 +210,7 @@ class EventConsumer:
             metadata = self._consumer.list_topics(timeout=15)
         except KafkaException as exc:
             raise BrokerUnavailable(f"cannot read metadata: {exc}") from exc
+        self.cluster_id = metadata.cluster_id
         assignment = []
         for topic in self.topics:
             info = metadata.topics.get(topic)
@@ -162,9 +219,41 @@ class EventConsumer:
             for partition in sorted(info.partitions):
                 offset = start_offsets.get((topic, partition), OFFSET_BEGINNING)
                 assignment.append(TopicPartition(topic, partition, offset))
+                self._starts[(topic, partition)] = offset
                 if offset >= 0:
                     self._positions[(topic, partition)] = offset
+        unknown = set(self._anchors) - set(self._starts)
+        if unknown:
+            raise AnchorMismatch(f"anchored partitions {sorted(unknown)} do not exist")
+        for (topic, partition), anchor in self._anchors.items():
+            self._check_in_range(topic, partition, anchor)
         self._consumer.assign(assignment)
+        self._eof_pending = set(self._starts)
+        self._fresh = True
+
+    def _check_in_range(self, topic: str, partition: int, anchor: Anchor) -> None:
+        """The anchored record must lie inside the partition's offsets (a cheap first check,
+        before its content is compared: on a broker that lost its log, a fetch past the end
+        may just wait instead of failing). Tansu reports too low a high watermark, which can
+        only send a reader to a full replay it did not need."""
+        try:
+            low, high = self._consumer.get_watermark_offsets(
+                TopicPartition(topic, partition), timeout=10, cached=False)
+        except KafkaException as exc:
+            raise BrokerUnavailable(f"cannot read offsets of {topic}[{partition}]: {exc}") from exc
+        if not low <= anchor.offset < high:
+            raise AnchorMismatch(f"{topic}[{partition}] holds offsets {low}..{high - 1}, not the "
+                                 f"anchored record at {anchor.offset}")
+
+    @property
+    def anchors_pending(self) -> bool:
+        """Some anchored record has not been read and checked yet."""
+        return bool(self._anchors)
+
+    @property
+    def partitions(self) -> list[TopicPartitionKey]:
+        """Every assigned partition (fan-out mode)."""
+        return sorted(self._starts)
 
     @property
     def assignment(self) -> list[TopicPartitionKey]:
@@ -178,6 +267,7 @@ class EventConsumer:
 
     def poll(self, timeout: float = 0.5, max_records: int = 500) -> list[Record]:
         """Up to `max_records` new, valid, not-yet-seen events (barriers are not returned)."""
+        self._fresh = False
         try:
             messages = self._consumer.consume(num_messages=max_records, timeout=timeout)
         except KafkaException as exc:
@@ -194,15 +284,34 @@ class EventConsumer:
         key = (message.topic(), message.partition())
         if error is not None:
             if error.code() == KafkaError._PARTITION_EOF:
-                self._eof.add(key)
+                anchor = self._anchors.get(key)
+                if anchor is not None:
+                    raise AnchorMismatch(f"{key[0]}[{key[1]}] ends at {message.offset()}, "
+                                         f"before the anchored record at {anchor.offset}")
+                self._positions[key] = max(self._positions.get(key, 0), message.offset())
+                self._eof_pending.discard(key)
                 return None
             if error.code() in (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_PARTITION):
                 raise EventLogError(f"{key}: {error.str()}")
             log.warning("consumer %s: %s", self.reader_id, error.str())
             return None
-        self._eof.discard(key)
         offset = message.offset()
+        if self._anchors:
+            anchor = self._anchors.pop(key, None)
+            if anchor is not None:
+                if Anchor.of(message) != anchor:
+                    raise AnchorMismatch(f"{key[0]}[{key[1]}]@{offset} is not the anchored "
+                                         f"record {anchor}")
+                self._positions[key] = offset + 1
+                self._last[key] = message
+                return None  # the snapshot already covers it
         self._positions[key] = offset + 1
+        self._last[key] = message
+        if self._wanted is not None:
+            headers = message.headers()
+            event_type = next((v for k, v in headers if k == "type"), None) if headers else None
+            if event_type is not None and event_type.decode(errors="replace") not in self._wanted:
+                return None
         value = message.value()
         try:
             envelope = decode(value)
@@ -223,45 +332,38 @@ class EventConsumer:
             self._own_dead_letters = KafkaDeadLetters(self.settings)
         self._own_dead_letters(rejected)
 
-    def at_eof(self) -> bool:
-        """True when every assigned partition reported EOF (a hint; barriers are the proof)."""
-        return set(self.assignment) <= self._eof
+    @property
+    def caught_up(self) -> bool:
+        """Every assigned partition reported its end since the assignment or the last
+        `restart_catch_up` (see the module doc)."""
+        return not self._eof_pending
 
-    def catch_up(
-        self,
-        handle: Callable[[Record], None],
-        *,
-        producer: EventProducer | None = None,
-        timeout_s: float = 60.0,
-    ) -> int:
-        """Write a barrier to each assigned partition and fold every record before it.
+    @property
+    def behind(self) -> list[TopicPartitionKey]:
+        """Partitions that have not reported their end yet."""
+        return sorted(self._eof_pending)
 
-        Returns the number of records handled. `producer` is the caller's own (the
-        registry passes its transactional one); otherwise an idempotent one is used.
-        """
-        assigned = self.assignment
-        nonce = uuid.uuid4().hex
-        barriers = [
-            (Envelope.new(ReplayBarrier(reader=self.reader_id, nonce=nonce, partition=p),
-                          stream=f"barrier/{self.reader_id}/{nonce}/{t}/{p}", seq=1,
-                          actor=self.reader_id), t, p)
-            for t, p in assigned
-        ]
-        own = producer is None
-        writer = producer or EventProducer(self.settings, client_id=f"{self.reader_id}-barrier")
-        try:
-            written = writer.publish_all(barriers)
-        finally:
-            if own:
-                writer.close()
-        targets = {(pos.topic, pos.partition): pos.offset for pos in written}
+    def restart_catch_up(self) -> None:
+        """Start catching up to the log as it is now: seek every partition to where this
+        reader stands, so each reports its end anew from a fetch that starts now."""
+        for key, start in self._starts.items():
+            offset = self._positions.get(key, start)
+            self._consumer.seek(TopicPartition(key[0], key[1], offset))
+        self._eof_pending = set(self._starts)
+
+    def last_read(self) -> dict[TopicPartitionKey, Anchor]:
+        """The last record read from each partition (for a snapshot's anchors)."""
+        return {key: Anchor.of(message) for key, message in self._last.items()}
+
+    def catch_up(self, handle: Callable[[Record], None], *, timeout_s: float = 60.0) -> int:
+        """Hand over every record committed before this call; returns how many."""
+        if not self._fresh:
+            self.restart_catch_up()
         handled = 0
         deadline = time.monotonic() + timeout_s
-        while any(self._positions.get(tp, -1) <= offset for tp, offset in targets.items()):
+        while self._eof_pending:
             if time.monotonic() > deadline:
-                behind = {tp: (self._positions.get(tp), o) for tp, o in targets.items()
-                          if self._positions.get(tp, -1) <= o}
-                raise TimeoutError(f"{self.reader_id} did not reach its barriers: {behind}")
+                raise TimeoutError(f"{self.reader_id} did not reach the end of {self.behind}")
             for record in self.poll(timeout=0.2):
                 handle(record)
                 handled += 1

@@ -5,11 +5,16 @@ Transactional mode is for the registry, the single writer of `adapter-events`: a
 `transactional.id` means a second instance's `init_transactions` fences the first, whose
 next write raises `ProducerFenced` instead of corrupting the log. One command is one
 transaction, so no reader ever depends on `read_committed` to hide a half-done command.
+
+A transactional producer is initialised once. After a failed write it aborts the
+transaction (now, or before its next write if the broker did not answer) and goes on
+with the same producer: re-initialising the `transactional.id` would fence whichever
+instance holds it now, so a zombie that had already lost the writer role would take the
+log back. Once fenced, or after any fatal error, it refuses every write for good.
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -83,6 +88,7 @@ class EventProducer:
         self._producer = Producer(producer_config(settings, client_id, **extra))
         self._lock = threading.Lock()
         self._fenced = False
+        self._needs_abort = False
         if transactional_id:
             try:
                 self._producer.init_transactions(timeout_s)
@@ -94,31 +100,58 @@ class EventProducer:
         return self.transactional_id is not None
 
     def publish(
-        self, event: EventOrDocument, *, topic: str | None = None, partition: int | None = None
+        self, event: EventOrDocument, *, topic: str | None = None, partition: int | None = None,
+        timeout_s: float | None = None,
     ) -> RecordPosition:
         """Validate and write one event; returns where it landed once it is durable."""
-        return self.publish_all([(event, topic, partition)])[0]
+        return self.publish_all([(event, topic, partition)], timeout_s=timeout_s)[0]
 
     def publish_all(
-        self, items: Iterable[tuple[EventOrDocument, str | None, int | None]]
+        self, items: Iterable[tuple[EventOrDocument, str | None, int | None]], *,
+        timeout_s: float | None = None,
     ) -> list[RecordPosition]:
-        """Write several events atomically (one transaction) or, if idempotent, in order."""
+        """Write several events atomically (one transaction) or, if idempotent, in order.
+
+        `timeout_s` (default: the producer's) bounds the commit or flush.
+        """
         encoded = []
         for event, topic, partition in items:
             envelope, value = encode(event)  # raises EventValidationError naming the field
             encoded.append((topic or topic_for(envelope, self.settings), partition, envelope,
                             value))
+        timeout = self.timeout_s if timeout_s is None else max(0.01, timeout_s)
         with self._lock:
             if self._fenced:
                 raise ProducerFenced("this producer was fenced by a newer instance")
             try:
-                return self._write(encoded)
+                self._abort_pending(timeout)
+                return self._write(encoded, timeout)
             except ProducerFenced:
                 self._fenced = True
                 raise
 
+    def recover(self, timeout_s: float) -> None:
+        """Finish aborting a transaction a failed write left open (no-op otherwise)."""
+        with self._lock:
+            if self._fenced:
+                raise ProducerFenced("this producer was fenced by a newer instance")
+            try:
+                self._abort_pending(timeout_s)
+            except ProducerFenced:
+                self._fenced = True
+                raise
+
+    def _abort_pending(self, timeout_s: float) -> None:
+        if not self._needs_abort:
+            return
+        try:
+            self._producer.abort_transaction(timeout_s)
+        except KafkaException as exc:
+            raise _classify(exc.args[0], "aborting the failed transaction") from exc
+        self._needs_abort = False
+
     def _write(
-        self, encoded: list[tuple[str, int | None, Envelope, bytes]]
+        self, encoded: list[tuple[str, int | None, Envelope, bytes]], timeout_s: float
     ) -> list[RecordPosition]:
         results: list[RecordPosition | EventLogError | None] = [None] * len(encoded)
 
@@ -142,19 +175,19 @@ class EventProducer:
                     kwargs["partition"] = partition
                 self._producer.produce(topic, **kwargs)
             if self.transactional:
-                self._producer.commit_transaction(self.timeout_s)
+                self._producer.commit_transaction(timeout_s)
             else:
-                remaining = self._producer.flush(self.timeout_s)
+                remaining = self._producer.flush(timeout_s)
                 if remaining:
                     raise BrokerUnavailable(f"{remaining} event(s) not acknowledged in time")
         except KafkaException as exc:
             error = exc.args[0]
             if self.transactional and not (error.code() in _FENCED or error.fatal()):
-                self._abort()
+                self._abort(timeout_s)
             raise _classify(error, "produce") from exc
         except BufferError as exc:
             if self.transactional:
-                self._abort()
+                self._abort(timeout_s)
             raise BrokerUnavailable(f"local queue full: {exc}") from exc
         self._producer.poll(0)
         for result in results:
@@ -164,13 +197,19 @@ class EventProducer:
                 raise BrokerUnavailable("no delivery report received")
         return [r for r in results if isinstance(r, RecordPosition)]
 
-    def _abort(self) -> None:
-        # If the abort fails the broker times the transaction out; nothing was committed.
-        with contextlib.suppress(KafkaException):
-            self._producer.abort_transaction(self.timeout_s)
+    def _abort(self, timeout_s: float) -> None:
+        """Abort the failed transaction; if the broker does not answer in time, the abort
+        is finished before the next write (`_abort_pending`)."""
+        self._needs_abort = True
+        try:
+            self._abort_pending(timeout_s)
+        except ProducerFenced:
+            self._fenced = True  # the caller raises the write's error; every later one fenced
+        except EventLogError:
+            pass
 
     def close(self) -> None:
-        if not self._fenced:
+        if not self._fenced and not self._needs_abort:
             self._producer.flush(self.timeout_s)
 
     def __enter__(self) -> EventProducer:

@@ -30,7 +30,7 @@ from services.registry.validation import UploadRejected
 log = logging.getLogger("loraplane.registry")
 
 REFUSAL_STATUS = {"not_found": 404, "conflict": 409, "precondition": 412, "invalid": 422,
-                  "forbidden": 403}
+                  "forbidden": 403, "key_reused": 422}
 MULTIPART_SLACK_BYTES = 1024 * 1024
 """Room for form fields and adapter_config.json on top of the weights limit."""
 
@@ -146,7 +146,7 @@ def create_app(settings: Settings, *, registry_id: str | None = None) -> FastAPI
 
     @app.exception_handler(WritesUnavailable)
     async def unavailable(_: Request, exc: WritesUnavailable) -> JSONResponse:
-        return _error(503, "fenced" if exc.fenced else "unavailable", exc.message,
+        return _error(503, exc.code, exc.message,
                       headers={"Retry-After": str(exc.retry_after_s)})
 
     @app.exception_handler(ValidationError)

@@ -38,6 +38,15 @@ def get_tokens(request: Request) -> TokenBook:
 
 
 Node = Annotated[RegistryNode, Depends(get_node)]
+
+
+def require_replayed(node: Node) -> None:
+    """503 until the log is replayed: every route that reads the catalog (writes check it
+    before they do anything) depends on this, so nothing answers from half a state."""
+    node.require_state()
+
+
+Replayed = Depends(require_replayed)
 Blobs = Annotated[LocalBlobStore, Depends(get_blobs)]
 
 

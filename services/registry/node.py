@@ -2,19 +2,32 @@
 
 The command path (`execute`) is the single-writer discipline of ARCHITECTURE.md:
   idempotency check → decide one event on the folded state → publish it in its own
-  transaction → wait until this instance's own consumer has folded it → answer.
+  transaction → wait until this instance's own follower has folded it → answer.
 Commands are serialised by one lock, so every decision sees the previous command's event
 (sequence numbers stay gap-free and If-Match checks are exact). Reads never touch the
 broker: they take the state lock for a moment and answer from memory, so they keep
 working while the broker is down.
 
+Start-up: the instance initialises its transactional producer first (which fences any
+older instance and settles its open transaction), then its `LogFollower` loads the
+newest snapshot and replays the tail of the log. Until that replay is done, every write
+and every read of the catalog answers 503 (`StateUnavailable`): a half-replayed state
+would answer 404 for adapters that exist, or refuse a retried write that did commit.
+
+Every write has one deadline (`registry_write_timeout_s`) from the moment its request is
+handled, queueing behind other writes included; at the deadline it answers 503.
+
 Failure handling:
-- `ProducerFenced`: another instance initialised the same transactional id; this one
-  refuses every later write (503) and stops leasing. Reads keep working.
-- Any other produce failure (broker down, timeout): 503 with Retry-After. The failed
-  transaction is aborted by the producer, or by the broker when the next producer with
-  our id initialises; nothing of it becomes visible. The next write first re-creates the
-  producer and re-reads the log up to a fresh barrier before deciding anything.
+- Fenced (the producer says so, or the log shows a newer instance's lease): this
+  instance refuses every later write (503) and stops leasing, until it is restarted.
+  It never initialises its `transactional.id` again, which would fence the current
+  writer and take the log back.
+- Any other produce failure (broker down, timeout): 503 with Retry-After; `/readyz` says
+  "not writable" until a write (a lease, every `lease_interval_s`) succeeds again. The
+  failed transaction is aborted, and before the next decision the follower re-reads the
+  log to its end, so a transaction whose outcome was unknown is folded if it committed.
+- A record the fold cannot take halts the follower: writes answer 503 and `/readyz` says
+  which event, until an operator acts (see `services/eventlog/follower.py`).
 """
 
 from __future__ import annotations
@@ -27,11 +40,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
+from services.catalog.snapshot import CatalogFold
 from services.catalog.state import CatalogState, LogPosition
 from services.config import Settings
-from services.contracts.events import Envelope, ReplayBarrier
+from services.contracts.events import Envelope
 from services.eventlog import (
-    EventConsumer,
     EventLogError,
     EventProducer,
     ProducerFenced,
@@ -39,22 +52,41 @@ from services.eventlog import (
     RecordPosition,
     ensure_topics,
 )
+from services.eventlog.follower import FollowerHalted, LogFollower
 from services.registry.domain import Decision, next_epoch, renew_lease
 from services.registry.metrics import RegistryMetrics
 
 log = logging.getLogger("loraplane.registry")
 
-Partition = tuple[str, int]
-
 
 class WritesUnavailable(Exception):
-    """A write that cannot be taken now: 503 with Retry-After."""
+    """A request that cannot be answered now: 503 with Retry-After.
 
-    def __init__(self, message: str, *, retry_after_s: int = 1, fenced: bool = False) -> None:
+    `code` is the problem's stable code: `replaying`, `halted`, `fenced`, `timeout` or
+    `unavailable` (the event log did not take the write).
+    """
+
+    def __init__(self, message: str, *, retry_after_s: int = 1,
+                 code: str = "unavailable") -> None:
         super().__init__(message)
         self.message = message
         self.retry_after_s = retry_after_s
-        self.fenced = fenced
+        self.code = code
+
+    @property
+    def fenced(self) -> bool:
+        return self.code == "fenced"
+
+
+class Deadline:
+    """The moment a request must have its answer by."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.at = time.monotonic() + seconds
+
+    def left(self) -> float:
+        return max(0.0, self.at - time.monotonic())
 
 
 @dataclass(frozen=True)
@@ -72,41 +104,55 @@ class RegistryNode:
         self.settings = settings
         self.metrics = metrics or RegistryMetrics()
         self.registry_id = registry_id or f"registry-{uuid.uuid4().hex[:12]}"
-        self.state = CatalogState(stale_after_s=settings.stale_lease_threshold_s)
-        self.state_lock = threading.RLock()
-        self._folded = threading.Condition(self.state_lock)
-        self._applied: dict[Partition, int] = {}
-        self._partitions: list[Partition] = []
+        self.fold = CatalogFold(settings.stale_lease_threshold_s, on_folded=self._count)
+        self.follower = LogFollower(settings, self.fold, reader_id=self.registry_id,
+                                    snapshot_name="registry")
+        self.state_lock = self.follower.lock
         self._command_lock = threading.Lock()
         self._producer: EventProducer | None = None
-        self._producer_broken = False
-        self.fenced = False
+        self._fenced: str | None = None
+        self._needs_sync = False
+        self.write_error: str | None = None
+        """Why the last write failed; None once one succeeds."""
         self.epoch = 0
         self.ready = threading.Event()
+        """Set once the log is replayed and this instance leases: the state is complete."""
         self.last_error: str | None = None
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
+    @property
+    def state(self) -> CatalogState:
+        """The folded catalog; read it under `state_lock`."""
+        return self.fold.state
+
+    def _count(self, record: Record) -> None:
+        self.metrics.events_folded.labels(record.envelope.type).inc()
+
     # --- lifecycle -----------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start replaying in the background; `ready` is set once replay reached a barrier."""
-        fold = threading.Thread(target=self._fold_thread, name=f"{self.registry_id}-fold",
-                                daemon=True)
-        self._threads.append(fold)
-        fold.start()
+        """Fence older instances and replay in the background; see the module doc."""
+        self._spawn(self._start_up, "start")
+
+    def _spawn(self, target: Callable[[], None], name: str) -> None:
+        thread = threading.Thread(target=target, name=f"{self.registry_id}-{name}", daemon=True)
+        self._threads.append(thread)
+        thread.start()
 
     def stop(self) -> None:
         self._stop.set()
         for thread in self._threads:
             thread.join(timeout=15)
-        if self._producer is not None and not self._producer_broken and not self.fenced:
+        self.follower.stop()
+        if self._producer is not None and self.writable:
             try:
                 self._producer.close()
             except EventLogError as exc:  # pragma: no cover - best effort at shutdown
                 log.warning("closing producer: %s", exc)
         self._producer = None
         self.metrics.ready.set(0)
+        self.metrics.writable.set(0)
 
     def _new_producer(self) -> EventProducer:
         # A transaction begun right after the previous commit can meet CONCURRENT_TRANSACTIONS
@@ -119,95 +165,34 @@ class RegistryNode:
             **{"message.timeout.ms": int(timeout * 1000), "retry.backoff.ms": 5,
                "retry.backoff.max.ms": 100})
 
-    def _open(self) -> EventConsumer:
-        """Fence any older instance, then fold everything before a barrier of our own."""
-        ensure_topics(self.settings)
-        self._producer = self._new_producer()  # init_transactions fences older instances
-        consumer = EventConsumer(self.settings, self.settings.topics,
-                                 reader_id=self.registry_id)
-        try:
-            self._partitions = consumer.assignment
-            consumer.catch_up(self._fold, producer=self._producer,
-                              timeout_s=max(30.0, self.settings.registry_write_timeout_s))
-            self._sync_positions(consumer)
-        except BaseException:
-            consumer.close()
-            raise
-        with self.state_lock:
-            self.epoch = next_epoch(self.state)
-        self.metrics.lease_epoch.set(self.epoch)
-        return consumer
-
-    def _fold_thread(self) -> None:
-        consumer: EventConsumer | None = None
-        while consumer is None and not self._stop.is_set():
+    def _start_up(self) -> None:
+        while self._producer is None and not self._stop.is_set():
             try:
-                consumer = self._open()
+                ensure_topics(self.settings)
+                self._producer = self._new_producer()  # fences older instances
             except Exception as exc:
                 self.last_error = f"start-up: {exc}"
                 log.warning("registry start-up failed, retrying: %s", exc)
                 self._stop.wait(1.0)
-        if consumer is None:
+        if self._producer is None:
             return
+        self.follower.start()
+        while not self.follower.wait_ready(0.2):
+            if self._stop.is_set() or self.follower.halt is not None:
+                return
+        with self.state_lock:
+            self.epoch = next_epoch(self.state)
+        self.metrics.lease_epoch.set(self.epoch)
         self.ready.set()
         self.metrics.ready.set(1)
         self.metrics.writable.set(1)
-        lease = threading.Thread(target=self._lease_thread, name=f"{self.registry_id}-lease",
-                                 daemon=True)
-        self._threads.append(lease)
-        lease.start()
-        try:
-            while not self._stop.is_set():
-                try:
-                    # consume() waits its whole timeout unless the batch fills, so wait for
-                    # one record (a command is waiting on it), then drain without waiting.
-                    records = consumer.poll(timeout=0.1, max_records=1)
-                    if records:
-                        records += consumer.poll(timeout=0, max_records=500)
-                    for record in records:
-                        self._fold(record)
-                    self._sync_positions(consumer)
-                except Exception as exc:
-                    self.last_error = f"fold: {exc}"
-                    log.warning("fold loop: %s", exc)
-                    self._stop.wait(0.5)
-        finally:
-            consumer.close()
-
-    def _fold(self, record: Record) -> None:
-        position = LogPosition(record.topic, record.partition, record.offset)
-        with self._folded:
-            try:
-                self.state.apply(record.envelope, position)
-            except Exception:  # a fold bug must not stop the registry from reading
-                log.exception("cannot fold %s %s", record.envelope.type, record.envelope.event_id)
-            self._applied[(record.topic, record.partition)] = record.offset + 1
-            self._folded.notify_all()
-        self.metrics.events_folded.labels(record.envelope.type).inc()
-
-    def _sync_positions(self, consumer: EventConsumer) -> None:
-        """Positions include barriers and skipped records, which `_fold` never sees."""
-        positions = consumer.positions()
-        with self._folded:
-            changed = False
-            for key, offset in positions.items():
-                if offset > self._applied.get(key, 0):
-                    self._applied[key] = offset
-                    changed = True
-            if changed:
-                self._folded.notify_all()
-
-    def wait_folded(self, position: RecordPosition | LogPosition, timeout_s: float) -> bool:
-        key = (position.topic, position.partition)
-        with self._folded:
-            return self._folded.wait_for(lambda: self._applied.get(key, 0) > position.offset,
-                                         timeout=timeout_s)
+        self._spawn(self._lease_thread, "lease")
 
     # --- the lease -----------------------------------------------------------------------
 
     def _lease_thread(self) -> None:
         interval = self.settings.lease_interval_s
-        while not self._stop.is_set() and not self.fenced:
+        while not self._stop.is_set() and self._fenced is None:
             try:
                 self.renew_lease()
             except WritesUnavailable as exc:
@@ -216,41 +201,101 @@ class RegistryNode:
 
     def renew_lease(self) -> Committed:
         expires = datetime.now(UTC) + timedelta(seconds=self.settings.lease_ttl_s)
+        deadline = Deadline(min(self.settings.lease_interval_s,
+                                self.settings.registry_write_timeout_s))
         return self.execute("lease", lambda s: renew_lease(s, self.registry_id, self.epoch,
                                                            expires),
-                            actor=self.registry_id)
+                            actor=self.registry_id, deadline=deadline)
+
+    # --- state checks --------------------------------------------------------------------
+
+    def require_state(self) -> None:
+        """The folded state is complete and current enough to answer from (reads, and the
+        checks a write makes before it queues)."""
+        halt = self.follower.halt
+        if halt is not None and not self.ready.is_set():
+            raise WritesUnavailable(f"the registry stopped replaying: {halt.reason}",
+                                    retry_after_s=30, code="halted")
+        if not self.ready.is_set():
+            raise WritesUnavailable("the registry is replaying the log; retry shortly",
+                                    retry_after_s=1, code="replaying")
+
+    def _check_writable(self) -> None:
+        self.require_state()
+        halt = self.follower.halt
+        if halt is not None:
+            raise WritesUnavailable(f"writes are stopped: {halt.reason}", retry_after_s=30,
+                                    code="halted")
+        self._check_not_superseded()
+        if self._fenced is not None:
+            raise WritesUnavailable(f"this registry instance lost the writer role "
+                                    f"({self._fenced}); send writes to the current one",
+                                    retry_after_s=5, code="fenced")
+
+    def _check_not_superseded(self) -> None:
+        """A newer instance that leases has fenced this one, whether or not our producer
+        has been told yet."""
+        with self.state_lock:
+            lease = self.state.lease
+        if (self._fenced is None and lease is not None and lease.registry_id != self.registry_id
+                and lease.epoch >= self.epoch):
+            self._fence(f"instance {lease.registry_id} leases at epoch {lease.epoch}")
+
+    def _fence(self, why: str) -> WritesUnavailable:
+        if self._fenced is None:
+            self._fenced = why
+            log.error("fenced: %s; read-only until restarted", why)
+        self.metrics.writable.set(0)
+        self.metrics.ready.set(0)
+        return WritesUnavailable(f"this registry instance lost the writer role ({why}); "
+                                 "send writes to the current one", retry_after_s=5,
+                                 code="fenced")
 
     # --- writes --------------------------------------------------------------------------
 
     def execute(self, command: str, decide: Callable[[CatalogState], Decision], *,
                 actor: str, idempotency_key: str | None = None,
-                expect: tuple[str, str] | None = None, trace_id: str | None = None) -> Committed:
-        """Run one command; `expect` is (event type, stream) for idempotent replays."""
+                expect: tuple[str, str] | None = None, request_sha256: str | None = None,
+                trace_id: str | None = None, deadline: Deadline | None = None) -> Committed:
+        """Run one command; `expect` is (event type, stream) for idempotent replays, and
+        `request_sha256` the fingerprint a reused key must match."""
+        deadline = deadline or Deadline(self.settings.registry_write_timeout_s)
         started = time.perf_counter()
         outcome = "error"
         try:
-            with self._command_lock:
+            self.require_state()
+            if not self._command_lock.acquire(timeout=deadline.left()):
+                raise WritesUnavailable(
+                    f"no answer within {deadline.seconds:g}s: earlier writes are still "
+                    "waiting on the event log", retry_after_s=self._retry_after(),
+                    code="timeout")
+            try:
+                self.require_state()
                 if idempotency_key and expect is not None:
                     with self.state_lock:
-                        prior = self.state.prior_answer(actor, idempotency_key, *expect)
+                        prior = self.state.prior_answer(actor, idempotency_key, *expect,
+                                                        request_sha256=request_sha256)
                     if prior is not None:
                         outcome = "replayed"
                         return Committed(prior.envelope, prior.position, replayed=True)
                 self._check_writable()
+                producer = self._ready_producer(deadline)
                 with self.state_lock:
                     decision = decide(self.state)
                 envelope = Envelope.new(decision.payload, stream=decision.stream,
                                         seq=decision.seq, actor=actor, tenant=decision.tenant,
                                         trace_id=trace_id)
-                written = self._publish(envelope)
-                if not self.wait_folded(written, self.settings.registry_write_timeout_s):
+                written = self._publish(producer, envelope, deadline)
+                if not self._wait_folded(written, deadline):
                     raise WritesUnavailable(
                         f"event committed at {written.topic}[{written.partition}]@"
                         f"{written.offset} but not read back yet; retry with the same "
-                        "Idempotency-Key")
+                        "Idempotency-Key", code="timeout")
                 outcome = "ok"
                 return Committed(envelope, LogPosition(written.topic, written.partition,
                                                        written.offset))
+            finally:
+                self._command_lock.release()
         except WritesUnavailable:
             outcome = "unavailable"
             raise
@@ -260,61 +305,90 @@ class RegistryNode:
                 self.metrics.command_seconds.labels(command).observe(
                     time.perf_counter() - started)
 
-    def _check_writable(self) -> None:
-        if self.fenced:
-            raise WritesUnavailable("this registry instance was fenced by a newer one; "
-                                    "send writes to the current instance", retry_after_s=5,
-                                    fenced=True)
-        if not self.ready.is_set():
-            raise WritesUnavailable("registry is replaying the log", retry_after_s=1)
+    def _retry_after(self) -> int:
+        return max(1, round(self.settings.registry_write_timeout_s))
 
-    def _fence(self, exc: Exception) -> WritesUnavailable:
-        self.fenced = True
-        self.metrics.writable.set(0)
-        self.metrics.ready.set(0)
-        log.error("fenced: %s", exc)
-        return WritesUnavailable(f"this registry instance was fenced: {exc}", retry_after_s=5,
-                                 fenced=True)
-
-    def _publish(self, envelope: Envelope) -> RecordPosition:
+    def _ready_producer(self, deadline: Deadline) -> EventProducer:
+        """The producer, after a failed write: its transaction aborted and the log re-read
+        to its end, so the next decision sees whatever that write left."""
+        producer = self._producer
+        if producer is None:
+            raise WritesUnavailable("the registry is starting", code="replaying")
+        if not self._needs_sync:
+            return producer
         try:
-            producer = self._writer()
-            return producer.publish(envelope)
+            producer.recover(deadline.left())
+            synced = self.follower.sync(deadline.left())
         except ProducerFenced as exc:
-            raise self._fence(exc) from exc
-        except (EventLogError, TimeoutError) as exc:
-            self._producer_broken = True
-            self.last_error = f"write: {exc}"
+            raise self._fence(str(exc)) from exc
+        except FollowerHalted as exc:
+            raise WritesUnavailable(f"writes are stopped: {exc}", retry_after_s=30,
+                                    code="halted") from exc
+        except EventLogError as exc:
+            self._note_write_error(f"recovering from the last failed write: {exc}")
             raise WritesUnavailable(f"event log unavailable: {exc}",
-                                    retry_after_s=max(1, round(
-                                        self.settings.registry_write_timeout_s))) from exc
-
-    def _writer(self) -> EventProducer:
-        """The producer; after a failed write, a fresh one synced to a new barrier."""
-        if self._producer is not None and not self._producer_broken:
-            return self._producer
-        self._producer = None
-        producer = self._new_producer()
-        barriers = [
-            (Envelope.new(ReplayBarrier(reader=self.registry_id, nonce=uuid.uuid4().hex,
-                                        partition=p),
-                          stream=f"barrier/{self.registry_id}/{t}/{p}", seq=1,
-                          actor=self.registry_id), t, p)
-            for t, p in self._partitions
-        ]
-        for position in producer.publish_all(barriers):
-            if not self.wait_folded(position, self.settings.registry_write_timeout_s):
-                raise TimeoutError(f"did not read back barrier {position}")
-        with self.state_lock:
-            lease = self.state.lease
-            if lease is not None and lease.registry_id != self.registry_id:
-                self.epoch = max(self.epoch, lease.epoch + 1)
-        self._producer = producer
-        self._producer_broken = False
+                                    retry_after_s=self._retry_after()) from exc
+        if not synced:
+            raise WritesUnavailable("re-reading the log after a failed write took too long",
+                                    retry_after_s=self._retry_after(), code="timeout")
+        self._check_writable()
+        self._needs_sync = False
         return producer
+
+    def _publish(self, producer: EventProducer, envelope: Envelope,
+                 deadline: Deadline) -> RecordPosition:
+        if deadline.left() < 0.01:
+            raise WritesUnavailable(f"no answer within {deadline.seconds:g}s",
+                                    retry_after_s=self._retry_after(), code="timeout")
+        try:
+            written = producer.publish(envelope, timeout_s=deadline.left())
+        except ProducerFenced as exc:
+            raise self._fence(str(exc)) from exc
+        except EventLogError as exc:
+            self._needs_sync = True
+            self._note_write_error(f"write: {exc}")
+            raise WritesUnavailable(f"event log unavailable: {exc}",
+                                    retry_after_s=self._retry_after()) from exc
+        if self.write_error is not None:
+            log.info("writes go through again")
+        self.write_error = None
+        self.metrics.writable.set(1)
+        return written
+
+    def _note_write_error(self, message: str) -> None:
+        self.write_error = self.last_error = message
+        self.metrics.writable.set(0)
+
+    def _wait_folded(self, written: RecordPosition, deadline: Deadline) -> bool:
+        try:
+            return self.follower.wait_applied(written.topic, written.partition,
+                                              written.offset, deadline.left())
+        except FollowerHalted as exc:
+            raise WritesUnavailable(f"the event was committed at {written.topic}"
+                                    f"[{written.partition}]@{written.offset}, but writes are "
+                                    f"stopped: {exc}", retry_after_s=30, code="halted") from exc
 
     # --- status --------------------------------------------------------------------------
 
     @property
+    def fenced(self) -> bool:
+        return self._fenced is not None
+
+    @property
     def writable(self) -> bool:
-        return self.ready.is_set() and not self.fenced and not self._producer_broken
+        return (self.ready.is_set() and self.follower.halt is None and self._fenced is None
+                and self.write_error is None)
+
+    def readiness(self) -> tuple[bool, str]:
+        """(ready to take writes, why not): what `/readyz` says."""
+        halt = self.follower.halt
+        if halt is not None:
+            return False, f"halted: {halt.reason}"
+        if not self.ready.is_set():
+            return False, "replaying the log"
+        self._check_not_superseded()
+        if self._fenced is not None:
+            return False, f"fenced: {self._fenced}"
+        if self.write_error is not None:
+            return False, f"not writable: {self.write_error}"
+        return True, "ready"

@@ -45,14 +45,26 @@ def test_second_producer_with_same_transactional_id_fences_the_first(settings: S
     assert [e.payload.version for e in seen] == [1, 4]
 
 
-def test_barrier_written_by_a_transactional_producer(settings: Settings) -> None:
-    with EventProducer(settings, transactional_id="registry-barrier") as producer:
+def test_catch_up_ends_at_an_open_transaction_and_sees_it_once_committed(
+        settings: Settings) -> None:
+    with EventProducer(settings, transactional_id="registry-eof") as producer:
         producer.publish(disabled(1))
-        seen = []
-        with EventConsumer(settings, [settings.adapter_events_topic],
-                           reader_id="registry") as consumer:
-            consumer.catch_up(lambda r: seen.append(r.envelope), producer=producer)
-    assert [e.payload.version for e in seen] == [1]
+    raw = Producer({"bootstrap.servers": settings.kafka_bootstrap,
+                    "transactional.id": "other-writer"})
+    raw.init_transactions(10)
+    raw.begin_transaction()
+    pending = disabled(2)
+    raw.produce(settings.adapter_events_topic, key=pending.stream.encode(),
+                value=encode(pending)[1], headers={"type": pending.type})
+    raw.flush(10)
+    seen: list = []
+    with EventConsumer(settings, [settings.adapter_events_topic],
+                       reader_id="registry") as consumer:
+        consumer.catch_up(lambda r: seen.append(r.envelope), timeout_s=20)
+        assert [e.payload.version for e in seen] == [1]  # the open one is not committed
+        raw.commit_transaction(10)
+        consumer.catch_up(lambda r: seen.append(r.envelope), timeout_s=20)
+    assert [e.payload.version for e in seen] == [1, 2]
 
 
 def test_group_mode_commits_after_handling_and_resumes(settings: Settings) -> None:

@@ -16,6 +16,7 @@ from services.registry.deps import (
     IdempotencyKey,
     Node,
     Reader,
+    Replayed,
     TraceId,
     Writer,
     ensure_read_scope,
@@ -52,7 +53,7 @@ from services.registry.views import (
     version_view,
 )
 
-router = APIRouter(prefix="/v1/adapters", tags=["adapters"])
+router = APIRouter(prefix="/v1/adapters", tags=["adapters"], dependencies=[Replayed])
 
 AdapterIdPath = Annotated[str, Path(pattern=ID_PATTERN)]
 VersionPath = Annotated[int, Path(ge=1, le=2**31)]

@@ -14,6 +14,7 @@ from services.registry.deps import (
     IdempotencyKey,
     Node,
     Reader,
+    Replayed,
     TraceId,
     Writer,
     ensure_read_scope,
@@ -30,7 +31,7 @@ from services.registry.views import (
     split_changed_view,
 )
 
-router = APIRouter(prefix="/v1/aliases", tags=["aliases"])
+router = APIRouter(prefix="/v1/aliases", tags=["aliases"], dependencies=[Replayed])
 ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorBody} for code in (401, 403, 404, 409, 412, 422, 503)}
 AliasPath = Annotated[str, Path(pattern=ID_PATTERN)]

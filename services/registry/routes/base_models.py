@@ -9,7 +9,7 @@ from pydantic import BaseModel, Field
 
 from services.catalog.state import base_model_stream
 from services.contracts.events import ID_PATTERN
-from services.registry.deps import Admin, IdempotencyKey, Node, Reader, TraceId
+from services.registry.deps import Admin, IdempotencyKey, Node, Reader, Replayed, TraceId
 from services.registry.domain import register_base_model
 from services.registry.validation import BaseModelShape
 from services.registry.views import (
@@ -20,7 +20,7 @@ from services.registry.views import (
     base_model_view,
 )
 
-router = APIRouter(prefix="/v1/base-models", tags=["base models"])
+router = APIRouter(prefix="/v1/base-models", tags=["base models"], dependencies=[Replayed])
 ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorBody} for code in (401, 403, 404, 409, 422, 503)}
 NamePath = Annotated[str, Path(pattern=ID_PATTERN)]

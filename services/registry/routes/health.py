@@ -16,13 +16,20 @@ def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/readyz", responses={503: {"description": "replaying, or fenced"}})
+@router.get("/readyz", responses={
+    503: {"description": "replaying, halted on an event it cannot fold, fenced, or the event "
+                         "log does not take writes (`reason` says which)"}})
 def readyz(node: Node) -> JSONResponse:
-    """200 once the log is replayed to this instance's barrier and it may write."""
-    body = {"ready": node.ready.is_set() and not node.fenced, "replayed": node.ready.is_set(),
-            "writable": node.writable, "fenced": node.fenced, "registry_id": node.registry_id,
-            "epoch": node.epoch, "last_error": node.last_error}
-    return JSONResponse(body, status_code=200 if body["ready"] else 503)
+    """200 once the log is replayed and this instance can write; otherwise 503 and why."""
+    ready, reason = node.readiness()
+    follower = node.follower.status()
+    body = {"ready": ready, "reason": reason, "replayed": node.ready.is_set(),
+            "writable": node.writable, "fenced": node.fenced, "halted": follower["halt"],
+            "registry_id": node.registry_id, "epoch": node.epoch,
+            "started_from": follower["started_from"],
+            "seconds_to_ready": follower["seconds_to_ready"],
+            "last_error": node.last_error}
+    return JSONResponse(body, status_code=200 if ready else 503)
 
 
 @router.get("/metrics", response_class=Response)

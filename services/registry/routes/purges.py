@@ -14,6 +14,7 @@ from services.registry.deps import (
     IdempotencyKey,
     Node,
     Reader,
+    Replayed,
     TraceId,
     Writer,
     ensure_read_scope,
@@ -22,7 +23,7 @@ from services.registry.deps import (
 from services.registry.domain import request_purge
 from services.registry.views import ErrorBody, PurgeView, event_ref, purge_view
 
-router = APIRouter(prefix="/v1", tags=["purges"])
+router = APIRouter(prefix="/v1", tags=["purges"], dependencies=[Replayed])
 ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorBody} for code in (401, 403, 404, 409, 422, 503)}
 Slug = Annotated[str, Path(pattern=SLUG_PATTERN)]
