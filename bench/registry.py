@@ -145,6 +145,7 @@ def main() -> None:
                     auth_tokens=json.dumps([{"sha256": token_hash(TOKEN), "role": "admin"}]),
                     adapter_events_topic=f"bench{os.getpid()}.adapter-events",
                     worker_events_topic=f"bench{os.getpid()}.worker-events",
+                    liveness_topic=f"bench{os.getpid()}.liveness",
                     dead_letter_topic=f"bench{os.getpid()}.dead-letter")
     broker = None
     if not base.kafka_bootstrap:

@@ -109,6 +109,10 @@ class FoldState:
     worker_acks: list[Row] = field(default_factory=list)
     purges: list[Row] = field(default_factory=list)
     request_traces: list[Row] = field(default_factory=list)
+    unloaded: dict[str, dict[VersionKey, Any]] = field(default_factory=dict)
+    """worker_id → adapter versions it unloaded after its newest heartbeat, and when: a
+    heartbeat read later but sent earlier must not bring them back. Memory only: lost on
+    a reload, and then corrected by the worker's next heartbeat."""
 
     def missing(self, keys: TouchedKeys) -> TouchedKeys:
         """The touched keys not loaded yet."""
@@ -184,6 +188,8 @@ class FoldState:
                 "free_slots": None, "free_kv_blocks": None, "lease_epoch": None}
         if row["last_event_at"] is None or envelope.occurred_at > row["last_event_at"]:
             row["last_event_at"] = envelope.occurred_at
+        if envelope.occurred_at < row["first_seen_at"]:
+            row["first_seen_at"] = envelope.occurred_at  # topics are read at their own pace
         self.dirty_workers.add(worker_id)
         return row
 
@@ -324,34 +330,47 @@ def _worker_set(state: FoldState, worker_id: str) -> dict[VersionKey, Row]:
     return state.worker_adapters.setdefault(worker_id, {})
 
 
+def _newer_than_heartbeat(state: FoldState, worker_id: str, e: Envelope) -> bool:
+    last = state.workers[worker_id]["last_heartbeat_at"]
+    return last is None or e.occurred_at > last
+
+
 def _on_heartbeat(state: FoldState, e: Envelope) -> None:
+    """Heartbeats come from the liveness topic, read at another pace than the worker's
+    acks, so everything here goes by timestamp: only the newest heartbeat updates the
+    summary, and its list of what the worker holds gives way to loads and unloads acked
+    after it was sent. Any order of reading gives the same rows."""
     p = e.payload
     worker_id = _get(p, "worker_id")
     row = state.worker(worker_id, e)
+    state.worker_heartbeats.append({"event_id": e.event_id, "worker_id": worker_id,
+                                    "at": e.occurred_at})
+    if not _newer_than_heartbeat(state, worker_id, e):
+        return
+    at = e.occurred_at
     row.update({"address": _get(p, "address"), "base_model": _get(p, "base_model"),
                 "base_model_digest": _get(p, "base_model_digest"),
                 "free_slots": _get(p, "free_slots"), "free_kv_blocks": _get(p, "free_kv_blocks"),
-                "lease_epoch": _get(p, "lease_epoch")})
-    if row["last_heartbeat_at"] is None or e.occurred_at >= row["last_heartbeat_at"]:
-        row["last_heartbeat_at"] = e.occurred_at
-    state.worker_heartbeats.append({"event_id": e.event_id, "worker_id": worker_id,
-                                    "at": e.occurred_at})
-    # A heartbeat is the worker's own full list: it replaces what acks implied. Rows are
-    # never changed in place, so a row the heartbeat repeats unchanged is kept as it is.
+                "lease_epoch": _get(p, "lease_epoch"), "last_heartbeat_at": at})
+    # A heartbeat is the worker's own full list: it replaces what older acks implied. Each
+    # row's `since` is the time of the fact it comes from (this heartbeat, or a load acked
+    # after it): "first seen" would depend on which topic a reader happened to read first.
     held = _worker_set(state, worker_id)
+    unloaded = state.unloaded.get(worker_id, {})
     snapshot: dict[VersionKey, Row] = {}
     for loaded in _get(p, "loaded") or ():  # the hottest loop: getattr without a call
         key = (getattr(loaded, "adapter_id", None), getattr(loaded, "version", None))
-        sha256, tier = getattr(loaded, "sha256", None), getattr(loaded, "tier", None)
-        before = held.get(key)
-        if (before is not None and before["source"] == "heartbeat"
-                and before["sha256"] == sha256 and before["tier"] == tier):
-            snapshot[key] = before
+        if key in unloaded and unloaded[key] > at:
             continue
         snapshot[key] = {"worker_id": worker_id, "adapter_id": key[0], "version": key[1],
-                         "sha256": sha256, "tier": tier,
-                         "since": before["since"] if before else e.occurred_at,
+                         "sha256": getattr(loaded, "sha256", None),
+                         "tier": getattr(loaded, "tier", None), "since": at,
                          "source": "heartbeat"}
+    for key, before in held.items():  # loaded after this heartbeat was sent
+        if before["source"] == "loaded" and before["since"] > at:
+            snapshot.setdefault(key, before)
+    if unloaded:
+        state.unloaded[worker_id] = {k: t for k, t in unloaded.items() if t > at}
     held.clear()
     held.update(snapshot)
 
@@ -372,6 +391,9 @@ def _on_loaded(state: FoldState, e: Envelope) -> None:
     worker_id, key = _get(p, "worker_id"), (_get(p, "adapter_id"), _get(p, "version"))
     _ack(state, e, adapter_id=key[0], version=key[1], adapter_sha256=_get(p, "sha256"),
          load_ms=_get(p, "load_ms"))
+    if not _newer_than_heartbeat(state, worker_id, e):
+        return  # the newest heartbeat, sent after this, says what the worker holds
+    state.unloaded.get(worker_id, {}).pop(key, None)
     _worker_set(state, worker_id)[key] = {
         "worker_id": worker_id, "adapter_id": key[0], "version": key[1],
         "sha256": _get(p, "sha256"), "tier": _get(p, "tier"), "since": e.occurred_at,
@@ -389,6 +411,9 @@ def _on_unloaded(state: FoldState, e: Envelope) -> None:
     worker_id, key = _get(p, "worker_id"), (_get(p, "adapter_id"), _get(p, "version"))
     _ack(state, e, adapter_id=key[0], version=key[1], adapter_sha256=_get(p, "sha256"),
          reason=_get(p, "reason"))
+    if not _newer_than_heartbeat(state, worker_id, e):
+        return
+    state.unloaded.setdefault(worker_id, {})[key] = e.occurred_at
     _worker_set(state, worker_id).pop(key, None)
 
 

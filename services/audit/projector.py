@@ -1,4 +1,10 @@
-"""The audit projector: folds both topics into PostgreSQL exactly once.
+"""The audit projector: folds the event topics into PostgreSQL exactly once.
+
+The liveness topic (registry leases, worker heartbeats) is read with the others, but its
+events are not chained nor stored as events: a heartbeat only updates its worker's
+summary row (last heartbeat, address, free slots and KV blocks, lease epoch) and the
+`worker_heartbeats` times the purge view reads; leases are not kept. Periodic proofs of
+life are not part of the record an auditor verifies.
 
 Each batch is one transaction holding the event rows (with their chain links), the
 current-state and history rows folded from them, any Merkle checkpoints that fell due,
@@ -283,7 +289,8 @@ class AuditProjector:
                 self._load_state(conn, ahead.state,
                                  fold.touched_keys(r.envelope for r in fresh))
         heads: dict[PartitionKey, PartitionHead] = {}
-        rows, due = self._chain(fresh, heads, ahead.heads)
+        liveness = self.settings.liveness_topic
+        rows, due = self._chain([r for r in fresh if r.topic != liveness], heads, ahead.heads)
         state = ahead.state
         for record in fresh:
             fold.apply(state, record.envelope)
@@ -384,12 +391,15 @@ class AuditProjector:
 
         Runs before the batch's transaction, so it sees committed rows only; the rows of a
         batch still being written cannot come back here, because the consumer drops
-        event ids it has already returned.
+        event ids it has already returned. Liveness events (leases, heartbeats) are never
+        stored as events: only their summary is (`_prepare`).
         """
         if not records:
             return []
+        liveness = self.settings.liveness_topic
         seen = set(conn.execute(text("SELECT event_id FROM events WHERE event_id = ANY(:ids)"),
-                                {"ids": [r.envelope.event_id for r in records]}).scalars())
+                                {"ids": [r.envelope.event_id for r in records
+                                         if r.topic != liveness]}).scalars())
         fresh = []
         for record in records:
             if record.envelope.event_id not in seen:

@@ -43,6 +43,9 @@ Version = Annotated[int, Field(ge=1)]
 
 ADAPTER_TOPIC = "adapter"
 WORKER_TOPIC = "worker"
+LIVENESS_TOPIC = "liveness"
+"""Periodic proofs of life (leases, heartbeats): a topic of their own, compacted and short
+lived, so the kept-forever adapter log and the audit record hold domain events only."""
 ANY_TOPIC = "any"
 
 
@@ -186,8 +189,11 @@ class TenantPurgeRequested(Payload):
 
 
 class RegistryLease(Payload):
-    """Proof of a live, current registry; workers past the stale threshold stop serving."""
+    """Proof of a live, current registry; workers past the stale threshold stop serving.
 
+    Written every `lease_interval_s` to the liveness topic (stream `registry/lease`)."""
+
+    topic: ClassVar[str] = LIVENESS_TOPIC
     registry_id: str
     epoch: int = Field(ge=0)
     expires_at: datetime
@@ -209,6 +215,9 @@ class LoadedAdapter(_Frozen):
 
 
 class WorkerHeartbeat(_WorkerPayload):
+    """A worker's periodic state, on the liveness topic (stream `heartbeat/{worker_id}`)."""
+
+    topic: ClassVar[str] = LIVENESS_TOPIC
     address: str
     base_model: str
     base_model_digest: Sha256Hex
@@ -476,10 +485,11 @@ for _model in (AdapterVersionPublished, TrafficSplitChanged, AdapterVersionSwitc
 
 
 class ReplayBarrier(Payload):
-    """A marker a reader writes to every partition and reads back to know it caught up.
+    """A marker earlier readers wrote to every partition to know they had caught up.
 
-    Not a domain event: folds skip it. See KAFKA_NOTES: the high watermark is not
-    trustworthy on every broker, a barrier one wrote oneself is.
+    No longer written (readers now wait for a partition end reported by a fetch of their
+    own, see `services/eventlog/consumer.py`); kept so logs that hold barriers stay
+    readable. Not a domain event: every reader skips it.
     """
 
     topic: ClassVar[str] = ANY_TOPIC

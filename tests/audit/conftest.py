@@ -35,10 +35,20 @@ def count_events(engine: Engine) -> int:
 
 
 def drain(projector: AuditProjector, expected: int, timeout_s: float = 60.0) -> None:
-    """Project until `expected` events are stored, then one more batch for stragglers."""
+    """Project until `expected` events are stored, then on to the end of every topic (the
+    liveness topic stores no events, so the count alone does not say it was read)."""
     deadline = time.monotonic() + timeout_s
     while count_events(projector.engine) < expected:
         assert time.monotonic() < deadline, (
             f"only {count_events(projector.engine)} of {expected} events projected")
         projector.project_batch(timeout=0.2)
+    settle(projector, deadline)
+
+
+def settle(projector: AuditProjector, deadline: float | None = None) -> None:
+    """Project until the projector's consumer has reached the end of every partition."""
+    deadline = deadline or time.monotonic() + 60
     projector.project_batch(timeout=0.2)
+    while not projector.consumer.caught_up:
+        assert time.monotonic() < deadline, f"still behind on {projector.consumer.behind}"
+        projector.project_batch(timeout=0.2)

@@ -19,7 +19,7 @@ from services.audit.db import make_engine, upgrade
 from services.audit.projector import AuditProjector
 from services.config import Settings
 from services.eventlog.topics import ensure_topics
-from tests.audit.scenario import produce, story
+from tests.audit.scenario import produce, recorded, story
 
 QUERIES = {
     "adapter_lineage": """SELECT adapter_id, version, status, published_by, first_activated_at,
@@ -71,6 +71,7 @@ def main() -> None:
             database_url=f"{url}{sep}options=-csearch_path%3Ddocs_{tag}",
             adapter_events_topic=f"docs{tag}.adapter-events",
             worker_events_topic=f"docs{tag}.worker-events",
+            liveness_topic=f"docs{tag}.liveness",
             dead_letter_topic=f"docs{tag}.dead-letter", topic_partitions=3,
             audit_signing_key="42" * 32, state_dir=Path(tmp) / "state")
         ensure_topics(settings)
@@ -81,7 +82,7 @@ def main() -> None:
         engine = make_engine(settings.database_url)
         projector = AuditProjector(settings, engine)
         stored = 0
-        while stored < len(events):
+        while stored < len(recorded(events)):
             stored += projector.project_batch(timeout=0.5)
         projector.close()
         with engine.connect() as conn:

@@ -16,6 +16,7 @@ from datetime import UTC, datetime, timedelta
 
 from services.config import Settings
 from services.contracts.events import (
+    LIVENESS_TOPIC,
     AdapterDisabled,
     AdapterLoaded,
     AdapterRolledBack,
@@ -244,6 +245,11 @@ def mixed(n: int, *, seed: int = 7, workers: int = 8, adapters: int = 24) -> Ite
             log.served(worker, name, latest[name], tenant, 4, f"r{produced}")
         produced += 1
         yield log.events.pop()
+
+
+def recorded(envelopes: list[Envelope]) -> list[Envelope]:
+    """The events the audit store keeps one by one: all but liveness (leases, heartbeats)."""
+    return [e for e in envelopes if type(e.payload).topic != LIVENESS_TOPIC]
 
 
 def produce(settings: Settings, envelopes: list[Envelope] | Iterator[Envelope],

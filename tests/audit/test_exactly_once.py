@@ -19,8 +19,8 @@ from services.audit.projector import AuditProjector, ProjectionConflict
 from services.audit.tables import adapter_versions, worker_adapters, workers
 from services.audit.verify import verify_store
 from services.config import Settings
-from tests.audit.conftest import count_events, drain
-from tests.audit.scenario import mixed, produce
+from tests.audit.conftest import count_events, drain, settle
+from tests.audit.scenario import mixed, produce, recorded
 
 pytestmark = pytest.mark.slow
 
@@ -29,10 +29,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 def assert_exactly_once(engine: Engine, produced: list) -> None:
     """Every produced event stored once, chains gap-free, state rows not doubled."""
+    kept = recorded(produced)
     with engine.connect() as conn:
         ids = [r[0] for r in conn.execute(text("SELECT event_id FROM events"))]
-        assert len(ids) == len(set(ids)) == len(produced)
-        assert set(ids) == {e.event_id for e in produced}
+        assert len(ids) == len(set(ids)) == len(kept)
+        assert set(ids) == {e.event_id for e in kept}
         gaps = conn.execute(text(
             'SELECT topic, "partition", count(*) AS n, max(chain_index) AS last '
             'FROM events GROUP BY 1, 2')).all()
@@ -64,13 +65,13 @@ def test_failure_between_insert_and_commit_loses_and_duplicates_nothing(
     crashing.before_commit = explode
     failures = 0
     deadline = time.monotonic() + 60
-    while count_events(db_engine) < len(produced):
+    while count_events(db_engine) < len(recorded(produced)):
         assert time.monotonic() < deadline
         try:
             crashing.project_batch(timeout=0.2)
         except RuntimeError:
             failures += 1  # project_batch dropped its consumer; the next call re-seeks
-    crashing.project_batch(timeout=0.2)
+    settle(crashing)
     crashing.close()
     assert failures == 2
     assert_exactly_once(db_engine, produced)
@@ -85,11 +86,11 @@ def test_a_second_projector_fences_the_first_whose_cached_state_is_then_reloaded
     try:
         while count_events(db_engine) == 0:
             first.project_batch(timeout=0.5)  # `first` now caches state and offsets
-        drain(second, 800)  # the rest, moving the offsets and state under `first`
+        drain(second, len(recorded(produced[:800])))  # the rest, moving offsets and state
         produce(audit_settings, produced[800:])  # whose folding depends on that state
         with pytest.raises(ProjectionConflict):
             first.project_batch(timeout=0.5)
-        drain(first, len(produced))  # reopened: offsets and state reloaded from Postgres
+        drain(first, len(recorded(produced)))  # reopened: offsets, state reloaded
     finally:
         first.close()
         second.close()
@@ -111,11 +112,16 @@ def test_a_second_projector_fences_the_first_whose_cached_state_is_then_reloaded
 def _env(settings: Settings) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("LORAPLANE_")}
     for name in ("database_url", "kafka_bootstrap", "adapter_events_topic",
-                 "worker_events_topic", "dead_letter_topic", "state_dir", "audit_batch_size",
-                 "audit_checkpoint_every", "audit_signing_key"):
+                 "worker_events_topic", "liveness_topic", "dead_letter_topic", "state_dir",
+                 "audit_batch_size", "audit_checkpoint_every", "audit_signing_key"):
         env[f"LORAPLANE_{name.upper()}"] = str(getattr(settings, name))
     env["LORAPLANE_LOG_LEVEL"] = "WARNING"
     return env
+
+
+def _count(engine: Engine, table: str) -> int:
+    with engine.connect() as conn:
+        return int(conn.execute(text(f"SELECT count(*) FROM {table}")).scalar_one())
 
 
 def _serve(settings: Settings) -> subprocess.Popen[bytes]:
@@ -125,9 +131,9 @@ def _serve(settings: Settings) -> subprocess.Popen[bytes]:
 
 
 def _wait_for(engine: Engine, at_least: int, proc: subprocess.Popen[bytes],
-              timeout_s: float = 90) -> int:
+              timeout_s: float = 90, table: str = "events") -> int:
     deadline = time.monotonic() + timeout_s
-    while (n := count_events(engine)) < at_least:
+    while (n := _count(engine, table)) < at_least:
         assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
         assert time.monotonic() < deadline, f"stuck at {n} of {at_least}"
         time.sleep(0.02)
@@ -149,13 +155,15 @@ def test_sigkill_mid_projection_then_restart_gives_every_event_exactly_once(
         kills.append((seen, count_events(db_engine)))
     proc = _serve(settings)
     try:
-        _wait_for(db_engine, len(produced), proc)
+        _wait_for(db_engine, len(recorded(produced)), proc)
+        beats = sum(1 for e in produced if e.type == "WorkerHeartbeat")
+        _wait_for(db_engine, beats, proc, table="worker_heartbeats")
         time.sleep(0.5)  # let it poll past the end: nothing more may appear
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(20) == 0
-    assert all(stored < len(produced) for _, stored in kills), kills
-    assert count_events(db_engine) == len(produced)
+    assert all(stored < len(recorded(produced)) for _, stored in kills), kills
+    assert count_events(db_engine) == len(recorded(produced))
     assert_exactly_once(db_engine, produced)
 
 
@@ -171,7 +179,7 @@ def test_invalid_records_are_dead_lettered_with_the_reason_and_projection_goes_o
         raw.produce(topic, key=b"adapter/x", value=value, partition=0)
     raw.flush(10)
     produce(audit_settings, good)
-    drain(projector, len(good))
+    drain(projector, len(recorded(good)))
     for value in (b"[1, 2]",):  # and one more after the first batches: a later batch
         raw.produce(topic, key=b"adapter/x", value=value, partition=1)
     raw.flush(10)

@@ -10,7 +10,7 @@ from services.audit.projector import AuditProjector
 from services.audit.verify import verify_store
 from services.config import Settings
 from tests.audit.conftest import drain
-from tests.audit.scenario import digest, produce, story
+from tests.audit.scenario import digest, produce, recorded, story
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +24,7 @@ def rows(engine: Engine, sql: str) -> list[dict]:
 def projected(audit_settings: Settings, projector: AuditProjector, db_engine: Engine) -> Engine:
     events = story()
     produce(audit_settings, events)
-    drain(projector, len(events))
+    drain(projector, len(recorded(events)))
     return db_engine
 
 
