@@ -6,11 +6,13 @@ Transactional mode is for the registry, the single writer of `adapter-events`: a
 next write raises `ProducerFenced` instead of corrupting the log. One command is one
 transaction, so no reader ever depends on `read_committed` to hide a half-done command.
 
-A transactional producer is initialised once. After a failed write it aborts the
-transaction (now, or before its next write if the broker did not answer) and goes on
-with the same producer: re-initialising the `transactional.id` would fence whichever
-instance holds it now, so a zombie that had already lost the writer role would take the
-log back. Once fenced, or after any fatal error, it refuses every write for good.
+A transactional producer is initialised once. After a failed write it settles the
+transaction and goes on with the same producer: a commit that timed out is resumed (its
+outcome was unknown: it may well commit), anything else is aborted; if the broker does
+not answer, that happens before the next write (`recover`). Re-initialising the
+`transactional.id` instead would fence whichever instance holds it now, so a zombie that
+had already lost the writer role would take the log back. Once fenced, or after any
+fatal error, it refuses every write for good.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
@@ -88,7 +90,8 @@ class EventProducer:
         self._producer = Producer(producer_config(settings, client_id, **extra))
         self._lock = threading.Lock()
         self._fenced = False
-        self._needs_abort = False
+        self._unsettled: Literal["commit", "abort"] | None = None
+        """A transaction a failed write left open, and how to settle it."""
         if transactional_id:
             try:
                 self._producer.init_transactions(timeout_s)
@@ -124,31 +127,39 @@ class EventProducer:
             if self._fenced:
                 raise ProducerFenced("this producer was fenced by a newer instance")
             try:
-                self._abort_pending(timeout)
+                self._settle(timeout)
                 return self._write(encoded, timeout)
             except ProducerFenced:
                 self._fenced = True
                 raise
 
     def recover(self, timeout_s: float) -> None:
-        """Finish aborting a transaction a failed write left open (no-op otherwise)."""
+        """Settle a transaction a failed write left open (no-op otherwise)."""
         with self._lock:
             if self._fenced:
                 raise ProducerFenced("this producer was fenced by a newer instance")
             try:
-                self._abort_pending(timeout_s)
+                self._settle(timeout_s)
             except ProducerFenced:
                 self._fenced = True
                 raise
 
-    def _abort_pending(self, timeout_s: float) -> None:
-        if not self._needs_abort:
-            return
-        try:
-            self._producer.abort_transaction(timeout_s)
-        except KafkaException as exc:
-            raise _classify(exc.args[0], "aborting the failed transaction") from exc
-        self._needs_abort = False
+    def _settle(self, timeout_s: float) -> None:
+        """Resume the commit that timed out, or abort; raises while the broker says no."""
+        while self._unsettled is not None:
+            action = self._unsettled
+            try:
+                if action == "commit":
+                    self._producer.commit_transaction(timeout_s)
+                else:
+                    self._producer.abort_transaction(timeout_s)
+            except KafkaException as exc:
+                error = exc.args[0]
+                if action == "commit" and error.txn_requires_abort():
+                    self._unsettled = "abort"
+                    continue
+                raise _classify(error, f"settling the failed transaction ({action})") from exc
+            self._unsettled = None
 
     def _write(
         self, encoded: list[tuple[str, int | None, Envelope, bytes]], timeout_s: float
@@ -183,11 +194,12 @@ class EventProducer:
         except KafkaException as exc:
             error = exc.args[0]
             if self.transactional and not (error.code() in _FENCED or error.fatal()):
-                self._abort(timeout_s)
+                committing = error.retriable() and not error.txn_requires_abort()
+                self._leave_unsettled("commit" if committing else "abort", timeout_s)
             raise _classify(error, "produce") from exc
         except BufferError as exc:
             if self.transactional:
-                self._abort(timeout_s)
+                self._leave_unsettled("abort", timeout_s)
             raise BrokerUnavailable(f"local queue full: {exc}") from exc
         self._producer.poll(0)
         for result in results:
@@ -197,19 +209,22 @@ class EventProducer:
                 raise BrokerUnavailable("no delivery report received")
         return [r for r in results if isinstance(r, RecordPosition)]
 
-    def _abort(self, timeout_s: float) -> None:
-        """Abort the failed transaction; if the broker does not answer in time, the abort
-        is finished before the next write (`_abort_pending`)."""
-        self._needs_abort = True
+    def _leave_unsettled(self, action: Literal["commit", "abort"], timeout_s: float) -> None:
+        """A write failed inside its transaction: abort it now if the broker answers, else
+        settle it before the next write. A commit that timed out is left to be resumed:
+        only the broker knows whether it went through."""
+        self._unsettled = action
+        if action == "commit":
+            return
         try:
-            self._abort_pending(timeout_s)
+            self._settle(timeout_s)
         except ProducerFenced:
             self._fenced = True  # the caller raises the write's error; every later one fenced
         except EventLogError:
             pass
 
     def close(self) -> None:
-        if not self._fenced and not self._needs_abort:
+        if not self._fenced and self._unsettled is None:
             self._producer.flush(self.timeout_s)
 
     def __enter__(self) -> EventProducer:

@@ -8,7 +8,7 @@ from confluent_kafka import Producer
 
 from services.config import Settings
 from services.contracts.codec import encode
-from services.eventlog import EventConsumer, EventProducer, ProducerFenced
+from services.eventlog import BrokerUnavailable, EventConsumer, EventProducer, ProducerFenced
 from tests.eventlog.test_plumbing import disabled, read_all
 
 pytestmark = pytest.mark.slow
@@ -93,3 +93,23 @@ def test_group_mode_commits_after_handling_and_resumes(settings: Settings) -> No
             break
     consumer.close()
     assert second == [3], "a restarted group member resumes after the committed offset"
+
+
+def test_a_commit_that_timed_out_is_resumed_and_a_fenced_producer_never_reinitialises(
+        settings: Settings) -> None:
+    from tests.registry.test_single_writer import FailingCommits
+
+    first = EventProducer(settings, transactional_id="writer")
+    first._producer = FailingCommits(first._producer)  # type: ignore[assignment]
+    with pytest.raises(BrokerUnavailable):
+        first.publish(disabled(1))  # its commit timed out: outcome unknown
+    first.recover(10)  # resumes that commit: it goes through
+    first.publish(disabled(2, seq=2))
+    second = EventProducer(settings, transactional_id="writer")  # fences `first`
+    with pytest.raises(ProducerFenced):
+        first.publish(disabled(3, seq=3))
+    with pytest.raises(ProducerFenced):
+        first.recover(10)  # and it stays fenced: it never initialises the id again
+    second.publish(disabled(4, seq=4))
+    second.close()
+    assert [e.payload.version for e in read_all(settings, "reader-resumed")] == [1, 2, 4]

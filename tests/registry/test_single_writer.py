@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
+from confluent_kafka import KafkaError, KafkaException
 
 from services.catalog.state import CatalogState
 from services.config import Settings
@@ -93,3 +95,98 @@ def test_restart_replays_to_the_same_state_and_keeps_idempotency(
     finally:
         second.stop()
     assert len(domain_events(reg_settings)) == events_before  # the retry emitted nothing
+
+
+class FailingCommits:
+    """A confluent Producer whose next commit times out (a transient broker error); all
+    else reaches the real producer and the real broker."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.armed = True
+
+    def commit_transaction(self, *args: Any) -> None:
+        if self.armed:
+            self.armed = False
+            raise KafkaException(KafkaError(KafkaError._TIMED_OUT, "injected: commit timed out",
+                                            retriable=True))
+        self._inner.commit_transaction(*args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def test_a_fenced_instance_never_takes_the_log_back(reg_settings: Settings) -> None:
+    # A leases once, at its start: nothing tells it that B fenced it until it writes
+    quiet = reg_settings.model_copy(update={"lease_interval_s": 3600.0})
+    first = RunningRegistry(quiet, registry_id="registry-a").start()
+    second: RunningRegistry | None = None
+    try:
+        with first.client() as a:
+            register_base(a)
+            assert publish(a, "bot", build_adapter(), "v1").status_code == 201
+        second = RunningRegistry(reg_settings, registry_id="registry-b").start()
+        producer = first.node._producer
+        assert producer is not None
+        producer._producer = FailingCommits(producer._producer)  # type: ignore[assignment]
+        with first.client() as a:
+            answers = [publish(a, "bot", build_adapter(seed=n), f"zombie{n}")
+                       for n in range(3)]  # a transient error, then the retries
+        with second.client() as b:
+            taken = publish(b, "bot", build_adapter(seed=9), "v2")
+            assert taken.status_code == 201, taken.text  # the new writer still writes
+            assert b.get("/readyz").status_code == 200
+        assert [answer.status_code for answer in answers] == [503] * 3
+        assert answers[-1].json()["code"] == "fenced"
+        with first.client() as a:
+            ready = a.get("/readyz")
+            assert ready.status_code == 503 and ready.json()["reason"].startswith("fenced")
+    finally:
+        if second is not None:
+            second.stop()
+        first.stop()
+    labels = [e.payload.label for e in domain_events(reg_settings)
+              if e.type == "AdapterVersionPublished"]
+    assert labels == ["v1", "v2"]
+
+
+def test_an_event_the_fold_cannot_take_stops_writes_until_skipped(
+        reg_settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    original = CatalogState.apply
+
+    def apply(self: CatalogState, envelope: Any, position: Any = None) -> None:
+        if getattr(envelope.payload, "label", None) == "poison":
+            raise ValueError("a fold bug")
+        original(self, envelope, position)
+
+    monkeypatch.setattr(CatalogState, "apply", apply)
+    running = RunningRegistry(reg_settings).start()
+    try:
+        with running.client() as admin:
+            register_base(admin)
+            assert publish(admin, "bot", build_adapter(), "v1").status_code == 201
+            poisoned = publish(admin, "bot", build_adapter(seed=1), "poison")
+            assert poisoned.status_code == 503, poisoned.text
+            assert poisoned.json()["code"] == "halted"
+            ready = admin.get("/readyz")
+            assert ready.status_code == 503
+            reason = ready.json()["reason"]
+            assert "AdapterVersionPublished" in reason and "a fold bug" in reason
+            event_id = ready.json()["halted"]["event_id"]
+            later = admin.put("/v1/adapters/bot/active", json={"version": 1})
+            assert later.status_code == 503 and later.json()["code"] == "halted"
+            assert admin.get("/v1/adapters/bot").json()["latest_version"] == 1  # reads go on
+    finally:
+        running.stop()
+    assert [e.payload.label for e in domain_events(reg_settings)
+            if e.type == "AdapterVersionPublished"] == ["v1", "poison"]
+
+    # the operator decides to skip it: the fold goes past it, writes resume
+    skipping = reg_settings.model_copy(update={"fold_skip_events": [event_id]})
+    running = RunningRegistry(skipping).start()
+    try:
+        with running.client() as admin:
+            assert admin.get("/readyz").status_code == 200
+            assert publish(admin, "bot", build_adapter(seed=2), "v3").status_code == 201
+    finally:
+        running.stop()

@@ -1,0 +1,193 @@
+"""Honest answers when things go wrong: a broker that stops answering, a registry killed
+with -9 under clients that retry. Each registry here runs on a broker of the test's own
+or as a real process, so nothing here disturbs other tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from services.config import Settings
+from services.stack.brokers import ApacheKafka
+from services.stack.process import free_port
+from tests.conftest import REPO, isolated_settings
+from tests.registry.artifacts import build_adapter
+from tests.registry.conftest import (
+    TOKENS,
+    RunningRegistry,
+    domain_events,
+    publish,
+    register_base,
+    registry_settings,
+)
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def own_broker(tmp_path: Path, settings: Settings) -> Iterator[ApacheKafka]:
+    broker = ApacheKafka(settings.model_copy(update={"topic_partitions": 1}), tmp_path / "kafka")
+    broker.start()
+    yield broker
+    broker.stop()
+
+
+def test_a_paused_broker_gets_503s_within_the_deadline_and_readyz_says_not_writable(
+        own_broker: ApacheKafka, tmp_path: Path) -> None:
+    settings = registry_settings(
+        isolated_settings(own_broker.bootstrap, None, topic_partitions=1), tmp_path / "blobs",
+        registry_write_timeout_s=2.0, lease_interval_s=0.5)
+    running = RunningRegistry(settings).start()
+    assert own_broker._child is not None
+    pid = own_broker._child.pid
+    try:
+        with running.client() as admin:
+            register_base(admin)
+            assert publish(admin, "bot", build_adapter(), "v1").status_code == 201
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                def purge(_: int) -> tuple[int, float]:
+                    with running.client() as client:
+                        started = time.monotonic()
+                        answer = client.post("/v1/tenants/acme/search/prod/purge", json={})
+                        return answer.status_code, time.monotonic() - started
+
+                with ThreadPoolExecutor(4) as pool:
+                    answers = list(pool.map(purge, range(4)))
+                assert [status for status, _ in answers] == [503] * 4, answers
+                # the whole request is bounded, waiting behind the other writes included
+                assert max(took for _, took in answers) < 2.0 + 1.0, answers
+                ready = admin.get("/readyz")
+                assert ready.status_code == 503, ready.json()
+                assert ready.json()["reason"].startswith("not writable"), ready.json()
+                assert admin.get("/v1/adapters/bot").status_code == 200  # reads go on
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            deadline = time.monotonic() + 30
+            while admin.get("/readyz").status_code != 200:
+                assert time.monotonic() < deadline, admin.get("/readyz").json()
+                time.sleep(0.2)
+            done = admin.post("/v1/tenants/acme/search/prod/purge", json={})
+            assert done.status_code == 202, done.text
+    finally:
+        running.stop()
+
+
+# --- kill -9 under retrying clients ----------------------------------------------------------
+
+
+def _env(settings: Settings) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LORAPLANE_")}
+    for name, value in settings.model_dump(mode="json", exclude_none=True).items():
+        env[f"LORAPLANE_{name.upper()}"] = value if isinstance(value, str) else json.dumps(value)
+    env["LORAPLANE_LOG_LEVEL"] = "WARNING"
+    return env
+
+
+class RegistryProcess:
+    """`loraplane serve registry` as a real process, to be killed with -9."""
+
+    def __init__(self, settings: Settings, log: Path) -> None:
+        self.settings = settings
+        self.log = log
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "services.cli", "serve", "registry"], cwd=REPO,
+                env=_env(self.settings), stdout=out, stderr=subprocess.STDOUT)
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(20)
+
+
+def retried(call: Callable[[], httpx.Response], seen: list[int]) -> httpx.Response:
+    """What a careful client does: retry on 503 and on a lost connection, same request."""
+    deadline = time.monotonic() + 90
+    while True:
+        assert time.monotonic() < deadline, f"no answer; statuses seen {seen[-20:]}"
+        try:
+            answer = call()
+        except httpx.TransportError:
+            seen.append(0)
+            time.sleep(0.05)
+            continue
+        seen.append(answer.status_code)
+        if answer.status_code != 503:
+            return answer
+        time.sleep(0.05)
+
+
+def test_kill_9_while_clients_retry_every_committed_write_is_answered_as_committed(
+        settings: Settings, tmp_path: Path) -> None:
+    port = free_port()
+    reg = registry_settings(settings, tmp_path / "blobs", registry_port=port,
+                            registry_write_timeout_s=5.0, lease_interval_s=1.0)
+    url = f"http://127.0.0.1:{port}"
+    headers = {"Authorization": f"Bearer {TOKENS['publisher'][0]}"}
+    process = RegistryProcess(reg, tmp_path / "registry.log")
+    process.start()
+    clients, steps = 4, 6
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKENS['admin'][0]}"},
+                      timeout=30) as admin:
+        retried(lambda: admin.get("/readyz"), [])
+        register_base(admin)
+    files = [[build_adapter(seed=100 * c + s) for s in range(steps)] for c in range(clients)]
+    answers: dict[str, httpx.Response] = {}
+    statuses: list[int] = []
+
+    def client(c: int) -> None:
+        with httpx.Client(base_url=url, headers=headers, timeout=30) as http:
+            for s in range(steps):
+                key = f"c{c}-s{s}-{uuid.uuid4().hex[:6]}"
+                answers[f"{key}-publish"] = retried(lambda s=s, key=key: publish(
+                    http, f"client-{c}", files[c][s], f"v{s + 1}",
+                    headers={"Idempotency-Key": f"{key}-publish"}), statuses)
+                answers[f"{key}-switch"] = retried(lambda s=s, key=key: http.put(
+                    f"/v1/adapters/client-{c}/active", json={"version": s + 1},
+                    headers={"Idempotency-Key": f"{key}-switch"}), statuses)
+
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
+    try:
+        for thread in threads:
+            thread.start()
+        for _ in range(3):  # three rounds: kill -9 while writes are in flight, restart
+            time.sleep(1.5)
+            process.kill()
+            process.start()
+        for thread in threads:
+            thread.join(120)
+        assert not any(thread.is_alive() for thread in threads)
+    finally:
+        process.stop()
+    wrong = {key: (a.status_code, a.text[:200]) for key, a in answers.items()
+             if a.status_code not in (200, 201)}
+    assert not wrong, wrong  # never a 4xx for a write that was (or then was) committed
+    assert len(answers) == clients * steps * 2
+    assert statuses.count(503) + statuses.count(0) > 0  # the kills were felt
+    events = domain_events(reg)
+    keyed = [e.payload.idempotency_key for e in events if e.payload.idempotency_key]
+    assert sorted(keyed) == sorted(answers)  # each write committed exactly once
+    for key, answer in answers.items():
+        event = next(e for e in events if e.payload.idempotency_key == key)
+        assert answer.json()["event"]["event_id"] == str(event.event_id), key
