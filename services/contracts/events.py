@@ -34,11 +34,24 @@ SLUG_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,62}$"
 """Tenant org / team / project: also checked on REST paths and forms before any event."""
 ID_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,127}$"
 """Adapter ids, aliases and base-model names."""
+SHA256_PATTERN = r"^[0-9a-f]{64}$"
+
+PATTERN_WORDS = {
+    SLUG_PATTERN: "lowercase letters, digits, '.', '_', '-' (1 to 63 characters, the first a "
+                  "letter or digit)",
+    ID_PATTERN: "lowercase letters, digits, '.', '_', '-' (1 to 128 characters, the first a "
+                "letter or digit)",
+    SHA256_PATTERN: "64 lowercase hexadecimal digits (a SHA-256)",
+}
+"""What each pattern allows, in words: what an API says when a value does not match."""
 
 Slug = Annotated[str, StringConstraints(pattern=SLUG_PATTERN)]
-Sha256Hex = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+Sha256Hex = Annotated[str, StringConstraints(pattern=SHA256_PATTERN)]
 AdapterId = Annotated[str, StringConstraints(pattern=ID_PATTERN)]
 QosTier = Literal["platinum", "gold", "silver", "bronze"]
+RequestSha256 = Annotated[Sha256Hex | None, Field(
+    description="SHA-256 of the request that carried the Idempotency-Key; a later request "
+                "with the same key and another fingerprint is refused.")]
 Version = Annotated[int, Field(ge=1)]
 
 ADAPTER_TOPIC = "adapter"
@@ -87,6 +100,7 @@ class BaseModelRegistered(Payload):
     config: dict[str, Any]
     idempotency_key: str | None = Field(
         None, max_length=128, description="Client Idempotency-Key of the command (with the actor).")
+    request_sha256: RequestSha256 = None
 
 
 class AdapterVersionPublished(Payload):
@@ -105,8 +119,13 @@ class AdapterVersionPublished(Payload):
     qos_tier: QosTier = "silver"
     owner: str = Field(min_length=1, max_length=256)
     rollback_to: Version | None = None
+    declared_base_model: str | None = Field(
+        None, max_length=512,
+        description="base_model_name_or_path from adapter_config.json: the model the adapter "
+                    "says it was trained on (validated against `base_model`'s shapes).")
     idempotency_key: str | None = Field(
         None, max_length=128, description="Client Idempotency-Key of the command (with the actor).")
+    request_sha256: RequestSha256 = None
     gate_required: bool = Field(
         False, description="Decided by the registry at publish: the version gets traffic (switch, "
                            "split, rollout) only after a passed quality gate or an admin "
@@ -132,6 +151,7 @@ class TrafficSplitChanged(Payload):
     previous: list[SplitEntry] = Field(default_factory=list)
     idempotency_key: str | None = Field(
         None, max_length=128, description="Client Idempotency-Key of the command (with the actor).")
+    request_sha256: RequestSha256 = None
     rollout: RolloutStep | None = Field(
         None, description="Set when a canary rollout moved the split (started, advanced, rolled "
                           "back), with the figures it was decided on.")
@@ -146,6 +166,7 @@ class AdapterVersionSwitched(Payload):
     alias: AdapterId | None = None
     idempotency_key: str | None = Field(
         None, max_length=128, description="Client Idempotency-Key of the command (with the actor).")
+    request_sha256: RequestSha256 = None
     rollout: RolloutStep | None = Field(
         None, description="Set when a canary rollout completed: its last stage held, and the "
                           "canary became the adapter's active version.")
@@ -158,6 +179,7 @@ class AdapterRolledBack(Payload):
     reason: str = Field(max_length=1024)
     idempotency_key: str | None = Field(
         None, max_length=128, description="Client Idempotency-Key of the command (with the actor).")
+    request_sha256: RequestSha256 = None
 
 
 class AdapterDisabled(Payload):
@@ -166,6 +188,7 @@ class AdapterDisabled(Payload):
     reason: str = Field(max_length=1024)
     idempotency_key: str | None = Field(
         None, max_length=128, description="Client Idempotency-Key of the command (with the actor).")
+    request_sha256: RequestSha256 = None
 
 
 class AdapterEnabled(Payload):
@@ -174,6 +197,7 @@ class AdapterEnabled(Payload):
     reason: str = Field("", max_length=1024)
     idempotency_key: str | None = Field(
         None, max_length=128, description="Client Idempotency-Key of the command (with the actor).")
+    request_sha256: RequestSha256 = None
 
 
 class TenantPurgeRequested(Payload):
@@ -186,6 +210,7 @@ class TenantPurgeRequested(Payload):
                     "(services/catalog/purge.py). Events written before this field list none.")
     idempotency_key: str | None = Field(
         None, max_length=128, description="Client Idempotency-Key of the command (with the actor).")
+    request_sha256: RequestSha256 = None
 
 
 class RegistryLease(Payload):
@@ -314,6 +339,7 @@ class QualityGateRequested(Payload):
     reason: str = Field("", max_length=1024)
     idempotency_key: str | None = Field(
         None, max_length=128, description="Client Idempotency-Key of the command (with the actor).")
+    request_sha256: RequestSha256 = None
 
 
 class QualityGateExpired(Payload):
@@ -337,6 +363,7 @@ class ReleaseOverridden(Payload):
                               description="What the override lifted, as the refusals read.")
     idempotency_key: str | None = Field(
         None, max_length=128, description="Client Idempotency-Key of the command (with the actor).")
+    request_sha256: RequestSha256 = None
 
 
 class RolloutPlan(_Frozen):
@@ -413,6 +440,7 @@ class RolloutHalted(Payload):
     judgement: Judgement | None = None
     idempotency_key: str | None = Field(
         None, max_length=128, description="Client Idempotency-Key of the command (with the actor).")
+    request_sha256: RequestSha256 = None
 
 
 class RolloutResumed(Payload):
@@ -424,6 +452,7 @@ class RolloutResumed(Payload):
     reason: str = Field("", max_length=2048)
     idempotency_key: str | None = Field(
         None, max_length=128, description="Client Idempotency-Key of the command (with the actor).")
+    request_sha256: RequestSha256 = None
 
 
 GATE_TEXT_CHARS = 512

@@ -1,8 +1,14 @@
 """The registry's FastAPI app: wiring only (routes, dependencies, errors, lifespan).
 
-The lifespan starts a `RegistryNode`, which fences older instances, replays the log to a
-barrier of its own in the background (`/readyz` is 503 until then, `/healthz` answers at
-once) and then leases every `lease_interval_s`. Shutdown stops the node cleanly.
+The lifespan starts a `RegistryNode`, which fences older instances, replays the log in
+the background (`/readyz` and every catalog route answer 503 until then, `/healthz`
+answers at once) and then leases every `lease_interval_s`. Shutdown stops the node.
+
+Every error is an RFC 9457 problem (`services/contracts/problems.py`) with a stable
+`code`: a refusal of the catalog its kind (`not_found`, `conflict`, `precondition`,
+`invalid`, `forbidden`, `key_reused`), an upload `invalid_adapter` or `too_large`
+(naming the `tensor` or `field`), the event log `replaying`, `halted`, `fenced`,
+`timeout` or `unavailable` (503 with Retry-After), a bad request `invalid_request`.
 """
 
 from __future__ import annotations
@@ -10,7 +16,6 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -19,6 +24,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.catalog.state import Refusal
 from services.config import Settings
+from services.contracts.events import PATTERN_WORDS
+from services.contracts.problems import (
+    PROBLEM_MEDIA_TYPE,
+    install_problems,
+    problem_bytes,
+    problem_response,
+    validation_problem,
+)
 from services.registry.auth import TokenBook
 from services.registry.blobstore import LocalBlobStore
 from services.registry.gate_sweeper import GateSweeper
@@ -88,18 +101,12 @@ class BodyLimit:
 
 
 async def _too_large(send: Send, limit: int) -> None:
-    body = (b'{"detail":"request body over the upload limit of %d bytes","code":"too_large"}'
-            % limit)
+    body = problem_bytes(413, "too_large", f"the request body is over the upload limit of "
+                                           f"{limit} bytes")
     await send({"type": "http.response.start", "status": 413,
-                "headers": [(b"content-type", b"application/json"),
+                "headers": [(b"content-type", PROBLEM_MEDIA_TYPE.encode()),
                             (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})
-
-
-def _error(status: int, code: str, detail: str, **extra: Any) -> JSONResponse:
-    headers = extra.pop("headers", None)
-    return JSONResponse({"detail": detail, "code": code, **extra}, status_code=status,
-                        headers=headers)
 
 
 def create_app(settings: Settings, *, registry_id: str | None = None) -> FastAPI:
@@ -134,24 +141,30 @@ def create_app(settings: Settings, *, registry_id: str | None = None) -> FastAPI
     for module in (adapters, base_models, aliases, purges, release, blobs, health):
         app.include_router(module.router)
 
+    install_problems(app, pattern_words=PATTERN_WORDS)
+
     @app.exception_handler(Refusal)
-    async def refused(_: Request, exc: Refusal) -> JSONResponse:
-        return _error(REFUSAL_STATUS[exc.kind], exc.kind, exc.message)
+    async def refused(request: Request, exc: Refusal) -> JSONResponse:
+        return problem_response(REFUSAL_STATUS[exc.kind], exc.kind, exc.message,
+                                instance=request.url.path)
 
     @app.exception_handler(UploadRejected)
-    async def rejected(_: Request, exc: UploadRejected) -> JSONResponse:
-        extra = {"tensor": exc.tensor} if exc.tensor else {}
-        return _error(exc.status, "too_large" if exc.status == 413 else "invalid_adapter",
-                      exc.message, **extra)
+    async def rejected(request: Request, exc: UploadRejected) -> JSONResponse:
+        return problem_response(exc.status, "too_large" if exc.status == 413
+                                else "invalid_adapter", exc.message, instance=request.url.path,
+                                tensor=exc.tensor, field=exc.field, **exc.extensions)
 
     @app.exception_handler(WritesUnavailable)
-    async def unavailable(_: Request, exc: WritesUnavailable) -> JSONResponse:
-        return _error(503, exc.code, exc.message,
-                      headers={"Retry-After": str(exc.retry_after_s)})
+    async def unavailable(request: Request, exc: WritesUnavailable) -> JSONResponse:
+        return problem_response(503, exc.code, exc.message, instance=request.url.path,
+                                headers={"Retry-After": str(exc.retry_after_s)})
 
     @app.exception_handler(ValidationError)
-    async def invalid(_: Request, exc: ValidationError) -> JSONResponse:
-        return _error(422, "invalid", str(exc))
+    async def invalid(request: Request, exc: ValidationError) -> JSONResponse:
+        detail, fields = validation_problem(exc.errors(), PATTERN_WORDS)
+        return problem_response(422, "invalid_request", detail, instance=request.url.path,
+                                field=fields[0].field if fields else None,
+                                errors=[f.model_dump() for f in fields])
 
     app.add_middleware(BodyLimit, limit=settings.max_upload_bytes + MULTIPART_SLACK_BYTES)
     return app

@@ -6,8 +6,16 @@ is an orphan nobody references. It is harmless: the same bytes published later m
 same path, and a sweep may delete unreferenced blobs at any time.
 
 `BlobStore` is the interface; `LocalBlobStore` is the directory implementation. An
-S3-compatible store implements the same four methods (multipart upload to a temporary key,
+S3-compatible store implements the same methods (multipart upload to a temporary key,
 then copy to the digest key) and runs the same contract tests.
+
+Bytes that do not hash to their name are never handed out whole. `verify` hashes a blob
+before anyone sends it (a corrupt one is refused with a clear error, nothing sent), and
+`read` holds back the last chunk until the digest of everything before it checked out,
+so a blob that rots between the two never reaches a reader complete: its stream ends
+short of the declared length, an error on every HTTP client. A verified blob is not
+hashed again before each read while its file is unchanged (size, mtime, inode); `read`
+still checks every byte it sends.
 """
 
 from __future__ import annotations
@@ -21,7 +29,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Protocol
 
-_DIGEST = re.compile(r"^[0-9a-f]{64}$")
+from services.contracts.events import SHA256_PATTERN
+
+_DIGEST = re.compile(SHA256_PATTERN)
 CHUNK_BYTES = 1 << 20
 
 
@@ -58,9 +68,13 @@ class BlobStore(Protocol):
 
     def size(self, digest: str) -> int: ...
 
+    def verify(self, digest: str) -> int:
+        """The blob's size once its bytes hash to its name; BlobCorrupted otherwise."""
+        ...
+
     def read(self, digest: str) -> Iterator[bytes]:
-        """Chunks of the blob; raises BlobCorrupted after the last chunk if the digest
-        does not match (callers that forward bytes must be able to abort)."""
+        """Chunks of the blob; the last one only after the digest checked out, else
+        BlobCorrupted instead of it (callers that forward bytes must then abort)."""
         ...
 
 
@@ -104,6 +118,8 @@ class LocalBlobStore:
         self.root = Path(root)
         self.tmp_dir = self.root / "tmp"
         (self.root / "sha256").mkdir(parents=True, exist_ok=True)
+        self._verified: dict[str, tuple[int, int, int]] = {}
+        """digest → (size, mtime_ns, inode) of the file when it last hashed right."""
 
     def path_of(self, digest: str) -> Path:
         check_digest(digest)
@@ -129,19 +145,41 @@ class LocalBlobStore:
         except FileNotFoundError:
             raise BlobNotFound(digest) from None
 
+    def verify(self, digest: str) -> int:
+        path = self.path_of(digest)
+        try:
+            stat = path.stat()
+        except FileNotFoundError:
+            raise BlobNotFound(digest) from None
+        mark = (stat.st_size, stat.st_mtime_ns, stat.st_ino)
+        if self._verified.get(digest) == mark:
+            return stat.st_size
+        for _ in self.read(digest):
+            pass
+        if len(self._verified) > 100_000:
+            self._verified.clear()
+        self._verified[digest] = mark
+        return stat.st_size
+
     def read(self, digest: str) -> Iterator[bytes]:
         try:
             handle = self.path_of(digest).open("rb")
         except FileNotFoundError:
             raise BlobNotFound(digest) from None
-        return self._verified(handle, digest)
+        return self._checked(handle, digest)
 
-    @staticmethod
-    def _verified(handle: IO[bytes], digest: str) -> Iterator[bytes]:
+    def _checked(self, handle: IO[bytes], digest: str) -> Iterator[bytes]:
         hasher = hashlib.sha256()
+        held: bytes | None = None
         with handle:
             while chunk := handle.read(CHUNK_BYTES):
                 hasher.update(chunk)
-                yield chunk
+                if held is not None:
+                    yield held
+                held = chunk
         if hasher.hexdigest() != digest:
-            raise BlobCorrupted(f"blob {digest} is corrupted on disk")
+            self._verified.pop(digest, None)
+            raise BlobCorrupted(f"blob {digest} is corrupted on disk: its bytes hash to "
+                                f"{hasher.hexdigest()}")
+        if held is not None:
+            yield held

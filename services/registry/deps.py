@@ -6,18 +6,22 @@ it performs: role and tenant scope, If-Match, Idempotency-Key, trace id.
 
 from __future__ import annotations
 
+import hashlib
 import re
 import uuid
 from typing import Annotated
 
-from fastapi import Depends, Header, HTTPException, Request
+from fastapi import Depends, Header, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel
 
 from services.catalog.state import Adapter
+from services.contracts.codec import canonical_bytes
 from services.contracts.events import TenantRef
+from services.contracts.problems import ProblemError
 from services.registry.auth import Principal, Role, TokenBook
 from services.registry.blobstore import LocalBlobStore
-from services.registry.node import RegistryNode
+from services.registry.node import Deadline, RegistryNode
 
 bearer = HTTPBearer(auto_error=False, description="A registry token (stored hashed).")
 
@@ -50,8 +54,9 @@ Replayed = Depends(require_replayed)
 Blobs = Annotated[LocalBlobStore, Depends(get_blobs)]
 
 
-def _unauthorized(message: str) -> HTTPException:
-    return HTTPException(401, message, headers={"WWW-Authenticate": 'Bearer realm="loraplane"'})
+def _unauthorized(message: str) -> ProblemError:
+    return ProblemError(401, "unauthorized", message,
+                        headers={"WWW-Authenticate": 'Bearer realm="loraplane"'})
 
 
 def current_principal(
@@ -77,8 +82,8 @@ class RequireRole:
         self, principal: Annotated[Principal, Depends(current_principal)]
     ) -> Principal:
         if principal.role not in self.roles:
-            raise HTTPException(403, f"role {principal.role} may not do this "
-                                     f"(needs {' or '.join(self.roles)})")
+            raise ProblemError(403, "forbidden", f"role {principal.role} may not do this "
+                                                 f"(needs {' or '.join(self.roles)})")
         return principal
 
 
@@ -91,15 +96,16 @@ BlobReader = Annotated[Principal, Depends(RequireRole("admin", "worker"))]
 def ensure_write_scope(principal: Principal, tenant: TenantRef | None) -> None:
     if tenant is None:
         if principal.role != "admin":
-            raise HTTPException(403, "only an admin may change resources without a tenant")
+            raise ProblemError(403, "forbidden",
+                               "only an admin may change resources without a tenant")
         return
     if not principal.may_write_for(tenant):
-        raise HTTPException(403, f"token is not scoped to tenant {tenant.key}")
+        raise ProblemError(403, "forbidden", f"token is not scoped to tenant {tenant.key}")
 
 
 def ensure_read_scope(principal: Principal, tenant: TenantRef | None) -> None:
     if not principal.may_read_for(tenant):
-        raise HTTPException(403, "token is not scoped to this tenant")
+        raise ProblemError(403, "forbidden", "token is not scoped to this tenant")
 
 
 def writable_adapter(node: RegistryNode, principal: Principal, adapter_id: str) -> Adapter:
@@ -122,7 +128,9 @@ def expected_version(
         return None
     m = _ETAG.match(if_match.strip())
     if m is None:
-        raise HTTPException(412, f"If-Match {if_match!r} is not an etag of this resource")
+        raise ProblemError(412, "precondition", f"If-Match {if_match!r} is not an etag of "
+                           'this resource: send the ETag it answered, e.g. "3"',
+                           field="If-Match header")
     return int(m[1])
 
 
@@ -147,6 +155,19 @@ def trace_id(
     return uuid.uuid4().hex
 
 
+def write_deadline(node: Node) -> Deadline:
+    """A write's deadline starts once its request is read (before any check or queue)."""
+    return Deadline(node.settings.registry_write_timeout_s)
+
+
+def request_fingerprint(command: str, *parts: object) -> str:
+    """SHA-256 of what makes a request the one it is, for Idempotency-Key reuse checks
+    (IETF Idempotency-Key draft: a key reused with another request is refused)."""
+    plain = [p.model_dump(mode="json") if isinstance(p, BaseModel) else p for p in parts]
+    return hashlib.sha256(canonical_bytes({"command": command, "parts": plain})).hexdigest()
+
+
 ExpectedVersion = Annotated[int | None, Depends(expected_version)]
 IdempotencyKey = Annotated[str | None, Depends(idempotency_key)]
 TraceId = Annotated[str, Depends(trace_id)]
+WriteDeadline = Annotated[Deadline, Depends(write_deadline)]

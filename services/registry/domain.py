@@ -83,6 +83,8 @@ class ArtifactFacts:
     lora_alpha: float
     target_modules: tuple[str, ...]
     dtype: str
+    declared_base_model: str | None = None
+    """The adapter's `base_model_name_or_path`, as its config declares it."""
 
 
 @dataclass(frozen=True)
@@ -154,6 +156,7 @@ def publish_version(state: CatalogState, request: PublishRequest, facts: Artifac
         qos_tier=request.qos_tier,
         owner=request.owner,
         rollback_to=request.rollback_to,
+        declared_base_model=facts.declared_base_model,
         idempotency_key=idempotency_key,
         gate_required=request.gate_required or gate is not None,
         quality_gate=gate,

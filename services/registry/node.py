@@ -282,7 +282,10 @@ class RegistryNode:
                 producer = self._ready_producer(deadline)
                 with self.state_lock:
                     decision = decide(self.state)
-                envelope = Envelope.new(decision.payload, stream=decision.stream,
+                payload = decision.payload
+                if request_sha256 and "request_sha256" in type(payload).model_fields:
+                    payload = payload.model_copy(update={"request_sha256": request_sha256})
+                envelope = Envelope.new(payload, stream=decision.stream,
                                         seq=decision.seq, actor=actor, tenant=decision.tenant,
                                         trace_id=trace_id)
                 written = self._publish(producer, envelope, deadline)

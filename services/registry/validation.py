@@ -50,13 +50,17 @@ _DTYPES: dict[str, tuple[str, int, Any, int]] = {
 
 
 class UploadRejected(Exception):
-    """An upload that may not be stored; `status` is 413 or 422, `tensor` names the culprit."""
+    """An upload that may not be stored; `status` is 413 or 422, `tensor` or `field` names
+    the culprit, `extensions` go into the problem as they are."""
 
-    def __init__(self, message: str, *, status: int = 422, tensor: str | None = None) -> None:
+    def __init__(self, message: str, *, status: int = 422, tensor: str | None = None,
+                 field: str | None = None, **extensions: Any) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
         self.tensor = tensor
+        self.field = field
+        self.extensions = extensions
 
 
 # --- the base model ------------------------------------------------------------------------
@@ -110,11 +114,19 @@ class LoraConfig:
     targets: tuple[str, ...] | str
     """A list of module names, or PEFT's regex string (full match on the module path)."""
     layers: frozenset[int] | None
+    declared_base: str | None = None
+    """`base_model_name_or_path`: the model the adapter says it was trained on."""
+
+
+def too_large_config(size: int) -> UploadRejected:
+    """One status for one problem: an oversized adapter_config.json is 413 however sent."""
+    return UploadRejected(f"{CONFIG_FILE} is {size} bytes, over the {MAX_CONFIG_BYTES}-byte "
+                          "limit", status=413, field="adapter_config")
 
 
 def parse_lora_config(raw: bytes) -> LoraConfig:
     if len(raw) > MAX_CONFIG_BYTES:
-        raise UploadRejected(f"{CONFIG_FILE} is larger than {MAX_CONFIG_BYTES} bytes")
+        raise too_large_config(len(raw))
     try:
         conf = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -162,7 +174,25 @@ def parse_lora_config(raw: bytes) -> LoraConfig:
         layers = frozenset(layers_raw)
     elif layers_raw is not None:
         raise UploadRejected(f"{CONFIG_FILE}: layers_to_transform must be integers")
-    return LoraConfig(rank, float(alpha), declared, layers)
+    base = conf.get("base_model_name_or_path")
+    if base is not None and (not isinstance(base, str) or len(base) > 512):
+        raise UploadRejected(f"{CONFIG_FILE}: base_model_name_or_path must be a name or path "
+                             "of at most 512 characters")
+    return LoraConfig(rank, float(alpha), declared, layers, base or None)
+
+
+def declared_base_matches(declared: str, registered: str,
+                          registered_config: Mapping[str, Any]) -> bool:
+    """Whether `base_model_name_or_path` names the registered base model: its name, or the
+    `_name_or_path` of its config.json, compared by last path segment, case-insensitively
+    (`/models/Tiny-Llama/` names `tiny-llama`)."""
+    def tail(name: str) -> str:
+        return name.strip().rstrip("/").rsplit("/", 1)[-1].lower()
+
+    names = {tail(registered)}
+    if isinstance(registered_config.get("_name_or_path"), str):
+        names.add(tail(registered_config["_name_or_path"]))
+    return tail(declared) in names
 
 
 def _covers(targets: tuple[str, ...] | str, module: str, path: str) -> bool:
@@ -196,10 +226,16 @@ def read_header(source: IO[bytes], total_size: int) -> SafetensorsLayout:
     """Parse the header from the start of `source`; leaves the stream at the data region."""
     prefix = source.read(8)
     if len(prefix) < 8:
-        raise UploadRejected(f"{WEIGHTS_FILE} is too short to be safetensors")
+        raise UploadRejected(f"{WEIGHTS_FILE} is truncated: {total_size} bytes, less than the "
+                             "8 bytes that start every safetensors file", field="adapter_model")
     length = int.from_bytes(prefix, "little")
-    if length > MAX_HEADER_BYTES or length > total_size - 8:
-        raise UploadRejected(f"{WEIGHTS_FILE}: header length {length} is impossible")
+    if length > MAX_HEADER_BYTES:
+        raise UploadRejected(f"{WEIGHTS_FILE}: its header would be {length} bytes, over the "
+                             f"{MAX_HEADER_BYTES}-byte limit: is it a safetensors file?",
+                             field="adapter_model")
+    if length > total_size - 8:
+        raise UploadRejected(f"{WEIGHTS_FILE} is truncated: its header declares {length} "
+                             f"bytes, only {total_size - 8} follow", field="adapter_model")
     raw = source.read(length)
     try:
         header = json.loads(raw)
@@ -232,9 +268,12 @@ def read_header(source: IO[bytes], total_size: int) -> SafetensorsLayout:
             raise UploadRejected(f"tensor {entry.name}: byte range does not match shape "
                                  f"{list(entry.shape)} of {entry.dtype}", tensor=entry.name)
         cursor = entry.end
-    if cursor != data_bytes:
-        raise UploadRejected(f"{WEIGHTS_FILE}: data region is {data_bytes} bytes, tensors "
-                             f"cover {cursor}")
+    if cursor > data_bytes:
+        raise UploadRejected(f"{WEIGHTS_FILE} is truncated: its tensors need {cursor} bytes "
+                             f"of data, the file holds {data_bytes}", field="adapter_model")
+    if cursor < data_bytes:
+        raise UploadRejected(f"{WEIGHTS_FILE} has {data_bytes - cursor} bytes after its last "
+                             "tensor", field="adapter_model")
     return SafetensorsLayout(prefix + raw, tuple(entries), data_bytes)
 
 
@@ -314,8 +353,8 @@ def scan_data(source: IO[bytes], layout: SafetensorsLayout, hasher: Any,
         while remaining:
             chunk = source.read(min(step, remaining))
             if not chunk:
-                raise UploadRejected(f"{WEIGHTS_FILE} ends inside tensor {entry.name}",
-                                     tensor=entry.name)
+                raise UploadRejected(f"{WEIGHTS_FILE} is truncated: it ends inside tensor "
+                                     f"{entry.name}", tensor=entry.name)
             if len(chunk) % item:
                 rest = source.read(item - len(chunk) % item)
                 chunk += rest
@@ -331,22 +370,37 @@ def scan_data(source: IO[bytes], layout: SafetensorsLayout, hasher: Any,
 
 def validate_adapter(config_bytes: bytes, weights: IO[bytes], weights_size: int,
                      base_config: Mapping[str, Any], *, max_rank: int,
-                     allowed_dtypes: list[str], sink: IO[bytes] | None = None) -> ArtifactFacts:
-    """Every check, in order of cost; the weights are read once and copied to `sink`."""
+                     allowed_dtypes: list[str], sink: IO[bytes] | None = None,
+                     base_name: str | None = None) -> ArtifactFacts:
+    """Every check, in order of cost; the weights are read once and copied to `sink`.
+
+    `base_name` is the registered base model's name: when the adapter declares another
+    base (`base_model_name_or_path`) and its shapes do not fit, the refusal says so."""
     lora = parse_lora_config(config_bytes)
     try:
         base = BaseModelShape.from_config(base_config)
     except ValueError as exc:
         raise UploadRejected(f"registered base model: {exc}") from exc
     layout = read_header(weights, weights_size)
-    modules, dtype = check_tensors(layout, lora, base, max_rank=max_rank,
-                                   allowed_dtypes=allowed_dtypes)
+    try:
+        modules, dtype = check_tensors(layout, lora, base, max_rank=max_rank,
+                                       allowed_dtypes=allowed_dtypes)
+    except UploadRejected as exc:
+        declared = lora.declared_base
+        if declared and base_name and not declared_base_matches(declared, base_name,
+                                                                base_config):
+            exc.message += (f". The adapter declares base_model_name_or_path {declared!r}; it "
+                            f"was checked against the registered base model {base_name!r}: "
+                            "publish it against the model it was trained on")
+            exc.extensions["declared_base_model"] = declared
+        raise
     hasher = hashlib.sha256(layout.header)
     if sink is not None:
         sink.write(layout.header)
     scan_data(weights, layout, hasher, sink)
     if weights.read(1):
-        raise UploadRejected(f"{WEIGHTS_FILE} has bytes after its last tensor")
+        raise UploadRejected(f"{WEIGHTS_FILE} has bytes after its last tensor",
+                             field="adapter_model")
     return ArtifactFacts(
         sha256=hasher.hexdigest(),
         config_sha256=hashlib.sha256(config_bytes).hexdigest(),
@@ -355,6 +409,7 @@ def validate_adapter(config_bytes: bytes, weights: IO[bytes], weights_size: int,
         lora_alpha=lora.alpha,
         target_modules=modules,
         dtype=dtype,
+        declared_base_model=lora.declared_base,
     )
 
 
@@ -396,9 +451,12 @@ def unpack_archive(archive: IO[bytes], max_bytes: int) -> UnpackedAdapter:
                 base = parts[-1]
                 if base not in (CONFIG_FILE, WEIGHTS_FILE):
                     continue
+                if base == CONFIG_FILE and member.size > MAX_CONFIG_BYTES:
+                    raise too_large_config(member.size)
                 if member.size > max_bytes:
                     raise UploadRejected(f"archive member {name!r} is {member.size} bytes, over "
-                                         f"the {max_bytes}-byte limit", status=413)
+                                         f"the {max_bytes}-byte limit", status=413,
+                                         field="archive")
                 handle = tar.extractfile(member)
                 assert handle is not None
                 if base == CONFIG_FILE:

@@ -6,7 +6,7 @@ at answer time, so the answer to a retried Idempotency-Key is byte-for-byte the 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -30,6 +30,7 @@ from services.contracts.events import (
     TenantRef,
     TrafficSplitChanged,
 )
+from services.registry.validation import declared_base_matches
 
 if TYPE_CHECKING:
     from services.registry.node import Committed
@@ -100,22 +101,36 @@ class VersionView(BaseModel):
     dtype: str
     qos_tier: str
     rollback_to: int | None
+    declared_base_model: str | None = Field(
+        None, description="base_model_name_or_path from adapter_config.json")
     published_at: datetime
     disabled: bool = False
     disabled_reason: str = ""
     active: bool = False
+    warnings: list[str] = Field(default_factory=list,
+                                description="Things a publisher should check (in the 201)")
     event: EventRef | None = None
 
 
 def _version_fields(p: AdapterVersionPublished) -> dict[str, Any]:
-    return p.model_dump(exclude={"idempotency_key"})
+    return p.model_dump(exclude={"idempotency_key", "request_sha256"})
 
 
-def published_view(envelope: Envelope, position: LogPosition | None) -> VersionView:
-    """The 201 answer to a publish, as it was at publish time."""
-    assert isinstance(envelope.payload, AdapterVersionPublished)
-    return VersionView(**_version_fields(envelope.payload), tenant=envelope.tenant,
-                       published_at=envelope.occurred_at,
+def published_view(envelope: Envelope, position: LogPosition | None,
+                   base_config: Mapping[str, Any]) -> VersionView:
+    """The 201 answer to a publish, as it was at publish time (`base_config`: the
+    registered base model's config.json, which never changes)."""
+    p = envelope.payload
+    assert isinstance(p, AdapterVersionPublished)
+    warnings = []
+    if p.declared_base_model and not declared_base_matches(p.declared_base_model, p.base_model,
+                                                           base_config):
+        warnings.append(
+            f"adapter_config.json declares base_model_name_or_path "
+            f"{p.declared_base_model!r}, not the registered base model {p.base_model!r}; its "
+            "shapes fit, but check that it was trained on this model before serving it")
+    return VersionView(**_version_fields(p), tenant=envelope.tenant,
+                       published_at=envelope.occurred_at, warnings=warnings,
                        event=event_ref(envelope, position))
 
 
@@ -165,7 +180,7 @@ class AdapterChange(BaseModel):
 
 
 def change_view(envelope: Envelope, position: LogPosition | None) -> AdapterChange:
-    fields = envelope.payload.model_dump(exclude={"idempotency_key", "alias"})
+    fields = envelope.payload.model_dump(exclude={"idempotency_key", "request_sha256", "alias"})
     return AdapterChange(**fields, type=envelope.type, event=event_ref(envelope, position))
 
 
@@ -249,9 +264,3 @@ def purge_view(purge: Purge, now: datetime, event: EventRef | None = None) -> Pu
                            refcounts_zero=a.refcounts_zero)
               for a in sorted(purge.acks, key=lambda a: a.acked_at)],
         event=event)
-
-
-class ErrorBody(BaseModel):
-    detail: str
-    code: str
-    tensor: str | None = None

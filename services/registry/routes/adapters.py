@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import replace
 from typing import IO, Annotated, Literal
 
@@ -10,6 +11,7 @@ from pydantic import BaseModel, Field
 
 from services.catalog.state import adapter_stream
 from services.contracts.events import ID_PATTERN, SLUG_PATTERN, AdapterVersionPublished, TenantRef
+from services.contracts.problems import problem_responses
 from services.registry.deps import (
     Blobs,
     ExpectedVersion,
@@ -18,9 +20,11 @@ from services.registry.deps import (
     Reader,
     Replayed,
     TraceId,
+    WriteDeadline,
     Writer,
     ensure_read_scope,
     ensure_write_scope,
+    request_fingerprint,
     writable_adapter,
 )
 from services.registry.domain import (
@@ -31,18 +35,19 @@ from services.registry.domain import (
     set_disabled,
     switch_active,
 )
-from services.registry.node import Committed
+from services.registry.node import Committed, Deadline
 from services.registry.routes.release import gate_spec, read_regression_set
 from services.registry.validation import (
+    MAX_CONFIG_BYTES,
     UnpackedAdapter,
     UploadRejected,
+    too_large_config,
     unpack_archive,
     validate_adapter,
 )
 from services.registry.views import (
     AdapterChange,
     AdapterView,
-    ErrorBody,
     Page,
     VersionView,
     adapter_view,
@@ -58,8 +63,7 @@ router = APIRouter(prefix="/v1/adapters", tags=["adapters"], dependencies=[Repla
 AdapterIdPath = Annotated[str, Path(pattern=ID_PATTERN)]
 VersionPath = Annotated[int, Path(ge=1, le=2**31)]
 
-ERRORS: dict[int | str, dict[str, object]] = {
-    code: {"model": ErrorBody} for code in (401, 403, 404, 409, 412, 422, 503)}
+ERRORS = problem_responses(401, 403, 404, 409, 412, 422, 503)
 
 
 def _read_upload(upload: UploadFile, limit: int, what: str) -> tuple[IO[bytes], int]:
@@ -67,8 +71,11 @@ def _read_upload(upload: UploadFile, limit: int, what: str) -> tuple[IO[bytes], 
     handle.seek(0, 2)
     size = handle.tell()
     handle.seek(0)
+    if what == "adapter_config" and size > MAX_CONFIG_BYTES:
+        raise too_large_config(size)
     if size > limit:
-        raise UploadRejected(f"{what} is {size} bytes, over the {limit}-byte limit", status=413)
+        raise UploadRejected(f"{what} is {size} bytes, over the {limit}-byte limit", status=413,
+                             field=what)
     return handle, size
 
 
@@ -76,18 +83,37 @@ def _adapter_files(adapter_config: UploadFile | None, adapter_model: UploadFile 
                    archive: UploadFile | None, limit: int) -> UnpackedAdapter:
     if archive is not None:
         if adapter_config is not None or adapter_model is not None:
-            raise UploadRejected("send either archive or adapter_config + adapter_model")
+            raise UploadRejected("send either archive or adapter_config + adapter_model",
+                                 field="archive")
         handle, _ = _read_upload(archive, limit, "archive")
         return unpack_archive(handle, limit)
     if adapter_config is None or adapter_model is None:
-        raise UploadRejected("adapter_config and adapter_model (or one archive) are required")
-    config, _ = _read_upload(adapter_config, 1024 * 1024, "adapter_config")
+        raise UploadRejected("adapter_config and adapter_model (or one archive) are required",
+                             field="adapter_model" if adapter_config else "adapter_config")
+    config, _ = _read_upload(adapter_config, limit, "adapter_config")
     weights, size = _read_upload(adapter_model, limit, "adapter_model")
     return UnpackedAdapter(config.read(), weights, size)
 
 
+def _publish_fingerprint(request: PublishRequest, expected: int | None, sha256: str,
+                         config_sha256: str, regression_set_sha256: str | None) -> str:
+    """What makes two publish requests the same request: the form, If-Match and the
+    files' digests (however they were sent: two files or one archive)."""
+    return request_fingerprint("publish", request.adapter_id, request.tenant.key,
+                               request.owner, request.base_model, request.label,
+                               request.qos_tier, request.rollback_to, expected, sha256,
+                               config_sha256, regression_set_sha256)
+
+
+def _digests(files: UnpackedAdapter) -> tuple[str, str]:
+    weights = hashlib.sha256()
+    while chunk := files.weights.read(1 << 20):
+        weights.update(chunk)
+    return weights.hexdigest(), hashlib.sha256(files.config).hexdigest()
+
+
 @router.post("/{adapter_id}/versions", status_code=201, response_model=VersionView,
-             responses={**ERRORS, 413: {"model": ErrorBody}})
+             responses={**ERRORS, **problem_responses(413)})
 def publish(
     adapter_id: AdapterIdPath,
     response: Response,
@@ -97,6 +123,7 @@ def publish(
     expected: ExpectedVersion,
     key: IdempotencyKey,
     trace: TraceId,
+    deadline: WriteDeadline,
     org: Annotated[str, Form(pattern=SLUG_PATTERN)],
     team: Annotated[str, Form(pattern=SLUG_PATTERN)],
     project: Annotated[str, Form(pattern=SLUG_PATTERN)],
@@ -114,12 +141,18 @@ def publish(
         description="JSONL regression set: the version gets traffic only once it passes "
                     "(services/release/regression.py)")] = None,
 ) -> VersionView:
-    """Validate a PEFT LoRA adapter, store it by digest, emit AdapterVersionPublished."""
+    """Validate a PEFT LoRA adapter, store it by digest, emit AdapterVersionPublished.
+
+    A retry with the same Idempotency-Key and the same request (form, If-Match, file
+    digests) answers the first 201 again; with another request, 422 `key_reused`.
+    `warnings` says when the adapter declares another base model than the registered
+    one (its shapes fit it nonetheless)."""
     tenant = TenantRef(org=org, team=team, project=project)
     ensure_write_scope(principal, tenant)
     settings = node.settings
     checked_set = (read_regression_set(regression_set, settings)
                    if regression_set is not None else None)
+    set_sha256 = checked_set[1].sha256 if checked_set is not None else None
     request = PublishRequest(adapter_id=adapter_id, tenant=tenant, owner=owner,
                              base_model=base_model, label=label, qos_tier=qos_tier,
                              rollback_to=rollback_to,
@@ -129,18 +162,27 @@ def publish(
         prior = node.state.prior_answer(principal.actor, key, *expect)
         if prior is None:
             base = precheck_publish(node.state, request, expected)
-            base_config = dict(base.config)
     if prior is not None:
+        files = _adapter_files(adapter_config, adapter_model, archive, settings.max_upload_bytes)
+        fingerprint = _publish_fingerprint(request, expected, *_digests(files), set_sha256)
+        with node.state_lock:
+            prior = node.state.prior_answer(principal.actor, key, *expect,
+                                            request_sha256=fingerprint)
+            base_config = node.state.base_models[prior.envelope.payload.base_model].config \
+                if prior is not None else {}
+        assert prior is not None
         answer_headers(response, Committed(prior.envelope, prior.position, replayed=True))
-        return published_view(prior.envelope, prior.position)
+        return published_view(prior.envelope, prior.position, base_config)
 
+    base_config = dict(base.config)
     try:
         files = _adapter_files(adapter_config, adapter_model, archive, settings.max_upload_bytes)
         writer = blobs.writer()
         try:
             facts = validate_adapter(files.config, files.weights, files.weights_size,
                                      base_config, max_rank=settings.max_lora_rank,
-                                     allowed_dtypes=list(settings.allowed_dtypes), sink=writer)
+                                     allowed_dtypes=list(settings.allowed_dtypes), sink=writer,
+                                     base_name=base.name)
             writer.commit()
         finally:
             writer.discard()
@@ -153,9 +195,12 @@ def publish(
     node.metrics.upload_bytes.inc(facts.size_bytes)
     committed = node.execute(
         "publish", lambda s: publish_version(s, request, facts, expected, key),
-        actor=principal.actor, idempotency_key=key, expect=expect, trace_id=trace)
+        actor=principal.actor, idempotency_key=key, expect=expect, trace_id=trace,
+        request_sha256=_publish_fingerprint(request, expected, facts.sha256,
+                                            facts.config_sha256, set_sha256),
+        deadline=deadline)
     answer_headers(response, committed)
-    return published_view(committed.envelope, committed.position)
+    return published_view(committed.envelope, committed.position, base_config)
 
 
 @router.get("", response_model=Page[AdapterView], responses=ERRORS)
@@ -230,40 +275,46 @@ def _change(response: Response, committed: Committed) -> AdapterChange:
 @router.put("/{adapter_id}/active", response_model=AdapterChange, responses=ERRORS)
 def switch(adapter_id: AdapterIdPath, body: SwitchBody, principal: Writer, node: Node,
            response: Response, expected: ExpectedVersion, key: IdempotencyKey,
-           trace: TraceId) -> AdapterChange:
+           trace: TraceId, deadline: WriteDeadline) -> AdapterChange:
     """Make a version the adapter's active one (AdapterVersionSwitched)."""
     writable_adapter(node, principal, adapter_id)
     committed = node.execute(
         "switch", lambda s: switch_active(s, adapter_id, body.version, expected, key),
         actor=principal.actor, idempotency_key=key,
-        expect=("AdapterVersionSwitched", adapter_stream(adapter_id)), trace_id=trace)
+        expect=("AdapterVersionSwitched", adapter_stream(adapter_id)), trace_id=trace,
+        request_sha256=request_fingerprint("switch", adapter_id, body, expected),
+        deadline=deadline)
     return _change(response, committed)
 
 
 @router.post("/{adapter_id}/rollback", response_model=AdapterChange, responses=ERRORS)
 def rollback(adapter_id: AdapterIdPath, body: RollbackBody, principal: Writer, node: Node,
              response: Response, expected: ExpectedVersion, key: IdempotencyKey,
-             trace: TraceId) -> AdapterChange:
+             trace: TraceId, deadline: WriteDeadline) -> AdapterChange:
     """Roll the active version back (AdapterRolledBack); default target in domain.py."""
     writable_adapter(node, principal, adapter_id)
     committed = node.execute(
         "rollback", lambda s: roll_back(s, adapter_id, body.to_version, body.reason, expected,
                                         key),
         actor=principal.actor, idempotency_key=key,
-        expect=("AdapterRolledBack", adapter_stream(adapter_id)), trace_id=trace)
+        expect=("AdapterRolledBack", adapter_stream(adapter_id)), trace_id=trace,
+        request_sha256=request_fingerprint("rollback", adapter_id, body, expected),
+        deadline=deadline)
     return _change(response, committed)
 
 
 def _toggle(disabled: bool, adapter_id: str, version: int, body: ReasonBody,
             principal: Writer, node: Node, response: Response, expected: int | None,
-            key: str | None, trace: str) -> AdapterChange:
+            key: str | None, trace: str, deadline: Deadline) -> AdapterChange:
     writable_adapter(node, principal, adapter_id)
     event_type = "AdapterDisabled" if disabled else "AdapterEnabled"
     committed = node.execute(
         "disable" if disabled else "enable",
         lambda s: set_disabled(s, adapter_id, version, disabled, body.reason, expected, key),
         actor=principal.actor, idempotency_key=key,
-        expect=(event_type, adapter_stream(adapter_id)), trace_id=trace)
+        expect=(event_type, adapter_stream(adapter_id)), trace_id=trace,
+        request_sha256=request_fingerprint(event_type, adapter_id, version, body, expected),
+        deadline=deadline)
     return _change(response, committed)
 
 
@@ -271,16 +322,16 @@ def _toggle(disabled: bool, adapter_id: str, version: int, body: ReasonBody,
              responses=ERRORS)
 def disable(adapter_id: AdapterIdPath, version: VersionPath, body: ReasonBody,
             principal: Writer, node: Node, response: Response, expected: ExpectedVersion,
-            key: IdempotencyKey, trace: TraceId) -> AdapterChange:
+            key: IdempotencyKey, trace: TraceId, deadline: WriteDeadline) -> AdapterChange:
     """A disabled version is never served, active or in a split."""
     return _toggle(True, adapter_id, version, body, principal, node, response, expected, key,
-                   trace)
+                   trace, deadline)
 
 
 @router.post("/{adapter_id}/versions/{version}/enable", response_model=AdapterChange,
              responses=ERRORS)
 def enable(adapter_id: AdapterIdPath, version: VersionPath, body: ReasonBody,
            principal: Writer, node: Node, response: Response, expected: ExpectedVersion,
-           key: IdempotencyKey, trace: TraceId) -> AdapterChange:
+           key: IdempotencyKey, trace: TraceId, deadline: WriteDeadline) -> AdapterChange:
     return _toggle(False, adapter_id, version, body, principal, node, response, expected, key,
-                   trace)
+                   trace, deadline)

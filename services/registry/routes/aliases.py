@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
-from fastapi import APIRouter, HTTPException, Path, Query, Response
+from fastapi import APIRouter, Path, Query, Response
 from pydantic import BaseModel, Field
 
 from services.catalog.state import alias_stream
 from services.contracts.events import ID_PATTERN, SplitEntry
+from services.contracts.problems import ProblemError, problem_responses
 from services.registry.deps import (
     ExpectedVersion,
     IdempotencyKey,
@@ -16,14 +17,15 @@ from services.registry.deps import (
     Reader,
     Replayed,
     TraceId,
+    WriteDeadline,
     Writer,
     ensure_read_scope,
     ensure_write_scope,
+    request_fingerprint,
 )
 from services.registry.domain import set_split
 from services.registry.views import (
     AliasView,
-    ErrorBody,
     Page,
     alias_view,
     answer_headers,
@@ -32,8 +34,7 @@ from services.registry.views import (
 )
 
 router = APIRouter(prefix="/v1/aliases", tags=["aliases"], dependencies=[Replayed])
-ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorBody} for code in (401, 403, 404, 409, 412, 422, 503)}
+ERRORS = problem_responses(401, 403, 404, 409, 412, 422, 503)
 AliasPath = Annotated[str, Path(pattern=ID_PATTERN)]
 
 
@@ -45,7 +46,7 @@ class SplitBody(BaseModel):
 @router.put("/{alias}", response_model=AliasView, responses=ERRORS)
 def put_split(alias: AliasPath, body: SplitBody, principal: Writer, node: Node,
               response: Response, expected: ExpectedVersion, key: IdempotencyKey,
-              trace: TraceId) -> AliasView:
+              trace: TraceId, deadline: WriteDeadline) -> AliasView:
     """Set the alias's traffic split (TrafficSplitChanged)."""
     with node.state_lock:
         current = node.state.aliases.get(alias)
@@ -58,7 +59,8 @@ def put_split(alias: AliasPath, body: SplitBody, principal: Writer, node: Node,
     committed = node.execute(
         "split", lambda s: set_split(s, alias, body.split, expected, key),
         actor=principal.actor, idempotency_key=key,
-        expect=("TrafficSplitChanged", alias_stream(alias)), trace_id=trace)
+        expect=("TrafficSplitChanged", alias_stream(alias)), trace_id=trace,
+        request_sha256=request_fingerprint("split", alias, body, expected), deadline=deadline)
     answer_headers(response, committed)
     return split_changed_view(committed.envelope, committed.position)
 
@@ -82,7 +84,7 @@ def get_alias(alias: AliasPath, principal: Reader, node: Node,
     with node.state_lock:
         found = node.state.aliases.get(alias)
         if found is None:
-            raise HTTPException(404, f"alias {alias!r} does not exist")
+            raise ProblemError(404, "not_found", f"alias {alias!r} does not exist")
         ensure_read_scope(principal, found.tenant)
         view = alias_view(found)
     response.headers["ETag"] = f'"{view.etag}"'

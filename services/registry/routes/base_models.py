@@ -4,47 +4,56 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException, Path, Response
+from fastapi import APIRouter, Path, Response
 from pydantic import BaseModel, Field
 
 from services.catalog.state import base_model_stream
-from services.contracts.events import ID_PATTERN
-from services.registry.deps import Admin, IdempotencyKey, Node, Reader, Replayed, TraceId
+from services.contracts.events import ID_PATTERN, SHA256_PATTERN
+from services.contracts.problems import ProblemError, problem_responses
+from services.registry.deps import (
+    Admin,
+    IdempotencyKey,
+    Node,
+    Reader,
+    Replayed,
+    TraceId,
+    WriteDeadline,
+    request_fingerprint,
+)
 from services.registry.domain import register_base_model
 from services.registry.validation import BaseModelShape
 from services.registry.views import (
     BaseModelView,
-    ErrorBody,
     answer_headers,
     base_model_registered_view,
     base_model_view,
 )
 
 router = APIRouter(prefix="/v1/base-models", tags=["base models"], dependencies=[Replayed])
-ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorBody} for code in (401, 403, 404, 409, 422, 503)}
+ERRORS = problem_responses(401, 403, 404, 409, 422, 503)
 NamePath = Annotated[str, Path(pattern=ID_PATTERN)]
 
 
 class BaseModelBody(BaseModel):
     name: str = Field(pattern=ID_PATTERN)
-    digest: str = Field(pattern=r"^[0-9a-f]{64}$", description="sha256 of the base weights")
+    digest: str = Field(pattern=SHA256_PATTERN, description="sha256 of the base weights")
     config: dict[str, Any] = Field(description="The model's config.json")
 
 
 @router.post("", status_code=201, response_model=BaseModelView, responses=ERRORS)
 def register(body: BaseModelBody, principal: Admin, node: Node, response: Response,
-             key: IdempotencyKey, trace: TraceId) -> BaseModelView:
+             key: IdempotencyKey, trace: TraceId, deadline: WriteDeadline) -> BaseModelView:
     """Register a base model (admin); its config must give the projection shapes."""
     try:
         BaseModelShape.from_config(body.config)
     except ValueError as exc:
-        raise HTTPException(422, str(exc)) from exc
+        raise ProblemError(422, "invalid", f"config: {exc}", field="config") from exc
     committed = node.execute(
         "register_base_model",
         lambda s: register_base_model(s, body.name, body.digest, body.config, key),
         actor=principal.actor, idempotency_key=key,
-        expect=("BaseModelRegistered", base_model_stream(body.name)), trace_id=trace)
+        expect=("BaseModelRegistered", base_model_stream(body.name)), trace_id=trace,
+        request_sha256=request_fingerprint("register_base_model", body), deadline=deadline)
     answer_headers(response, committed, etag=False)
     return base_model_registered_view(committed.envelope, committed.position)
 
@@ -60,5 +69,5 @@ def get_base_model(name: NamePath, principal: Reader, node: Node) -> BaseModelVi
     with node.state_lock:
         model = node.state.base_models.get(name)
         if model is None:
-            raise HTTPException(404, f"base model {name!r} is not registered")
+            raise ProblemError(404, "not_found", f"base model {name!r} is not registered")
         return base_model_view(model)

@@ -3,29 +3,31 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Annotated, Any
+from typing import Annotated
 
-from fastapi import APIRouter, HTTPException, Path
+from fastapi import APIRouter, Path
 from pydantic import BaseModel, Field
 
 from services.catalog.state import tenant_stream
 from services.contracts.events import SLUG_PATTERN, TenantPurgeRequested, TenantRef, uuid7
+from services.contracts.problems import ProblemError, problem_responses
 from services.registry.deps import (
     IdempotencyKey,
     Node,
     Reader,
     Replayed,
     TraceId,
+    WriteDeadline,
     Writer,
     ensure_read_scope,
     ensure_write_scope,
+    request_fingerprint,
 )
 from services.registry.domain import request_purge
-from services.registry.views import ErrorBody, PurgeView, event_ref, purge_view
+from services.registry.views import PurgeView, event_ref, purge_view
 
 router = APIRouter(prefix="/v1", tags=["purges"], dependencies=[Replayed])
-ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorBody} for code in (401, 403, 404, 409, 422, 503)}
+ERRORS = problem_responses(401, 403, 404, 409, 422, 503)
 Slug = Annotated[str, Path(pattern=SLUG_PATTERN)]
 
 
@@ -38,7 +40,7 @@ class PurgeBody(BaseModel):
 @router.post("/tenants/{org}/{team}/{project}/purge", status_code=202,
              response_model=PurgeView, responses=ERRORS)
 def purge_tenant(org: Slug, team: Slug, project: Slug, principal: Writer, node: Node,
-                 key: IdempotencyKey, trace: TraceId,
+                 key: IdempotencyKey, trace: TraceId, deadline: WriteDeadline,
                  body: PurgeBody | None = None) -> PurgeView:
     """Emit TenantPurgeRequested; workers free the tenant's KV and adapters and ack."""
     body = body or PurgeBody()
@@ -48,7 +50,8 @@ def purge_tenant(org: Slug, team: Slug, project: Slug, principal: Writer, node: 
     committed = node.execute(
         "purge", lambda s: request_purge(s, tenant, purge_id, body.deadline_s, body.hard, key),
         actor=principal.actor, idempotency_key=key,
-        expect=(TenantPurgeRequested.event_type(), tenant_stream(tenant)), trace_id=trace)
+        expect=(TenantPurgeRequested.event_type(), tenant_stream(tenant)), trace_id=trace,
+        request_sha256=request_fingerprint("purge", tenant.key, body), deadline=deadline)
     payload = committed.envelope.payload
     assert isinstance(payload, TenantPurgeRequested)
     with node.state_lock:
@@ -64,6 +67,6 @@ def get_purge(purge_id: Annotated[str, Path(max_length=64)], principal: Reader,
     with node.state_lock:
         purge = node.state.purges.get(purge_id)
         if purge is None:
-            raise HTTPException(404, f"purge {purge_id!r} does not exist")
+            raise ProblemError(404, "not_found", f"purge {purge_id!r} does not exist")
         ensure_read_scope(principal, purge.tenant)
         return purge_view(purge, datetime.now(UTC))
