@@ -474,8 +474,8 @@ HANDLERS = {
     "TenantPurged": _on_tenant_purged,
     "RequestServed": _on_request_served,
 }
-"""Event type → fold step. Types not listed (BaseModelRegistered, RegistryLease) live in
-the events table only."""
+"""Event type → fold step. Types not listed live in the events table only
+(BaseModelRegistered), or nowhere (RegistryLease: liveness, see the projector)."""
 
 
 def apply(state: FoldState, envelope: Envelope) -> None:

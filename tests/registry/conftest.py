@@ -20,6 +20,7 @@ from services.eventlog import EventConsumer
 from services.registry.app import create_app
 from services.registry.auth import token_hash
 from services.registry.node import RegistryNode
+from services.stack.brokers import ApacheKafka
 from services.stack.process import free_port
 from tests.registry.artifacts import LLAMA_CONFIG, LLAMA_DIGEST, AdapterFiles
 
@@ -84,6 +85,16 @@ class RunningRegistry:
     def client(self, who: str | None = "admin", **kwargs: Any) -> httpx.Client:
         headers = {"Authorization": f"Bearer {TOKENS[who][0]}"} if who else {}
         return httpx.Client(base_url=self.url, headers=headers, timeout=30, **kwargs)
+
+
+@pytest.fixture
+def own_broker(tmp_path: Path, settings: Settings) -> Iterator[ApacheKafka]:
+    """A one-partition Apache Kafka of the test's own, to stop or pause without
+    disturbing other tests."""
+    broker = ApacheKafka(settings.model_copy(update={"topic_partitions": 1}), tmp_path / "kafka")
+    broker.start()
+    yield broker
+    broker.stop()
 
 
 @pytest.fixture

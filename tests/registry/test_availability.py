@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -34,14 +34,6 @@ from tests.registry.conftest import (
 )
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def own_broker(tmp_path: Path, settings: Settings) -> Iterator[ApacheKafka]:
-    broker = ApacheKafka(settings.model_copy(update={"topic_partitions": 1}), tmp_path / "kafka")
-    broker.start()
-    yield broker
-    broker.stop()
 
 
 def test_a_paused_broker_gets_503s_within_the_deadline_and_readyz_says_not_writable(

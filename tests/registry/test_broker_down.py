@@ -6,12 +6,10 @@ Uses a broker of its own (Apache Kafka, KRaft) so stopping it does not disturb o
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from services.config import Settings
 from services.stack.brokers import ApacheKafka
 from tests.conftest import isolated_settings
 from tests.registry.artifacts import build_adapter
@@ -24,14 +22,6 @@ from tests.registry.conftest import (
 )
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def own_broker(tmp_path: Path, settings: Settings) -> Iterator[ApacheKafka]:
-    broker = ApacheKafka(settings.model_copy(update={"topic_partitions": 1}), tmp_path / "kafka")
-    broker.start()
-    yield broker
-    broker.stop()
 
 
 def test_writes_503_while_broker_down_and_nothing_partial(own_broker: ApacheKafka,
