@@ -1,7 +1,9 @@
-"""Kafka plumbing: one producer wrapper, one consumer wrapper, topic bootstrap."""
+"""Kafka plumbing: producer and consumer wrappers, topic bootstrap, and the log follower
+(the reader loop with snapshots that every folding process runs)."""
 
 from services.eventlog.consumer import EventConsumer, Record
 from services.eventlog.errors import BrokerUnavailable, EventLogError, ProducerFenced
+from services.eventlog.follower import Fold, FollowerHalted, Halt, LogFollower
 from services.eventlog.producer import EventProducer, RecordPosition
 from services.eventlog.topics import ensure_topics, topic_for
 
@@ -10,6 +12,10 @@ __all__ = [
     "EventConsumer",
     "EventLogError",
     "EventProducer",
+    "Fold",
+    "FollowerHalted",
+    "Halt",
+    "LogFollower",
     "ProducerFenced",
     "Record",
     "RecordPosition",
