@@ -209,6 +209,8 @@ def run_size(base: Settings, size: int, tail: int, templates: Templates) -> dict
             "follower_seconds": round(follower_s, 3),
             "snapshot_seconds": round(resumed_s, 3), "snapshot_tail_events": tail,
             "snapshot_bytes": snapshot_bytes,
+            "snapshot_start": {k: resumed[k] for k in ("snapshot_read_s", "snapshot_load_s",
+                                                       "consumer_open_s", "folded")},
             "adapters_in_state": len(full_state.adapters),
             "load_average_before": [round(x, 2) for x in load],
             "load_average_after": [round(x, 2) for x in os.getloadavg()]}

@@ -6,8 +6,8 @@ document's layout or the fold's rules change (`CatalogState.apply`, `FOLDED_TYPE
 every follower then ignores older snapshots and replays the log instead.
 
 Events inside the state (a version's publish payload, the event an Idempotency-Key
-answered with) are kept as their JSON documents; payloads are rebuilt on load, and the
-idempotent answers only when a retry asks for one.
+answered with) are kept as their JSON documents and rebuilt only when something reads
+them: a reader restores thousands of versions and reads few.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from services.catalog.state import (
     LogPosition,
     Purge,
 )
-from services.contracts.events import AdapterVersionPublished, SplitEntry, TenantRef
+from services.contracts.events import SplitEntry, TenantRef
 from services.eventlog.consumer import Record
 
 FOLD_VERSION = "catalog/2"
@@ -82,7 +82,7 @@ def dump_state(state: CatalogState) -> Document:
             {"adapter_id": a.adapter_id, "tenant": _tenant(a.tenant), "seq": a.seq,
              "active_version": a.active_version,
              "versions": [
-                 {"published": v.published.model_dump(mode="json"),
+                 {"published": v.published_document(),
                   "published_at": _time(v.published_at), "event_id": v.event_id,
                   "position": _position(v.position), "disabled": v.disabled,
                   "disabled_reason": v.disabled_reason, "ever_active": v.ever_active,
@@ -124,11 +124,10 @@ def load_state(doc: Document) -> CatalogState:
             a["adapter_id"], _tenant_of(a["tenant"]), a["seq"],
             active_version=a["active_version"])
         for v in a["versions"]:
-            published = AdapterVersionPublished.model_validate(v["published"])
-            adapter.versions[published.version] = AdapterVersion(
-                published, datetime.fromisoformat(v["published_at"]), v["event_id"],
+            adapter.versions[int(v["published"]["version"])] = AdapterVersion(
+                datetime.fromisoformat(v["published_at"]), v["event_id"],
                 _position_of(v["position"]), v["disabled"], v["disabled_reason"],
-                v["ever_active"], v["rolled_back"], v["seq"])
+                v["ever_active"], v["rolled_back"], v["seq"], published_json=v["published"])
     for a in doc["aliases"]:
         state.aliases[a["alias"]] = Alias(
             a["alias"], _tenant_of(a["tenant"]), a["seq"],

@@ -154,7 +154,8 @@ class GateState:
     event_id: str
     results: list[tuple[datetime, QualityGateCompleted]] = field(default_factory=list)
     expiry: tuple[datetime, QualityGateExpired] | None = None
-    _judged: tuple[tuple[int, datetime | None], GateStatus, list[str]] | None = None
+    _judged: tuple[tuple[int, datetime | None], GateStatus, list[str]] | None = field(
+        default=None, compare=False, repr=False)
     """The outcome for (results folded, expiry): judged once, read on every request."""
 
     @property
@@ -198,9 +199,8 @@ class GateState:
         return self._outcome()[0]
 
 
-@dataclass
+@dataclass(eq=False)
 class AdapterVersion:
-    published: AdapterVersionPublished
     published_at: datetime
     event_id: str
     position: LogPosition | None
@@ -221,6 +221,33 @@ class AdapterVersion:
     """Bumped by every fold step that can change the release rule's answer."""
     release_cache: tuple[int, str | None] | None = None
     """(generation, answer) of `services.catalog.release.release_refusal`."""
+    payload: AdapterVersionPublished | None = field(default=None, repr=False)
+    published_json: dict[str, Any] | None = field(default=None, repr=False)
+    """The publish payload, as a model or as JSON, whichever came first; the other is
+    made on demand (a snapshot restores thousands of versions a reader may never read)."""
+
+    @property
+    def published(self) -> AdapterVersionPublished:
+        if self.payload is None:
+            assert self.published_json is not None
+            self.payload = AdapterVersionPublished.model_validate(self.published_json)
+        return self.payload
+
+    def published_document(self) -> dict[str, Any]:
+        if self.published_json is None:
+            self.published_json = self.published.model_dump(mode="json")
+        return self.published_json
+
+    def _key(self) -> tuple[Any, ...]:
+        return (self.published_document(), self.published_at, self.event_id, self.position,
+                self.disabled, self.disabled_reason, self.ever_active, self.rolled_back,
+                self.seq, self.gate, self.override, self.canary_rollback,
+                self.release_generation)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, AdapterVersion):
+            return NotImplemented
+        return self._key() == other._key()
 
 
 @dataclass
@@ -422,8 +449,8 @@ class CatalogState:
         adapter = self.adapters.get(p.adapter_id)
         if adapter is None:
             adapter = self.adapters[p.adapter_id] = Adapter(p.adapter_id, e.tenant)
-        adapter.versions[p.version] = AdapterVersion(p, e.occurred_at, str(e.event_id), position,
-                                                     seq=e.seq)
+        adapter.versions[p.version] = AdapterVersion(e.occurred_at, str(e.event_id), position,
+                                                     seq=e.seq, payload=p)
         adapter.seq = e.seq
         if p.quality_gate is not None:
             self._request_gate(p.adapter_id, p.version, p.quality_gate, e)

@@ -267,8 +267,11 @@ class LogFollower:
             return self._consumer(
                 positions, {k: a for k, a in anchors.items()
                             if k[0] not in self.full_replay_topics})
+        started = time.monotonic()
         snapshot = self._usable_snapshot() if use_snapshot else None
+        read_s = time.monotonic() - started
         consumer = self._consumer({}, dict(snapshot.anchors) if snapshot else {})
+        opened_s = time.monotonic() - started - read_s
         if snapshot is not None and consumer.cluster_id != snapshot.cluster_id:
             log.warning("%s: snapshot is from cluster %s, the broker is %s; replaying in full",
                         self.reader_id, snapshot.cluster_id, consumer.cluster_id)
@@ -276,10 +279,14 @@ class LogFollower:
             snapshot = None
             consumer = self._consumer({}, {})
         with self._changed:
+            loading = time.monotonic()
             self.fold.load(snapshot.state if snapshot else None)
             self._applied = {}
             self._stats.update(started_from="snapshot" if snapshot else "beginning",
-                               snapshot_records=snapshot.records if snapshot else 0, folded=0)
+                               snapshot_records=snapshot.records if snapshot else 0, folded=0,
+                               snapshot_read_s=round(read_s, 3),
+                               snapshot_load_s=round(time.monotonic() - loading, 3),
+                               consumer_open_s=round(opened_s, 3))
             self._read_at_snapshot = snapshot.records if snapshot else 0
         self._snapshot_at = time.monotonic()
         self._established = snapshot is None  # a snapshot counts once its anchors check out
