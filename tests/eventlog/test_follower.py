@@ -169,6 +169,14 @@ def test_a_snapshot_of_another_fold_or_another_log_is_ignored(log_settings: Sett
     assert follower.status()["started_from"] == "beginning"
     follower.stop()
 
+    path = log_settings.snapshot_root / "reader.snapshot.json"
+    follow(log_settings, Recorder()).stop()
+    document = json.loads(path.read_text())
+    path.write_text(json.dumps({**document, "cluster_id": "another-cluster"}))
+    follower = follow(log_settings, Recorder())
+    assert follower.status()["started_from"] == "beginning"
+    follower.stop()
+
     # the topics deleted and created again with other events: same names, same cluster
     recreate_topics(log_settings)
     fresh = [disabled(n, adapter="new") for n in range(12)]
