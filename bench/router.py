@@ -245,6 +245,7 @@ def join(base: Settings, *, prewarm: bool, tenants: int, cold_ms: float, promote
     settings = router_settings(base.model_copy(update={
         "adapter_events_topic": f"join{tag}.adapter-events",
         "worker_events_topic": f"join{tag}.worker-events",
+        "liveness_topic": f"join{tag}.liveness",
         "dead_letter_topic": f"join{tag}.dead-letter"}),
         router_prewarm=prewarm, router_affinity_window=3 if prewarm else 1)
     ensure_topics(settings)
@@ -322,6 +323,7 @@ def main() -> None:
     base = Settings(cache_dir=ROOT / ".loraplane" / "cache", topic_partitions=3,
                     adapter_events_topic=f"{tag}.adapter-events",
                     worker_events_topic=f"{tag}.worker-events",
+                    liveness_topic=f"{tag}.liveness",
                     dead_letter_topic=f"{tag}.dead-letter", log_level="WARNING")
     broker = None
     if not base.kafka_bootstrap:

@@ -122,7 +122,7 @@ class Settings(BaseSettings):
     router_port: int = Field(8782, description="gRPC loraplane.v1.Inference (and health).")
     router_http_port: int = Field(
         8784, description="OpenAI-compatible HTTP API, /metrics, /healthz and /readyz.")
-    router_id: str | None = Field(None, description="Names this router in barriers and logs.")
+    router_id: str | None = Field(None, description="Names this router in logs and to Kafka.")
     router_missed_heartbeats: int = Field(3, ge=1)
     router_ring_vnodes: int = Field(160, ge=1, description="Ring points per worker.")
     router_load_epsilon: float = Field(

@@ -24,16 +24,28 @@ from services.catalog.state import (
     Alias,
     BaseModel,
     CatalogState,
+    GateState,
     IdempotentAnswer,
     Lease,
     LogPosition,
     Purge,
+    Rollout,
+    RolloutFact,
 )
-from services.contracts.events import SplitEntry, TenantRef
+from services.contracts.events import (
+    GateRequest,
+    Judgement,
+    QualityGateCompleted,
+    QualityGateExpired,
+    RolloutPlan,
+    RolloutStep,
+    SplitEntry,
+    TenantRef,
+)
 from services.eventlog.consumer import Record
 
-FOLD_VERSION = "catalog/2"
-"""catalog/1 was the fold before snapshots existed (never written to a snapshot)."""
+FOLD_VERSION = "catalog/3"
+"""catalog/1 was the fold before snapshots existed; catalog/2 lacked release state."""
 
 Document = dict[str, Any]
 
@@ -70,6 +82,69 @@ def _ack_of(doc: Document) -> PurgeAck:
                     doc["refcounts_zero"])
 
 
+def _model(value: Any) -> Document | None:
+    return value.model_dump(mode="json") if value is not None else None
+
+
+def _timed(item: tuple[datetime, Any] | None) -> list[Any] | None:
+    return [_time(item[0]), item[1].model_dump(mode="json")] if item is not None else None
+
+
+def _gate(gate: GateState | None) -> Document | None:
+    if gate is None:
+        return None
+    return {"request": gate.request.model_dump(mode="json"),
+            "requested_at": _time(gate.requested_at), "requested_by": gate.requested_by,
+            "event_id": gate.event_id, "results": [_timed(r) for r in gate.results],
+            "expiry": _timed(gate.expiry)}
+
+
+def _gate_of(doc: Document | None) -> GateState | None:
+    if doc is None:
+        return None
+    expiry = doc["expiry"]
+    return GateState(GateRequest.model_validate(doc["request"]),
+                     datetime.fromisoformat(doc["requested_at"]), doc["requested_by"],
+                     doc["event_id"], [_result_of(r) for r in doc["results"]],
+                     None if expiry is None else (datetime.fromisoformat(expiry[0]),
+                                                  QualityGateExpired.model_validate(expiry[1])))
+
+
+def _result_of(doc: list[Any]) -> tuple[datetime, QualityGateCompleted]:
+    return datetime.fromisoformat(doc[0]), QualityGateCompleted.model_validate(doc[1])
+
+
+def _rollout(r: Rollout) -> Document:
+    return {
+        "rollout_id": r.rollout_id, "alias": r.alias, "adapter_id": r.adapter_id,
+        "canary_version": r.canary_version, "baseline_version": r.baseline_version,
+        "plan": r.plan.model_dump(mode="json"), "tenant": _tenant(r.tenant),
+        "started_at": _time(r.started_at), "stage": r.stage,
+        "stage_started_at": _time(r.stage_started_at) if r.stage_started_at else None,
+        "status": r.status, "status_reason": r.status_reason,
+        "last_judgement": _model(r.last_judgement),
+        "steps": [[_time(at), action, actor] for at, action, actor in r.steps],
+        "facts": [{"at": _time(f.at), "action": f.action, "actor": f.actor,
+                   "step": _model(f.step), "reason": f.reason, "judgement": _model(f.judgement)}
+                  for f in r.facts]}
+
+
+def _rollout_of(d: Document) -> Rollout:
+    def judgement(doc: Document | None) -> Judgement | None:
+        return Judgement.model_validate(doc) if doc is not None else None
+
+    return Rollout(
+        d["rollout_id"], d["alias"], d["adapter_id"], d["canary_version"],
+        d["baseline_version"], RolloutPlan.model_validate(d["plan"]), _tenant_of(d["tenant"]),
+        datetime.fromisoformat(d["started_at"]), d["stage"],
+        datetime.fromisoformat(d["stage_started_at"]) if d["stage_started_at"] else None,
+        d["status"], d["status_reason"], judgement(d["last_judgement"]),
+        [(datetime.fromisoformat(at), action, actor) for at, action, actor in d["steps"]],
+        [RolloutFact(datetime.fromisoformat(f["at"]), f["action"], f["actor"],
+                     RolloutStep.model_validate(f["step"]) if f["step"] else None,
+                     f["reason"], judgement(f["judgement"])) for f in d["facts"]])
+
+
 def dump_state(state: CatalogState) -> Document:
     """The state as JSON-ready data that shares nothing mutable with it."""
     return {
@@ -86,7 +161,11 @@ def dump_state(state: CatalogState) -> Document:
                   "published_at": _time(v.published_at), "event_id": v.event_id,
                   "position": _position(v.position), "disabled": v.disabled,
                   "disabled_reason": v.disabled_reason, "ever_active": v.ever_active,
-                  "rolled_back": v.rolled_back, "seq": v.seq}
+                  "rolled_back": v.rolled_back, "seq": v.seq, "gate": _gate(v.gate),
+                  "override": None if v.override is None else [
+                      _time(v.override[0]), v.override[1], v.override[2]],
+                  "canary_rollback": None if v.canary_rollback is None else [
+                      _time(v.canary_rollback[0]), v.canary_rollback[1]]}
                  for v in a.versions.values()]}
             for a in state.adapters.values()],
         "aliases": [
@@ -106,6 +185,12 @@ def dump_state(state: CatalogState) -> Document:
              "position": _position(answer.position)}
             for (actor, key), answer in state.idempotency.items()],
         "heartbeats": {worker: _time(at) for worker, at in state.heartbeats.items()},
+        "worker_bases": dict(state.worker_bases),
+        "gates": {gate_id: list(where) for gate_id, where in state.gates.items()},
+        "orphan_results": {gate_id: [_timed(r) for r in results]
+                           for gate_id, results in state.orphan_results.items()},
+        "rollouts_by_id": [_rollout(r) for r in state.rollouts_by_id.values()],
+        "rollouts": {alias: r.rollout_id for alias, r in state.rollouts.items()},
         "lease": None if state.lease is None else {
             "registry_id": state.lease.registry_id, "epoch": state.lease.epoch,
             "expires_at": _time(state.lease.expires_at), "seq": state.lease.seq},
@@ -127,7 +212,13 @@ def load_state(doc: Document) -> CatalogState:
             adapter.versions[int(v["published"]["version"])] = AdapterVersion(
                 datetime.fromisoformat(v["published_at"]), v["event_id"],
                 _position_of(v["position"]), v["disabled"], v["disabled_reason"],
-                v["ever_active"], v["rolled_back"], v["seq"], published_json=v["published"])
+                v["ever_active"], v["rolled_back"], v["seq"], gate=_gate_of(v["gate"]),
+                override=None if v["override"] is None else (
+                    datetime.fromisoformat(v["override"][0]), v["override"][1],
+                    v["override"][2]),
+                canary_rollback=None if v["canary_rollback"] is None else (
+                    datetime.fromisoformat(v["canary_rollback"][0]), v["canary_rollback"][1]),
+                published_json=v["published"])
     for a in doc["aliases"]:
         state.aliases[a["alias"]] = Alias(
             a["alias"], _tenant_of(a["tenant"]), a["seq"],
@@ -145,6 +236,13 @@ def load_state(doc: Document) -> CatalogState:
         state.idempotency[(entry["actor"], entry["key"])] = IdempotentAnswer(
             None, _position_of(entry["position"]), document=entry["event"])
     state.heartbeats = {w: datetime.fromisoformat(at) for w, at in doc["heartbeats"].items()}
+    state.worker_bases = dict(doc["worker_bases"])
+    state.gates = {gate_id: (where[0], int(where[1])) for gate_id, where in doc["gates"].items()}
+    state.orphan_results = {gate_id: [_result_of(r) for r in results]
+                            for gate_id, results in doc["orphan_results"].items()}
+    state.rollouts_by_id = {r["rollout_id"]: _rollout_of(r) for r in doc["rollouts_by_id"]}
+    state.rollouts = {alias: state.rollouts_by_id[rollout_id]
+                      for alias, rollout_id in doc["rollouts"].items()}
     lease = doc["lease"]
     if lease is not None:
         state.lease = Lease(lease["registry_id"], lease["epoch"],

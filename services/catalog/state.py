@@ -15,10 +15,12 @@ The If-Match "version" of an adapter or alias is its stream's last `seq` (the ET
 The fold does not depend on how the topics (or the partitions of one topic) interleave:
 only the order within a partition is fixed, and every reader may consume partitions at
 its own pace. So nothing here is "the last one read": a lease is the newest by (epoch,
-expiry), a heartbeat the newest by timestamp, a purge's acks are kept sorted and an ack
-read before its purge request waits for it, and the answer kept for an Idempotency-Key is
-the earliest event carrying it. A property test folds the same events under shuffled
-interleavings and gets the same state.
+expiry), a heartbeat the newest by timestamp, a purge's acks and a gate's results are kept
+sorted and wait for their request when read before it, a rollout is rebuilt from its
+steps in time order (its completion travels on the adapter's stream, its other steps on
+the alias's), and the answer kept for an Idempotency-Key is the earliest event carrying
+it. A property test folds the same events under shuffled interleavings and gets the same
+state (`release_generation`, a cache key, counts fold steps and is left out).
 
 Serving rules the router and workers share (applied in `services.catalog.serving`):
 - Publishing stores a version; it does not serve it. An adapter's *active version* is set
@@ -218,7 +220,8 @@ class AdapterVersion:
     canary_rollback: tuple[datetime, str] | None = None
     """The latest canary rollout that rolled this version back: when, why."""
     release_generation: int = 0
-    """Bumped by every fold step that can change the release rule's answer."""
+    """Bumped by every fold step that can change the release rule's answer (a cache key:
+    not part of the state's equality, nor of its snapshot)."""
     release_cache: tuple[int, str | None] | None = None
     """(generation, answer) of `services.catalog.release.release_refusal`."""
     payload: AdapterVersionPublished | None = field(default=None, repr=False)
@@ -241,8 +244,7 @@ class AdapterVersion:
     def _key(self) -> tuple[Any, ...]:
         return (self.published_document(), self.published_at, self.event_id, self.position,
                 self.disabled, self.disabled_reason, self.ever_active, self.rolled_back,
-                self.seq, self.gate, self.override, self.canary_rollback,
-                self.release_generation)
+                self.seq, self.gate, self.override, self.canary_rollback)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, AdapterVersion):
@@ -301,7 +303,11 @@ class Rollout:
     last_judgement: Judgement | None = None
     """The figures of the last step decided on them (the 100% stage's baseline)."""
     steps: list[tuple[datetime, str, str]] = field(default_factory=list)
-    """(when, action, actor) of every step, in log order."""
+    """(when, action, actor) of every step, in time order."""
+    facts: list[RolloutFact] = field(default_factory=list, repr=False)
+    """Everything the log said about it, in time order: the fields above are rebuilt from
+    these, so a completion (on the adapter's stream) read before the steps of the alias's
+    stream changes nothing."""
 
     @property
     def weight(self) -> int:
@@ -310,6 +316,26 @@ class Rollout:
     @property
     def final_stage(self) -> bool:
         return self.stage == len(self.plan.stages) - 1
+
+
+FACT_ORDER = {"started": 0, "advanced": 1, "halted": 2, "resumed": 3, "rolled_back": 4,
+              "completed": 5, "superseded": 6}
+
+
+@dataclass(frozen=True)
+class RolloutFact:
+    """One event about a rollout: a step, a halt or resume, or a split set by hand."""
+
+    at: datetime
+    action: str
+    actor: str
+    step: RolloutStep | None = None
+    reason: str = ""
+    judgement: Judgement | None = None
+
+    @property
+    def order(self) -> tuple[datetime, int]:
+        return (self.at, FACT_ORDER[self.action])
 
 
 @dataclass
@@ -388,6 +414,13 @@ class IdempotentAnswer:
 
     def __repr__(self) -> str:
         return f"IdempotentAnswer({self.document.get('type')}, {self.position})"
+
+
+def _insort_result(results: list[tuple[datetime, QualityGateCompleted]],
+                   result: tuple[datetime, QualityGateCompleted]) -> None:
+    """Keep gate results in time order (they come from another topic than their request)."""
+    results.append(result)
+    results.sort(key=lambda item: (item[0], item[1].worker_id))
 
 
 def _ack_order(ack: PurgeAck) -> tuple[datetime, str, int, int, int, bool]:
@@ -485,8 +518,8 @@ class CatalogState:
             self._apply_rollout_step(p.rollout, e)
         else:
             current = self.rollouts.get(p.alias)
-            if current is not None and current.status in ("running", "halted"):
-                current.status, current.status_reason = "superseded", "split set by hand"
+            if current is not None:
+                self._add_fact(current, RolloutFact(e.occurred_at, "superseded", e.actor))
 
     def _purge_requested(self, e: Envelope, position: LogPosition | None) -> None:
         p = e.payload
@@ -560,10 +593,10 @@ class CatalogState:
         elif isinstance(p, QualityGateCompleted):
             gate = self.gate(p.gate_id)
             if gate is not None:
-                gate.results.append((at, p))
+                _insort_result(gate.results, (at, p))
                 self._gate_changed(p.gate_id)
             elif p.gate_id not in self.gates:
-                self.orphan_results.setdefault(p.gate_id, []).append((at, p))
+                _insort_result(self.orphan_results.setdefault(p.gate_id, []), (at, p))
         elif isinstance(p, QualityGateExpired):
             self._adapter_for(p.adapter_id, envelope)
             gate = self.gate(p.gate_id)
@@ -573,7 +606,7 @@ class CatalogState:
         elif isinstance(p, ReleaseOverridden):
             adapter = self._adapter_for(p.adapter_id, envelope)
             version = adapter.versions.get(p.version)
-            if version is not None:
+            if version is not None and (version.override is None or at >= version.override[0]):
                 version.override = (at, envelope.actor, p.reason)
                 version.release_generation += 1
         elif isinstance(p, RolloutHalted | RolloutResumed):
@@ -583,41 +616,73 @@ class CatalogState:
             rollout = self.rollouts_by_id.get(p.rollout_id)
             if rollout is None:
                 return
-            if isinstance(p, RolloutHalted) and rollout.status == "running":
-                rollout.status, rollout.status_reason = "halted", p.reason
-                if p.judgement is not None:
-                    rollout.last_judgement = p.judgement
-            elif isinstance(p, RolloutResumed) and rollout.status == "halted":
-                rollout.status, rollout.status_reason = "running", p.reason
-                rollout.stage_started_at = at
-            rollout.steps.append((at, "halted" if isinstance(p, RolloutHalted) else "resumed",
-                                  envelope.actor))
+            halted = isinstance(p, RolloutHalted)
+            self._add_fact(rollout, RolloutFact(
+                at, "halted" if halted else "resumed", envelope.actor, reason=p.reason,
+                judgement=p.judgement if isinstance(p, RolloutHalted) else None))
 
     def _apply_rollout_step(self, step: RolloutStep, envelope: Envelope) -> None:
-        at = envelope.occurred_at
         rollout = self.rollouts_by_id.get(step.rollout_id)
-        if step.action == "started" or rollout is None:
+        if rollout is None:
             rollout = Rollout(step.rollout_id, step.alias, step.adapter_id, step.canary_version,
-                              step.baseline_version, step.plan, envelope.tenant, at)
+                              step.baseline_version, step.plan, envelope.tenant,
+                              envelope.occurred_at)
             self.rollouts_by_id[step.rollout_id] = rollout
-            self.rollouts[step.alias] = rollout
-        rollout.stage = step.stage
-        rollout.steps.append((at, step.action, envelope.actor))
-        if step.judgement is not None:
-            rollout.last_judgement = step.judgement
-        if step.action in ("started", "advanced"):
-            rollout.stage_started_at = at
-        elif step.action == "rolled_back":
-            rollout.status, rollout.status_reason = "rolled_back", step.reason
+        self._add_fact(rollout, RolloutFact(envelope.occurred_at, step.action, envelope.actor,
+                                            step=step))
+        if step.action == "rolled_back":
             canary = self.adapters.get(step.adapter_id)
             version = canary.versions.get(step.canary_version) if canary else None
             if version is not None:
-                version.canary_rollback = (at, f"canary rollout {step.rollout_id} rolled it "
-                                               f"back at {step.plan.stages[step.stage]}%: "
-                                               f"{step.reason}")
                 version.release_generation += 1
-        elif step.action == "completed":
-            rollout.status, rollout.status_reason = "completed", step.reason
+
+    def _add_fact(self, rollout: Rollout, fact: RolloutFact) -> None:
+        """Record what the log said about a rollout and rebuild it, in time order."""
+        rollout.facts.append(fact)
+        rollout.facts.sort(key=lambda f: f.order)
+        rollout.stage, rollout.stage_started_at = 0, None
+        rollout.status, rollout.status_reason = "running", ""
+        rollout.last_judgement, rollout.steps = None, []
+        for f in rollout.facts:
+            if f.action == "superseded":
+                if rollout.status in ("running", "halted"):
+                    rollout.status, rollout.status_reason = "superseded", "split set by hand"
+                continue
+            rollout.steps.append((f.at, f.action, f.actor))
+            if f.action in ("halted", "resumed"):
+                if f.action == "halted" and rollout.status == "running":
+                    rollout.status, rollout.status_reason = "halted", f.reason
+                    if f.judgement is not None:
+                        rollout.last_judgement = f.judgement
+                elif f.action == "resumed" and rollout.status == "halted":
+                    rollout.status, rollout.status_reason = "running", f.reason
+                    rollout.stage_started_at = f.at
+                continue
+            step = f.step
+            assert step is not None
+            rollout.stage = step.stage
+            if step.judgement is not None:
+                rollout.last_judgement = step.judgement
+            if step.action == "started":
+                rollout.started_at = f.at
+            if step.action in ("started", "advanced"):
+                rollout.stage_started_at = f.at
+            elif step.action == "rolled_back":
+                rollout.status, rollout.status_reason = "rolled_back", step.reason
+                self._mark_rolled_back(step, f.at)
+            elif step.action == "completed":
+                rollout.status, rollout.status_reason = "completed", step.reason
+        latest = max((r for r in self.rollouts_by_id.values() if r.alias == rollout.alias),
+                     key=lambda r: (r.started_at, r.rollout_id))
+        self.rollouts[rollout.alias] = latest
+
+    def _mark_rolled_back(self, step: RolloutStep, at: datetime) -> None:
+        canary = self.adapters.get(step.adapter_id)
+        version = canary.versions.get(step.canary_version) if canary else None
+        if version is not None and (version.canary_rollback is None
+                                    or at >= version.canary_rollback[0]):
+            version.canary_rollback = (at, f"canary rollout {step.rollout_id} rolled it back at "
+                                           f"{step.plan.stages[step.stage]}%: {step.reason}")
 
     def _adapter_for(self, adapter_id: str, envelope: Envelope) -> Adapter:
         adapter = self.adapters.get(adapter_id)

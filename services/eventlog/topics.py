@@ -68,7 +68,7 @@ def ensure_topics(settings: Settings, timeout_s: float = 30.0) -> list[str]:
 
 
 def topic_for(envelope: Envelope, settings: Settings) -> str:
-    """The topic an event belongs on; barriers have none (the writer names the topic)."""
+    """The topic an event belongs on; old barriers have none (their writer named it)."""
     topic = type(envelope.payload).topic
     if topic == ADAPTER_TOPIC:
         return settings.adapter_events_topic

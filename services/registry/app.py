@@ -110,7 +110,7 @@ async def _too_large(send: Send, limit: int) -> None:
 
 
 def create_app(settings: Settings, *, registry_id: str | None = None) -> FastAPI:
-    """One registry instance; `registry_id` names it in leases and barriers."""
+    """One registry instance; `registry_id` names it in leases and logs."""
     metrics = RegistryMetrics()
 
     @asynccontextmanager

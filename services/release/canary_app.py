@@ -10,7 +10,7 @@ each step names the stage it starts from, and the registry refuses the second.
 State: the shared fold of adapter-events (rollouts, plans, stage clocks) and a
 `TraceBook` of RequestServed traces from worker-events. At start it replays the
 adapter-events from the beginning and the worker-events from `canary_lookback_s` ago
-(found by timestamp), up to a barrier of its own, so a restarted controller resumes every
+(found by timestamp), to the end of every partition, so a restarted controller resumes every
 rollout at the stage the log says, with the figures the traces give, and in-process
 counters never matter. Every `canary_interval_s` it asks `next_steps` what to do and sends
 each step to the registry with an Idempotency-Key naming (rollout, stage, step), so a
@@ -103,7 +103,7 @@ class CanaryController:
                 self.book.add_request(request)
 
     def open(self, timeout_s: float = 60.0) -> int:
-        """Replay to a barrier of our own; returns how many events were folded."""
+        """Replay to the end of the log; returns how many events were folded."""
         since = self.clock() - timedelta(seconds=self.settings.canary_lookback_s)
         offsets = trace_start_offsets(self.settings, since, self.controller_id)
         consumer = EventConsumer(self.settings, self.settings.topics,

@@ -3,8 +3,8 @@ server (uvicorn) and the fold of the log, so the state the request path reads is
 ever changed on that loop's thread, between two requests' decisions.
 
 Start-up: both servers listen at once (gRPC health NOT_SERVING, HTTP `/readyz` 503, and
-requests answered UNAVAILABLE / 503 with a retry hint), while the log is replayed to a
-barrier of the router's own in a worker thread; then the router is ready. A broker that
+requests answered UNAVAILABLE / 503 with a retry hint), while the log is replayed to
+its end in a worker thread; then the router is ready. A broker that
 is down at start is retried every second. A broker that goes down later leaves the router
 serving from the state it has; workers are not expired while the log cannot be read
 (their heartbeats would not be seen), only once it is read again.

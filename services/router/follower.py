@@ -1,7 +1,8 @@
 """The router's reading of the log, in one small class so a shared follower can replace it.
 
 Every partition of `settings.topics` by `assign()`, from the beginning; `open` folds
-everything before a barrier this router wrote itself (the router is ready after that),
+everything committed before it started (every partition at its end; the router is ready
+after that),
 `poll` hands on what comes later. Each event goes to the caller's fold with `seen_at`, the
 monotonic time the router takes it to have been emitted: for replayed events the event's
 age (`occurred_at` against the wall clock, so a worker silent for a minute is not taken
@@ -31,7 +32,7 @@ class LogFollower:
         self._consumer: EventConsumer | None = None
 
     def open(self, fold: Fold, timeout_s: float = 60.0) -> int:
-        """Blocking: assign, write barriers, fold up to them; returns the events folded."""
+        """Blocking: assign, fold to the end of every partition; returns the events folded."""
         consumer = EventConsumer(self.settings, self.settings.topics, reader_id=self.reader_id)
 
         def replayed(record: Record) -> None:

@@ -18,8 +18,17 @@ from services.contracts.events import (
     AdapterVersionSwitched,
     BaseModelRegistered,
     Envelope,
+    GateRequest,
     Payload,
+    QualityGateCompleted,
+    QualityGateExpired,
+    QualityGateRequested,
     RegistryLease,
+    ReleaseOverridden,
+    RolloutHalted,
+    RolloutPlan,
+    RolloutResumed,
+    RolloutStep,
     SplitEntry,
     TenantPurged,
     TenantPurgeRequested,
@@ -44,7 +53,10 @@ class Placed:
 
 
 OPS = ["base", "publish", "switch", "rollback", "disable", "enable", "split", "purge", "ack",
-       "heartbeat", "lease"]
+       "heartbeat", "lease", "gate", "gate_done", "gate_expired", "override", "rollout",
+       "rollout_done", "halt", "resume"]
+PLAN = RolloutPlan(stages=[10, 50, 100], min_stage_s=1, window_s=1, max_error_ratio=2,
+                   min_requests=1, max_p95_ms=100)
 
 
 @st.composite
@@ -56,6 +68,9 @@ def catalog_logs(draw: st.DrawFn, max_ops: int = 40) -> dict[tuple[str, int], li
     clock = datetime(2026, 1, 1, tzinfo=UTC)
     seqs: dict[str, int] = defaultdict(int)
     purges: list[str] = []
+    gates: list[tuple[str, str, int]] = []
+    rollouts: dict[int, tuple[str, int]] = {}
+    """alias index → (its current rollout id, stage)."""
     partitions: dict[tuple[str, int], list[Placed]] = defaultdict(list)
 
     def place(topic: str, payload: Payload, stream: str, actor: str,
@@ -116,10 +131,62 @@ def catalog_logs(draw: st.DrawFn, max_ops: int = 40) -> dict[tuple[str, int], li
             place("liveness", WorkerHeartbeat(worker_id=worker, address="a", base_model="b",
                                               base_model_digest=DIGEST, free_slots=n),
                   f"heartbeat/{worker}", worker)
-        else:
+        elif op == "lease":
             place("liveness", RegistryLease(registry_id=f"r{i}", epoch=n,
                                             expires_at=clock + timedelta(seconds=5)),
                   "registry/lease", f"r{i}")
+        elif op == "gate":
+            gate_id = f"g{len(gates)}"
+            gates.append((gate_id, adapter, n))
+            place("adapter", QualityGateRequested(
+                adapter_id=adapter, version=n, gate=GateRequest(
+                    gate_id=gate_id, regression_set_sha256=DIGEST, cases=2,
+                    worker_id=WORKERS[i], timeout_s=60), **keyed),
+                  f"adapter/{adapter}", "admin", tenant)
+        elif op in ("gate_done", "gate_expired") and gates:
+            gate_id, gated, version = gates[(i + n) % len(gates)]
+            if op == "gate_done":
+                place("worker", QualityGateCompleted(
+                    worker_id=WORKERS[i], gate_id=gate_id, adapter_id=gated, version=version,
+                    base_model_digest=DIGEST, regression_set_sha256=DIGEST,
+                    adapter_sha256=DIGEST, passed=flag), f"worker/{WORKERS[i]}", WORKERS[i])
+            else:
+                place("adapter", QualityGateExpired(
+                    adapter_id=gated, version=version, gate_id=gate_id, cause="timeout",
+                    reason="late"), f"adapter/{gated}", "registry", tenant)
+        elif op == "override":
+            place("adapter", ReleaseOverridden(adapter_id=adapter, version=n, reason="ok",
+                                               **keyed), f"adapter/{adapter}", "admin", tenant)
+        elif op in ("rollout", "rollout_done"):
+            current = rollouts.get(i)
+            stage = current[1] + 1 if current else 0
+            done = op == "rollout_done" or stage >= len(PLAN.stages) - 1
+            rollout_id = current[0] if current else f"ro{i}-{len(partitions)}-{n}"
+            action = ("completed" if done and current else "rolled_back" if flag and current
+                      else "advanced" if current else "started")
+            step = RolloutStep(rollout_id=rollout_id, action=action, alias=f"alias{i}",
+                               adapter_id=adapter, canary_version=n, baseline_version=1,
+                               stage=min(stage, len(PLAN.stages) - 1),
+                               weight=PLAN.stages[min(stage, len(PLAN.stages) - 1)],
+                               plan=PLAN, reason=action)
+            if action == "completed":
+                rollouts.pop(i)
+                place("adapter", AdapterVersionSwitched(
+                    adapter_id=adapter, from_version=1, to_version=n, alias=f"alias{i}",
+                    rollout=step), f"adapter/{adapter}", "controller", tenant)
+            else:
+                rollouts[i] = (rollout_id, step.stage)
+                if action == "rolled_back":
+                    rollouts.pop(i)
+                place("adapter", TrafficSplitChanged(alias=f"alias{i}", split=[
+                    SplitEntry(adapter_id=adapter, version=n, weight=100)], rollout=step),
+                      f"alias/alias{i}", "controller", tenant)
+        elif op in ("halt", "resume") and i in rollouts:
+            rollout_id, stage = rollouts[i]
+            payload = (RolloutHalted(alias=f"alias{i}", rollout_id=rollout_id, stage=stage,
+                                     reason="slow") if op == "halt" else
+                       RolloutResumed(alias=f"alias{i}", rollout_id=rollout_id, stage=stage))
+            place("adapter", payload, f"alias/alias{i}", "controller", tenant)
     return dict(partitions)
 
 

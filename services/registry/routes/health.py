@@ -1,4 +1,4 @@
-"""Liveness, readiness (only after replaying to our own barrier) and Prometheus metrics."""
+"""Liveness, readiness (replayed, writable, or why not) and Prometheus metrics."""
 
 from __future__ import annotations
 

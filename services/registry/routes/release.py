@@ -17,7 +17,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, File, Form, HTTPException, Path, Response, UploadFile
+from fastapi import APIRouter, Depends, File, Form, Path, Response, UploadFile
 from pydantic import BaseModel, Field
 
 from services.catalog.release import GateSpec, release_refusal
@@ -40,6 +40,7 @@ from services.contracts.events import (
     TenantRef,
     uuid7,
 )
+from services.contracts.problems import ProblemError, problem_responses
 from services.registry.auth import Principal
 from services.registry.deps import (
     Admin,
@@ -48,11 +49,13 @@ from services.registry.deps import (
     IdempotencyKey,
     Node,
     Reader,
+    Replayed,
     RequireRole,
     TraceId,
     Writer,
     ensure_read_scope,
     ensure_write_scope,
+    request_fingerprint,
     writable_adapter,
 )
 from services.registry.node import Committed, RegistryNode
@@ -65,12 +68,11 @@ from services.registry.release import (
     roll_back_rollout,
     start_rollout,
 )
-from services.registry.views import ErrorBody, EventRef, answer_headers, event_ref
+from services.registry.views import EventRef, answer_headers, event_ref
 from services.release.regression import RegressionSet, RegressionSetError, parse_regression_set
 
-router = APIRouter(prefix="/v1", tags=["release"])
-ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorBody} for code in (401, 403, 404, 409, 412, 413, 422, 503)}
+router = APIRouter(prefix="/v1", tags=["release"], dependencies=[Replayed])
+ERRORS = problem_responses(401, 403, 404, 409, 412, 413, 422, 503)
 AdapterIdPath = Annotated[str, Path(pattern=ID_PATTERN)]
 AliasPath = Annotated[str, Path(pattern=ID_PATTERN)]
 VersionPath = Annotated[int, Path(ge=1, le=2**31)]
@@ -84,7 +86,8 @@ def read_regression_set(upload: UploadFile, settings: Settings) -> tuple[bytes, 
     """The uploaded set, validated (422 naming the line) before anything is stored."""
     data = upload.file.read(settings.gate_max_set_bytes + 1)
     if len(data) > settings.gate_max_set_bytes:
-        raise HTTPException(413, f"regression set over {settings.gate_max_set_bytes} bytes")
+        raise ProblemError(413, "too_large", f"regression set over {settings.gate_max_set_bytes} "
+                           "bytes", field="regression_set")
     try:
         return data, parse_regression_set(data, max_cases=settings.gate_max_cases)
     except RegressionSetError as exc:
@@ -233,7 +236,10 @@ def post_gate(adapter_id: AdapterIdPath, version: VersionPath, principal: Writer
                                        now=datetime.now(UTC), expected=expected,
                                        idempotency_key=key),
         actor=principal.actor, idempotency_key=key,
-        expect=("QualityGateRequested", adapter_stream(adapter_id)), trace_id=trace)
+        expect=("QualityGateRequested", adapter_stream(adapter_id)), trace_id=trace,
+        request_sha256=request_fingerprint("gate", adapter_id, version, expected, reason,
+                                           spec.regression_set_sha256 if regression_set
+                                           is not None else None))
     return _gate_answer(node, response, committed, adapter_id, version)
 
 
@@ -271,7 +277,8 @@ def post_override(adapter_id: AdapterIdPath, version: VersionPath, body: Overrid
         "override", lambda s: override_release(s, adapter_id, version, body.reason,
                                                expected=expected, idempotency_key=key),
         actor=principal.actor, idempotency_key=key,
-        expect=("ReleaseOverridden", adapter_stream(adapter_id)), trace_id=trace)
+        expect=("ReleaseOverridden", adapter_stream(adapter_id)), trace_id=trace,
+        request_sha256=request_fingerprint("override", adapter_id, version, body, expected))
     return _gate_answer(node, response, committed, adapter_id, version)
 
 
@@ -336,7 +343,8 @@ def post_rollout(alias: AliasPath, body: RolloutBody, principal: Writer, node: N
             baseline=body.baseline_version, reason=body.reason, expected=expected,
             idempotency_key=key),
         actor=principal.actor, idempotency_key=key,
-        expect=("TrafficSplitChanged", alias_stream(alias)), trace_id=trace)
+        expect=("TrafficSplitChanged", alias_stream(alias)), trace_id=trace,
+        request_sha256=request_fingerprint("rollout_start", alias, body, expected))
     return _rollout_answer(node, response, committed, alias)
 
 
@@ -346,7 +354,7 @@ def get_rollout(alias: AliasPath, principal: Reader, node: Node) -> RolloutView:
     with node.state_lock:
         rollout = node.state.rollouts.get(alias)
         if rollout is None:
-            raise HTTPException(404, f"alias {alias!r} has no rollout")
+            raise ProblemError(404, "not_found", f"alias {alias!r} has no rollout")
         ensure_read_scope(principal, rollout.tenant)
         return rollout_view(node.state, rollout)
 
@@ -369,7 +377,7 @@ def _drive(node: RegistryNode, principal: Principal, alias: str) -> None:
 
 
 def _stepped(node: RegistryNode, principal: Principal, alias: str, command: str,
-             decide: Any, response: Response, key: str | None, trace: str,
+             decide: Any, response: Response, key: str | None, trace: str, body: StepBody,
              event_type: str = "TrafficSplitChanged") -> RolloutView:
     _drive(node, principal, alias)
     with node.state_lock:
@@ -377,7 +385,8 @@ def _stepped(node: RegistryNode, principal: Principal, alias: str, command: str,
         stream = adapter_stream(rollout.adapter_id) if rollout and event_type == \
             "AdapterVersionSwitched" else alias_stream(alias)
     committed = node.execute(command, decide, actor=principal.actor, idempotency_key=key,
-                             expect=(event_type, stream), trace_id=trace)
+                             expect=(event_type, stream), trace_id=trace,
+                             request_sha256=request_fingerprint(command, alias, body))
     return _rollout_answer(node, response, committed, alias)
 
 
@@ -397,7 +406,8 @@ def post_advance(alias: AliasPath, body: StepBody, principal: RolloutDriver, nod
         lambda s: advance_rollout(s, alias, body.rollout_id, body.from_stage, judgement,
                                   now=datetime.now(UTC), automatic=principal.role == "canary",
                                   idempotency_key=key),
-        response, key, trace, "AdapterVersionSwitched" if final else "TrafficSplitChanged")
+        response, key, trace, body,
+        "AdapterVersionSwitched" if final else "TrafficSplitChanged")
 
 
 @router.post("/aliases/{alias}/rollout/rollback", response_model=RolloutView,
@@ -412,7 +422,7 @@ def post_rollback(alias: AliasPath, body: StepBody, principal: RolloutDriver, no
                                     now=datetime.now(UTC),
                                     automatic=principal.role == "canary",
                                     idempotency_key=key),
-        response, key, trace)
+        response, key, trace, body)
 
 
 @router.post("/aliases/{alias}/rollout/halt", response_model=RolloutView, responses=ERRORS,
@@ -427,7 +437,7 @@ def post_halt(alias: AliasPath, body: StepBody, principal: RolloutDriver, node: 
         lambda s: halt_rollout(s, alias, body.rollout_id, body.from_stage, reason=body.reason,
                                automatic=principal.role == "canary", judgement=body.judgement,
                                idempotency_key=key),
-        response, key, trace, "RolloutHalted")
+        response, key, trace, body, "RolloutHalted")
 
 
 @router.post("/aliases/{alias}/rollout/resume", response_model=RolloutView, responses=ERRORS,
@@ -439,4 +449,4 @@ def post_resume(alias: AliasPath, body: StepBody, principal: Writer, node: Node,
         node, principal, alias, "rollout_resume",
         lambda s: resume_rollout(s, alias, body.rollout_id, body.from_stage, reason=body.reason,
                                  idempotency_key=key),
-        response, key, trace, "RolloutResumed")
+        response, key, trace, body, "RolloutResumed")
