@@ -1,12 +1,15 @@
 """Sustained audit projection throughput (events/s) on real Kafka and PostgreSQL.
 
 Produces N mixed events first (mostly request traces of 4 requests and heartbeats, see
-`tests/audit/scenario.py`), then times one projector draining them from offset 0: every
-event decoded and validated, chained, leaf-hashed, folded into the current-state and
-history tables, with offsets, in batches of `--batch` per transaction, and a signed
-checkpoint every `--checkpoint-every` events per partition.
+`tests/audit/scenario.py`), then times a projector draining them from offset 0, `--runs`
+times into fresh schemas: every event decoded and validated, its personal fields sealed,
+chained, leaf-hashed, folded into the current-state and history tables, with offsets, in
+batches of `--batch` per transaction, and a signed checkpoint every `--checkpoint-every`
+events per partition (committed synchronously and published as a note). Records the
+PostgreSQL durability settings, the load average, and the CPU the projector and the
+server spent per event.
 
-    python -m bench.audit --events 50000
+    python bench/audit.py
 
 Uses LORAPLANE_KAFKA_BOOTSTRAP / LORAPLANE_DATABASE_URL when set, else starts Apache
 Kafka (KRaft) and embedded PostgreSQL for the run. Writes bench/results/audit.json.
@@ -21,6 +24,7 @@ import json
 import os
 import platform
 import pstats
+import sys
 import tempfile
 import threading
 import time
@@ -28,23 +32,26 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-import psycopg
-from sqlalchemy import func, select
-
-from services.audit.db import make_engine, upgrade
-from services.audit.projector import AuditProjector
-from services.audit.tables import events, request_traces
-from services.config import Settings
-from services.eventlog.topics import ensure_topics
-from tests.audit.scenario import mixed, produce, recorded
-
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # `python bench/audit.py` measures this checkout's code
+
+import psycopg  # noqa: E402
+from sqlalchemy import func, select  # noqa: E402
+
+from services.audit.db import make_engine, upgrade  # noqa: E402
+from services.audit.projector import AuditProjector  # noqa: E402
+from services.audit.tables import events, request_traces  # noqa: E402
+from services.config import Settings  # noqa: E402
+from services.eventlog.topics import ensure_topics  # noqa: E402
+from tests.audit.scenario import mixed, produce, recorded  # noqa: E402
+
 RESULTS = REPO / "bench" / "results" / "audit.json"
 
 
 @contextlib.contextmanager
-def services(workdir: Path) -> Iterator[tuple[str, str]]:
-    """(kafka bootstrap, database url): from the environment or started here."""
+def services(workdir: Path) -> Iterator[tuple[str, str, int | None]]:
+    """(kafka bootstrap, database url, server pid if started here): from the environment
+    or started here."""
     with contextlib.ExitStack() as stack:
         bootstrap = os.environ.get("LORAPLANE_KAFKA_BOOTSTRAP")
         url = os.environ.get("LORAPLANE_DATABASE_URL")
@@ -63,36 +70,120 @@ def services(workdir: Path) -> Iterator[tuple[str, str]]:
             server.start()
             stack.callback(server.stop)
             url = server.url
-        yield bootstrap, url
+        yield bootstrap, url, _postmaster(url)
+
+
+DURABILITY = ("fsync", "full_page_writes", "synchronous_commit", "wal_compression",
+              "max_wal_size", "checkpoint_timeout", "shared_buffers")
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _postmaster(url: str) -> int | None:
+    """The pid of the server when it runs on this machine (the parent of our backend)."""
+    with psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://")
+                         .split("?")[0]) as conn:
+        backend = conn.execute("SELECT pg_backend_pid()").fetchone()[0]  # type: ignore[index]
+    try:
+        return int(Path(f"/proc/{backend}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _server_cpu_s(pid: int | None) -> float | None:
+    """CPU seconds of a PostgreSQL server we started (postmaster and its children)."""
+    if pid is None:
+        return None
+    total = 0
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    for process in [pid, *map(int, children)]:
+        try:
+            fields = Path(f"/proc/{process}/stat").read_text().rsplit(")", 1)[1].split()
+        except FileNotFoundError:
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total / CLOCK_TICKS
+
+
+def _schema_url(url: str, tag: str) -> str:
+    schema = f"bench_{tag}"
+    with psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://")
+                         .split("?")[0], autocommit=True) as conn:
+        conn.execute(f'CREATE SCHEMA "{schema}"')
+    sep = "&" if "?" in url else "?"
+    return f"{url}{sep}options=-csearch_path%3D{schema}"
+
+
+def project_once(settings: Settings, produced: int, kept: int, server_pid: int | None,
+                 profile: bool) -> dict[str, object]:
+    """One projector draining all `produced` events (`kept` of them stored one by one, the
+    rest liveness summaries) into a fresh schema."""
+    assert settings.database_url
+    upgrade(settings.database_url)
+    engine = make_engine(settings.database_url)
+    projector = AuditProjector(settings, engine)
+    projector.open()  # seek and load heads before the clock starts
+    stored = 0
+    batches = 0
+    stop = threading.Event()
+
+    def counted(n: int) -> None:
+        nonlocal stored, batches
+        stored += n
+        batches += 1
+        if stored >= kept:
+            stop.set()
+
+    projector.on_batch = counted
+    profiler = cProfile.Profile() if profile else None
+    load_before = os.getloadavg()
+    cpu0, server0, t0 = time.process_time(), _server_cpu_s(server_pid), time.perf_counter()
+    if profiler:
+        profiler.enable()
+    projector.run(stop)  # what `loraplane serve audit` runs: reader thread + writer
+    project_s = time.perf_counter() - t0
+    cpu, server1 = time.process_time() - cpu0, _server_cpu_s(server_pid)
+    if profiler:
+        profiler.disable()
+        pstats.Stats(profiler).sort_stats("cumulative").print_stats(45)
+        profiler.dump_stats(str(RESULTS.with_suffix(".prof")))
+    projector.close()
+    with engine.connect() as conn:
+        assert conn.execute(select(func.count()).select_from(events)).scalar_one() == kept
+        traces = conn.execute(select(func.count()).select_from(request_traces)).scalar_one()
+    engine.dispose()
+    return {
+        "events_per_second": round(produced / project_s),
+        "stored_events_per_second": round(kept / project_s), "projection_seconds":
+        round(project_s, 2), "batches": batches, "request_trace_rows": traces,
+        "projector_cpu_us_per_event": round(cpu / produced * 1e6),
+        "postgres_cpu_us_per_event": (round((server1 - server0) / produced * 1e6)
+                                      if server0 is not None and server1 is not None
+                                      else None),
+        "load_average_before": [round(x, 2) for x in load_before],
+        "load_average_after": [round(x, 2) for x in os.getloadavg()],
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--events", type=int, default=50_000)
+    parser.add_argument("--runs", type=int, default=3, help="projections of the same log")
     parser.add_argument("--batch", type=int, default=Settings().audit_batch_size)
     parser.add_argument("--checkpoint-every", type=int, default=1000)
     parser.add_argument("--partitions", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="cProfile the projection")
     args = parser.parse_args()
 
-    with tempfile.TemporaryDirectory() as tmp, services(Path(tmp)) as (bootstrap, url):
+    with tempfile.TemporaryDirectory() as tmp, services(Path(tmp)) as (bootstrap, url, pid):
         tag = uuid.uuid4().hex[:8]
-        schema = f"bench_{tag}"
-        with psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://")
-                             .split("?")[0], autocommit=True) as conn:
-            conn.execute(f'CREATE SCHEMA "{schema}"')
-        sep = "&" if "?" in url else "?"
         settings = Settings(
-            kafka_bootstrap=bootstrap, database_url=f"{url}{sep}options=-csearch_path%3D{schema}",
-            adapter_events_topic=f"bench{tag}.adapter-events",
+            kafka_bootstrap=bootstrap, adapter_events_topic=f"bench{tag}.adapter-events",
             worker_events_topic=f"bench{tag}.worker-events",
             liveness_topic=f"bench{tag}.liveness",
             dead_letter_topic=f"bench{tag}.dead-letter", topic_partitions=args.partitions,
             audit_batch_size=args.batch, audit_checkpoint_every=args.checkpoint_every,
-            audit_signing_key="42" * 32, state_dir=Path(tmp) / "state")
+            audit_signing_key="42" * 32, audit_kek="43" * 32, state_dir=Path(tmp) / "state")
         ensure_topics(settings)
-        assert settings.database_url
-        upgrade(settings.database_url)
 
         t0 = time.perf_counter()
         generated = list(mixed(args.events))
@@ -101,53 +192,34 @@ def main() -> None:
         produce_s = time.perf_counter() - t0
         print(f"produced {produced} events in {produce_s:.1f}s "
               f"({produced / produce_s:,.0f}/s)")
+        with psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://")
+                             .split("?")[0]) as conn:
+            server = {name: conn.execute(f"SHOW {name}").fetchone()[0]  # type: ignore[index]
+                      for name in DURABILITY}
+        runs = []
+        for run in range(args.runs):
+            url_of_run = _schema_url(url, f"{tag}_{run}")
+            runs.append(project_once(settings.model_copy(update={"database_url": url_of_run}),
+                                     produced, kept, pid, args.profile and run == 0))
+            print(f"run {run + 1}: {runs[-1]['events_per_second']:,} events/s "
+                  f"(projector {runs[-1]['projector_cpu_us_per_event']} us CPU/event, "
+                  f"PostgreSQL {runs[-1]['postgres_cpu_us_per_event']} us CPU/event, "
+                  f"load {runs[-1]['load_average_before']})")
 
-        engine = make_engine(settings.database_url)
-        projector = AuditProjector(settings, engine)
-        projector.open()  # seek and load heads before the clock starts
-        stored = 0
-        batches = 0
-        stop = threading.Event()
-
-        def counted(n: int) -> None:
-            nonlocal stored, batches
-            stored += n
-            batches += 1
-            if stored >= kept:
-                stop.set()
-
-        projector.on_batch = counted
-        profiler = cProfile.Profile() if args.profile else None
-        load_before = os.getloadavg()
-        t0 = time.perf_counter()
-        if profiler:
-            profiler.enable()
-        projector.run(stop)  # what `loraplane serve audit` runs: reader thread + writer
-        project_s = time.perf_counter() - t0
-        if profiler:
-            profiler.disable()
-            pstats.Stats(profiler).sort_stats("cumulative").print_stats(45)
-            profiler.dump_stats(str(RESULTS.with_suffix(".prof")))
-        projector.close()
-        with engine.connect() as conn:
-            assert conn.execute(select(func.count()).select_from(events)).scalar_one() == kept
-            traces = conn.execute(select(func.count()).select_from(request_traces)).scalar_one()
-        engine.dispose()
-
-    rate = produced / project_s
+    rates = sorted(r["events_per_second"] for r in runs)  # type: ignore[type-var]
+    median = rates[len(rates) // 2]
     result = {
-        "events": produced, "events_stored": kept, "request_trace_rows": traces, "batches": batches,
-        "batch_size": args.batch, "checkpoint_every": args.checkpoint_every,
-        "partitions": args.partitions, "projection_seconds": round(project_s, 2),
-        "events_per_second": round(rate), "produce_events_per_second": round(produced / produce_s),
-        "load_average_before": [round(x, 2) for x in load_before],
-        "load_average_after": [round(x, 2) for x in os.getloadavg()],
+        "events": produced, "events_stored": kept, "events_per_second": median,
+        "reported": f"median of {args.runs} runs", "runs": runs, "batch_size": args.batch,
+        "checkpoint_every": args.checkpoint_every, "partitions": args.partitions,
+        "postgres_settings": server, "produce_events_per_second": round(produced / produce_s),
         "cpus": os.cpu_count(), "python": platform.python_version(),
         "machine": platform.machine(),
-        "note": "broker, PostgreSQL, producer-free projector on the same machine",
+        "note": "broker, PostgreSQL and the projector on the same machine; durable PostgreSQL "
+                "(settings above); personal fields sealed (AES-GCM-SIV) as in production",
     }
     print(json.dumps(result, indent=2))
-    print(f"projection: {rate:,.0f} events/s ({traces / project_s:,.0f} request rows/s)")
+    print(f"projection: {median:,} events/s (median of {args.runs})")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")
 

@@ -109,23 +109,16 @@ def fetch_kafka() -> None:
 
 @serve_app.command("audit")
 def serve_audit() -> None:
-    """The audit projector: both topics into PostgreSQL, exactly once."""
-    from services.audit.db import make_engine
-    from services.audit.projector import AuditProjector
+    """The audit projector: both topics into PostgreSQL, exactly once; /metrics and
+    /checkpoints on LORAPLANE_AUDIT_METRICS_PORT."""
+    from services.audit.server import serve
 
     settings = _settings()
     logging.basicConfig(level=settings.log_level)
     if not settings.database_url or not settings.kafka_bootstrap:
         console.print("[red]set LORAPLANE_DATABASE_URL and LORAPLANE_KAFKA_BOOTSTRAP[/red]")
         raise typer.Exit(2)
-    stop = _stop_on_signals()
-    projector = AuditProjector(settings, make_engine(settings.database_url))
-    projector.open()
-    logging.getLogger("loraplane.audit").info("audit projector running")
-    try:
-        projector.run(stop)
-    finally:
-        projector.close()
+    serve(settings, _stop_on_signals())
 
 
 @serve_app.command("registry")

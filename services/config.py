@@ -100,6 +100,9 @@ class Settings(BaseSettings):
         None, description="Content-addressed blob store (sha256/ab/abcd…); default STATE_DIR/blobs."
     )
     max_upload_bytes: int = Field(512 * 1024 * 1024, ge=1)
+    blob_erasure_grace_s: float = Field(
+        60.0, ge=0, description="A tenant purge keeps the tenant's blobs (re)written this "
+        "shortly before it: an upload in flight may be about to publish them.")
     max_lora_rank: int = Field(128, ge=1)
     allowed_dtypes: list[str] = Field(default_factory=lambda: ["float16", "bfloat16", "float32"])
     auth_tokens: str | None = Field(
@@ -154,7 +157,9 @@ class Settings(BaseSettings):
         '{"tenant:org/team/project": 5, "adapter:acme-support": 50}.')
     router_request_timeout_s: float = Field(
         300.0, gt=0, description="Deadline of a request whose client set none (HTTP).")
-    audit_metrics_port: int = 8783
+    audit_metrics_port: int = Field(
+        8783, ge=0, le=65535, description="Port of the projector's /metrics and /checkpoints "
+        "(0: any free port).")
     audit_batch_size: int = Field(
         4000, ge=1, description="Most events per projector transaction; 4000 measured best "
         "(bench/audit.py: 5,000+ events/s on 2 cores; 2000 and 8000 were slower)."
@@ -164,6 +169,22 @@ class Settings(BaseSettings):
     )
     audit_checkpoint_every: int = Field(
         1000, ge=1, description="Events per partition between signed Merkle checkpoints."
+    )
+    audit_origin: str = Field(
+        "loraplane.local/audit", pattern=r"^[^\s+]+$",
+        description="Prefix of every partition log's checkpoint origin (and note key name): "
+        "<origin>/<topic>/<partition>. Set it to a name you own, e.g. audit.example.com/lp.",
+    )
+    audit_kek: str | None = Field(
+        None, description="Key-encryption key (32 bytes, hex) that wraps the tenants' data "
+        "keys sealing personal fields; default: generated into STATE_DIR/audit-kek.",
+    )
+    audit_checkpoint_dir: Path | None = Field(
+        None, description="Where the projector publishes every checkpoint as a signed note "
+        "file; default STATE_DIR/checkpoints.",
+    )
+    audit_http_host: str = Field(
+        "127.0.0.1", description="Listener of the projector's /metrics and /checkpoints."
     )
 
     # --- release safety: quality gates, canary rollouts (services/release) -------------
@@ -218,6 +239,10 @@ class Settings(BaseSettings):
     @property
     def snapshot_root(self) -> Path:
         return self.snapshot_dir or self.state_dir / "snapshots"
+
+    @property
+    def checkpoint_root(self) -> Path:
+        return self.audit_checkpoint_dir or self.state_dir / "checkpoints"
 
     @property
     def topics(self) -> tuple[str, str, str]:

@@ -1,11 +1,12 @@
 """The per-partition hash chain: each row's hash covers the previous hash and the
-event's canonical bytes, so changing, removing or reordering any row breaks every hash
-after it. Pure functions; the projector, `audit verify` and `audit replay-to-kafka`
-share them.
+event's stored bytes (`events.canonical`), so changing, removing or reordering any row
+breaks every hash after it. Pure functions; the projector, `audit verify` and
+`audit replay-to-kafka` share them.
 
-The canonical bytes are the record value exactly as it was on the log (the producer
-writes canonical JSON), not a re-serialisation: a model that later gains a defaulted
-field must not change the hash of an event written before it existed.
+The stored bytes are the record value exactly as it was on the log (the producer writes
+canonical JSON) with only its personal fields' string literals replaced by sealed tokens
+(`services.audit.sealing`), never a re-serialisation of the model: a model that later
+gains a defaulted field must not change the hash of an event written before it existed.
 """
 
 from __future__ import annotations
@@ -18,11 +19,21 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from services.config import Settings
+
 GENESIS = bytes(32)
 
 
+def chained_topics(settings: Settings) -> tuple[str, ...]:
+    """The topics whose events are stored and chained one by one: all but the liveness
+    topic (leases, heartbeats), which the projector only summarises."""
+    return tuple(t for t in settings.topics if t != settings.liveness_topic)
+
+
 def link(prev_hash: bytes, canonical: bytes) -> bytes:
-    return hashlib.sha256(prev_hash + canonical).digest()
+    h = hashlib.sha256(prev_hash)
+    h.update(canonical)
+    return h.digest()
 
 
 @dataclass(frozen=True)
@@ -67,7 +78,6 @@ DERIVED_COLUMNS: dict[str, Any] = {
     "tenant_team": lambda d: _tenant_field(d, "team"),
     "tenant_project": lambda d: _tenant_field(d, "project"),
     "trace_id": lambda d: d.get("trace_id"),
-    "payload": lambda d: d.get("payload"),
 }
 
 

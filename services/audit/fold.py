@@ -13,6 +13,13 @@ holds, and keeps the rules testable without a database.
 Payloads are read by field name with defaults (`getattr`), because producers may add
 optional fields at any time; a missing field is a NULL, never a crash.
 
+Personal fields: request traces' `user_id` is stored as the sealed token of the stored
+event (`services.audit.sealing`; the fold is handed the stored values). Labels, owners and
+reasons are kept readable in the current-state and history tables, for the compliance
+views, and replaced by `[erased]` for every row dated at or before a purge of its tenant
+(`purged_at`): when the purge is folded (rows in memory, and an UPDATE of the stored
+ones in the same transaction), and whenever a row is loaded or written later.
+
 Activation rule (shared with the `rollback_candidates` view and the registry's default
 rollback target): a version becomes an adapter's active version only through
 AdapterVersionSwitched.to_version or AdapterRolledBack.to_version; the version that was
@@ -22,12 +29,14 @@ change the active version.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime
 from typing import Any
 
-from services.contracts.events import Envelope
+from services.audit.sealing import ERASED
+from services.catalog.purge import deadline_of
+from services.contracts.events import WORKER_TOPIC, Envelope, TenantRef
 
 Row = dict[str, Any]
 VersionKey = tuple[str, int]
@@ -52,14 +61,15 @@ def touched_keys(envelopes: Iterable[Envelope]) -> TouchedKeys:
     worker_ids: set[str] = set()
     for envelope in envelopes:
         p = envelope.payload
-        if isinstance(a := _get(p, "adapter_id"), str) and envelope.type in ADAPTER_STATE_TYPES:
-            adapter_ids.add(a)
-        if envelope.type == "TrafficSplitChanged":
+        kind = envelope.type
+        if kind in ADAPTER_STATE_TYPES:
+            adapter_ids.add(_get(p, "adapter_id"))
+        elif kind == "TrafficSplitChanged":
             alias_names.add(_get(p, "alias"))
             for entry in [*(_get(p, "split") or ()), *(_get(p, "previous") or ())]:
                 adapter_ids.add(_get(entry, "adapter_id"))
-        if isinstance(w := _get(p, "worker_id"), str):
-            worker_ids.add(w)
+        elif p.topic == WORKER_TOPIC:
+            worker_ids.add(_get(p, "worker_id"))
     return TouchedKeys(frozenset(adapter_ids), frozenset(alias_names), frozenset(worker_ids))
 
 
@@ -83,7 +93,13 @@ class Changes:
     worker_heartbeats: list[Row]
     worker_acks: list[Row]
     purges: list[Row]
-    request_traces: list[Row]
+    purge_blobs: list[Row]
+    """Blob erasures to record on their (already written) purge rows."""
+    erasures: list[Row]
+    """Tenants purged in this batch: their stored rows dated at or before `requested_at`
+    get `[erased]` in place of labels, owners and reasons."""
+    request_traces: list[tuple[Any, ...]]
+    """Values in `TRACE_COLUMNS` order."""
 
 
 @dataclass
@@ -108,11 +124,15 @@ class FoldState:
     worker_heartbeats: list[Row] = field(default_factory=list)
     worker_acks: list[Row] = field(default_factory=list)
     purges: list[Row] = field(default_factory=list)
-    request_traces: list[Row] = field(default_factory=list)
+    purge_blobs: list[Row] = field(default_factory=list)
+    erasures: list[Row] = field(default_factory=list)
+    request_traces: list[tuple[Any, ...]] = field(default_factory=list)
     unloaded: dict[str, dict[VersionKey, Any]] = field(default_factory=dict)
     """worker_id → adapter versions it unloaded after its newest heartbeat, and when: a
     heartbeat read later but sent earlier must not bring them back. Memory only: lost on
     a reload, and then corrected by the worker's next heartbeat."""
+    purged_at: dict[tuple[str, str, str], datetime] = field(default_factory=dict)
+    """Tenant → its latest purge request (loaded once with the projector's state)."""
 
     def missing(self, keys: TouchedKeys) -> TouchedKeys:
         """The touched keys not loaded yet."""
@@ -137,13 +157,36 @@ class FoldState:
                              for w in sorted(self.dirty_worker_adapters)},
             version_history=self.version_history, split_history=self.split_history,
             worker_heartbeats=self.worker_heartbeats, worker_acks=self.worker_acks,
-            purges=self.purges, request_traces=self.request_traces)
+            purges=self.purges, purge_blobs=self.purge_blobs, erasures=self.erasures,
+            request_traces=self.request_traces)
         for dirty in (self.dirty_adapters, self.dirty_versions, self.dirty_aliases,
                       self.dirty_workers, self.dirty_worker_adapters):
             dirty.clear()
         self.version_history, self.split_history, self.worker_heartbeats = [], [], []
         self.worker_acks, self.purges, self.request_traces = [], [], []
+        self.purge_blobs, self.erasures = [], []
         return changes
+
+    # --- erasure ----------------------------------------------------------------------
+
+    def erased_before(self, tenant: TenantRef | tuple[Any, Any, Any] | None) -> datetime | None:
+        if tenant is None:
+            return None
+        key = (tenant.org, tenant.team, tenant.project) if isinstance(tenant, TenantRef) \
+            else tenant
+        return self.purged_at.get(key)
+
+    def scrub_version(self, row: Row) -> None:
+        """`[erased]` for a version's free text dated at or before its tenant's purge."""
+        purged = self.erased_before((row["tenant_org"], row["tenant_team"],
+                                     row["tenant_project"]))
+        if purged is None or row["published_at"] is None or row["published_at"] > purged:
+            return
+        for name in ("label", "owner"):
+            row[name] = ERASED
+        if row["disabled_reason"] is not None and (
+                row["disabled_at"] is None or row["disabled_at"] <= purged):
+            row["disabled_reason"] = ERASED
 
     # --- rows, created on first touch ---------------------------------------------------
 
@@ -195,11 +238,17 @@ class FoldState:
 
     def history(self, envelope: Envelope, adapter_id: str, version: int, action: str,
                 **extra: Any) -> None:
+        reason = extra.get("reason")
+        tenant = envelope.tenant
+        purged = self.erased_before(tenant)
+        if reason and purged is not None and envelope.occurred_at <= purged:
+            reason = ERASED
         self.version_history.append({
             "event_id": envelope.event_id, "adapter_id": adapter_id, "version": version,
             "action": action, "at": envelope.occurred_at, "actor": envelope.actor,
             "alias": extra.get("alias"), "weight": extra.get("weight"),
-            "reason": extra.get("reason")})
+            "reason": reason,
+            "tenant": (tenant.org, tenant.team, tenant.project) if tenant else None})
 
 
 def _status(row: Row) -> str:
@@ -249,6 +298,7 @@ def _on_published(state: FoldState, e: Envelope) -> None:
         "tenant_team": tenant.team if tenant else None,
         "tenant_project": tenant.project if tenant else None,
         "published_at": e.occurred_at, "published_by": e.actor, "publish_event_id": e.event_id})
+    state.scrub_version(row)
     state.history(e, adapter_id, version, "published")
 
 
@@ -300,6 +350,7 @@ def _on_disabled(state: FoldState, e: Envelope) -> None:
     p = e.payload
     row = state.version(_get(p, "adapter_id"), _get(p, "version"), e)
     row.update(disabled=True, disabled_at=e.occurred_at, disabled_reason=_get(p, "reason"))
+    state.scrub_version(row)
     row["status"] = _status(row)
     state.history(e, row["adapter_id"], row["version"], "disabled", reason=_get(p, "reason"))
 
@@ -321,8 +372,35 @@ def _on_purge_requested(state: FoldState, e: Envelope) -> None:
         "tenant_team": tenant.team if tenant else None,
         "tenant_project": tenant.project if tenant else None,
         "requested_at": e.occurred_at, "requested_by": e.actor, "deadline_s": deadline_s,
-        "deadline_at": e.occurred_at + timedelta(seconds=deadline_s),
-        "hard": bool(_get(p, "hard", True)), "event_id": e.event_id})
+        "deadline_at": deadline_of(e.occurred_at, deadline_s),
+        "hard": bool(_get(p, "hard", True)), "event_id": e.event_id,
+        "expected_workers": list(_get(p, "expected_workers") or ())})
+    if tenant is None:
+        return
+    key = (tenant.org, tenant.team, tenant.project)
+    prior = state.purged_at.get(key)
+    if prior is not None and e.occurred_at <= prior:
+        return  # an older purge read late: the newer one erased as much already
+    state.purged_at[key] = e.occurred_at
+    state.erasures.append({"tenant_org": tenant.org, "tenant_team": tenant.team,
+                           "tenant_project": tenant.project, "requested_at": e.occurred_at})
+    for vkey, row in state.versions.items():
+        if (row["tenant_org"], row["tenant_team"], row["tenant_project"]) == key:
+            before = (row["label"], row["owner"], row["disabled_reason"])
+            state.scrub_version(row)
+            if (row["label"], row["owner"], row["disabled_reason"]) != before:
+                state.dirty_versions.add(vkey)
+    for h in state.version_history:  # this batch's rows (the UPDATE covers stored ones)
+        if h["reason"] and h["tenant"] == key and h["at"] <= e.occurred_at:
+            h["reason"] = ERASED
+
+
+def _on_blobs_deleted(state: FoldState, e: Envelope) -> None:
+    p = e.payload
+    state.purge_blobs.append({"purge_id": _get(p, "purge_id"),
+                              "blobs_deleted": list(_get(p, "deleted") or ()),
+                              "blobs_kept": list(_get(p, "kept") or ()),
+                              "blobs_event_id": e.event_id})
 
 
 def _worker_set(state: FoldState, worker_id: str) -> dict[VersionKey, Row]:
@@ -432,30 +510,24 @@ def _on_tenant_purged(state: FoldState, e: Envelope) -> None:
          refcounts_zero=_get(p, "refcounts_zero"))
 
 
-def _on_request_served(state: FoldState, e: Envelope) -> None:
-    p = e.payload
-    worker_id = _get(p, "worker_id")
+TRACE_COLUMNS = ("event_id", "ordinal", "request_id", "trace_id", "worker_id", "tenant_org",
+                 "tenant_team", "tenant_project", "user_id", "adapter_id", "version",
+                 "adapter_sha256", "base_model_digest", "prompt_tokens", "completion_tokens",
+                 "started_at", "finished_at", "status")
+"""The order of the values of a `request_traces` row (the most numerous rows: tuples)."""
+
+
+def _on_request_served(state: FoldState, e: Envelope, stored: Mapping[Any, str]) -> None:
+    p: Any = e.payload
+    worker_id = p.worker_id
     state.worker(worker_id, e)
     event_id, append = e.event_id, state.request_traces.append
-    for ordinal, r in enumerate(_get(p, "requests") or ()):  # most rows: getattr, no call
-        tenant = getattr(r, "tenant", None)
-        append({
-            "event_id": event_id, "ordinal": ordinal,
-            "request_id": getattr(r, "request_id", None),
-            "trace_id": getattr(r, "trace_id", None), "worker_id": worker_id,
-            "tenant_org": getattr(tenant, "org", None),
-            "tenant_team": getattr(tenant, "team", None),
-            "tenant_project": getattr(tenant, "project", None),
-            "user_id": getattr(r, "user_id", None),
-            "adapter_id": getattr(r, "adapter_id", None),
-            "version": getattr(r, "version", None),
-            "adapter_sha256": getattr(r, "adapter_sha256", None),
-            "base_model_digest": getattr(r, "base_model_digest", None),
-            "prompt_tokens": getattr(r, "prompt_tokens", None),
-            "completion_tokens": getattr(r, "completion_tokens", None),
-            "started_at": getattr(r, "started_at", None),
-            "finished_at": getattr(r, "finished_at", None),
-            "status": getattr(r, "status", "ok")})
+    for ordinal, r in enumerate(p.requests):  # typed requests: plain attribute reads
+        tenant = r.tenant
+        append((event_id, ordinal, r.request_id, r.trace_id, worker_id, tenant.org,
+                tenant.team, tenant.project, stored.get(("user_id", ordinal), r.user_id),
+                r.adapter_id, r.version, r.adapter_sha256, r.base_model_digest,
+                r.prompt_tokens, r.completion_tokens, r.started_at, r.finished_at, r.status))
 
 
 HANDLERS = {
@@ -472,13 +544,20 @@ HANDLERS = {
     "AdapterUnloaded": _on_unloaded,
     "KVInvalidated": _on_kv_invalidated,
     "TenantPurged": _on_tenant_purged,
-    "RequestServed": _on_request_served,
+    "TenantBlobsDeleted": _on_blobs_deleted,
 }
 """Event type → fold step. Types not listed live in the events table only
-(BaseModelRegistered), or nowhere (RegistryLease: liveness, see the projector)."""
+(BaseModelRegistered), or nowhere (RegistryLease: liveness, see the projector);
+`RequestServed` also takes the stored personal values (`apply`)."""
 
 
-def apply(state: FoldState, envelope: Envelope) -> None:
+def apply(state: FoldState, envelope: Envelope,
+          stored: Mapping[tuple[str, int], str] | None = None) -> None:
+    """Fold one event; `stored` maps (field, occurrence) to the value the store holds for
+    each personal field (`services.audit.sealing.Sealed.values`)."""
+    if envelope.type == "RequestServed":
+        _on_request_served(state, envelope, stored or {})
+        return
     handler = HANDLERS.get(envelope.type)
     if handler is not None:
         handler(state, envelope)

@@ -1,45 +1,38 @@
-"""RFC 6962 Merkle trees over one partition's chain, and a standalone proof verifier.
+"""RFC 6962 Merkle trees over one partition's chain: the builder side.
 
 Why a Merkle tree on top of the hash chain: the chain proves order and integrity to
 someone who holds the whole log; a signed tree head (a *checkpoint*) lets a third party
-check that one event is in the log from a proof of log2(n) hashes, without the database
-and without trusting the server (the RFC 6962 / Trillian model).
+check that one event is in the log from a proof of log2(n) hashes, and that today's log
+extends the one they saw last month (a consistency proof), without the database and
+without trusting the server (the RFC 6962 / Trillian model).
 
 - leaf hash = SHA-256(0x00 || leaf), node hash = SHA-256(0x01 || left || right); the
   prefixes keep a leaf from ever being passed off as an inner node.
 - the tree over n leaves splits at the largest power of two below n (RFC 6962 §2.1), so
   trees of any size are defined and the tree of the first k leaves never changes.
-- a leaf is one event's canonical bytes exactly as they were on the log.
-- a checkpoint signs (topic, partition, tree size, root, chain head) with Ed25519, so it
-  also pins the per-partition hash chain at that size.
+- a leaf is one event's stored bytes (see `services.audit.sealing`).
 
-This module imports only the standard library (and `cryptography`, lazily, for the
-signature), so it can be copied out and run on its own:
-
-    python merkle.py proof.json [--public-key HEX]
+The hashing and the proof *checks* live in `services.audit.verifier`, the stand-alone
+file auditors run; this module builds roots and proofs from leaf hashes and keeps the
+compact range the projector extends.
 """
 
 from __future__ import annotations
 
-import base64
 import hashlib
-import json
-import sys
 from collections.abc import Iterable, Sequence
-from typing import Any
 
-LEAF_PREFIX = b"\x00"
-NODE_PREFIX = b"\x01"
-CHECKPOINT_DOMAIN = b"loraplane-audit-checkpoint/v1\n"
-PROOF_FORMAT = "loraplane-inclusion-proof/v1"
+from services.audit.verifier import (
+    leaf_hash,
+    node_hash,
+    root_from_inclusion,
+    verify_consistency,
+    verify_inclusion,
+)
 
-
-def leaf_hash(leaf: bytes) -> bytes:
-    return hashlib.sha256(LEAF_PREFIX + leaf).digest()
-
-
-def node_hash(left: bytes, right: bytes) -> bytes:
-    return hashlib.sha256(NODE_PREFIX + left + right).digest()
+__all__ = ["CompactRange", "consistency_path", "empty_root", "inclusion_path", "leaf_hash",
+           "node_hash", "root_from_hashes", "root_from_inclusion", "tree_root",
+           "verify_consistency", "verify_inclusion"]
 
 
 def empty_root() -> bytes:
@@ -80,41 +73,24 @@ def inclusion_path(hashes: Sequence[bytes], index: int) -> list[bytes]:
     return [*inclusion_path(hashes[k:], index - k), root_from_hashes(hashes[:k])]
 
 
-def root_from_inclusion(leaf_digest: bytes, index: int, size: int,
-                        path: Sequence[bytes]) -> bytes:
-    """The root that `path` proves `leaf_digest` at `index` into (RFC 9162 §2.1.3.2).
+def consistency_path(hashes: Sequence[bytes], old_size: int) -> list[bytes]:
+    """PROOF(m, D[n]) of RFC 6962 §2.1.2 over leaf hashes: that the first `old_size`
+    leaves' tree is a prefix of the tree over all of `hashes`."""
+    n = len(hashes)
+    if not 0 <= old_size <= n:
+        raise ValueError(f"no tree of size {old_size} inside a tree of size {n}")
+    if old_size in (0, n):
+        return []
 
-    Raises ValueError when the path has the wrong length for (index, size), so a proof
-    can never be stretched to a different position.
-    """
-    if not 0 <= index < size:
-        raise ValueError(f"index {index} outside a tree of size {size}")
-    fn, sn = index, size - 1
-    r = leaf_digest
-    for p in path:
-        if sn == 0:
-            raise ValueError("audit path is too long")
-        if fn & 1 or fn == sn:
-            r = node_hash(p, r)
-            if not fn & 1:
-                while fn & 1 == 0 and fn != 0:
-                    fn >>= 1
-                    sn >>= 1
-        else:
-            r = node_hash(r, p)
-        fn >>= 1
-        sn >>= 1
-    if sn != 0:
-        raise ValueError("audit path is too short")
-    return r
+    def subproof(m: int, leaves: Sequence[bytes], complete: bool) -> list[bytes]:
+        if m == len(leaves):
+            return [] if complete else [root_from_hashes(leaves)]
+        k = _split(len(leaves))
+        if m <= k:
+            return [*subproof(m, leaves[:k], complete), root_from_hashes(leaves[k:])]
+        return [*subproof(m - k, leaves[k:], False), root_from_hashes(leaves[:k])]
 
-
-def verify_inclusion(leaf: bytes, index: int, size: int, path: Sequence[bytes],
-                     root: bytes) -> bool:
-    try:
-        return root_from_inclusion(leaf_hash(leaf), index, size, path) == root
-    except ValueError:
-        return False
+    return subproof(old_size, hashes, True)
 
 
 class CompactRange:
@@ -155,90 +131,3 @@ class CompactRange:
     @classmethod
     def from_bytes(cls, size: int, blob: bytes) -> CompactRange:
         return cls(size, [blob[i:i + 32] for i in range(0, len(blob), 32)])
-
-
-def checkpoint_message(topic: str, partition: int, tree_size: int, root: bytes,
-                       chain_head: bytes) -> bytes:
-    """The exact bytes a checkpoint signature covers (one field per line, after a domain tag)."""
-    if "\n" in topic:
-        raise ValueError("topic names cannot contain a newline")
-    return CHECKPOINT_DOMAIN + (f"{topic}\n{partition}\n{tree_size}\n{root.hex()}\n"
-                                f"{chain_head.hex()}\n").encode()
-
-
-def verify_signature(public_key: bytes, signature: bytes, message: bytes) -> bool:
-    from cryptography.exceptions import InvalidSignature
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
-
-    try:
-        Ed25519PublicKey.from_public_bytes(public_key).verify(signature, message)
-    except (InvalidSignature, ValueError):
-        return False
-    return True
-
-
-def verify_proof(document: dict[str, Any], trusted_public_key: bytes | None = None
-                 ) -> list[str]:
-    """Check an inclusion proof document; returns the problems found (empty: valid).
-
-    The proof is only as good as the key: pass the log's published public key as
-    `trusted_public_key`, otherwise the key inside the document is taken on trust.
-    """
-    problems: list[str] = []
-    try:
-        if document.get("format") != PROOF_FORMAT:
-            return [f"unknown proof format {document.get('format')!r}"]
-        leaf = base64.b64decode(document["leaf"], validate=True)
-        index, size = int(document["index"]), int(document["tree_size"])
-        path = [bytes.fromhex(h) for h in document["audit_path"]]
-        cp = document["checkpoint"]
-        root = bytes.fromhex(cp["root"])
-        public_key = bytes.fromhex(cp["public_key"])
-        signature = bytes.fromhex(cp["signature"])
-        chain_head = bytes.fromhex(cp["chain_head"])
-        topic, partition = str(document["topic"]), int(document["partition"])
-        cp_size = int(cp["tree_size"])
-    except (KeyError, TypeError, ValueError) as exc:
-        return [f"malformed proof: {exc!r}"]
-    if document.get("leaf_hash") not in (None, leaf_hash(leaf).hex()):
-        problems.append("leaf_hash does not match the leaf bytes")
-    if cp_size != size:
-        problems.append(f"proof is for tree size {size}, checkpoint signs {cp_size}")
-    if not verify_inclusion(leaf, index, size, path, root):
-        problems.append("audit path does not lead from the leaf to the checkpoint root")
-    if trusted_public_key is not None and public_key != trusted_public_key:
-        problems.append("checkpoint is signed by a key other than the trusted one")
-    message = checkpoint_message(topic, partition, cp_size, root, chain_head)
-    if not verify_signature(public_key, signature, message):
-        problems.append("checkpoint signature is not valid")
-    try:
-        event = json.loads(leaf)
-        if "event_id" in document and str(event.get("event_id")) != document["event_id"]:
-            problems.append("leaf is not the event the proof names")
-    except (ValueError, AttributeError):
-        problems.append("leaf is not a JSON event")
-    return problems
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """`python merkle.py PROOF.json [--public-key HEX]`: exit 0 when the proof holds."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    trusted = None
-    if "--public-key" in args:
-        i = args.index("--public-key")
-        trusted = bytes.fromhex(args[i + 1])
-        del args[i:i + 2]
-    if len(args) != 1:
-        print("usage: merkle.py PROOF.json [--public-key HEX]", file=sys.stderr)
-        return 2
-    with open(args[0], encoding="utf-8") as f:
-        problems = verify_proof(json.load(f), trusted)
-    for problem in problems:
-        print(f"INVALID: {problem}")
-    if not problems:
-        print("OK: the event is included in the signed checkpoint")
-    return 1 if problems else 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

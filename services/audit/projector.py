@@ -25,10 +25,22 @@ core Python gets and PostgreSQL's work overlap instead of taking turns. Preparin
 means the chain heads, offsets and current-state rows the preparer sees include a batch
 not yet committed; that is sound because this projector is the only writer (see the
 fence above) and because any failure drops all of it and reloads from PostgreSQL.
+
+Personal fields are sealed before anything is hashed (`services.audit.sealing`), with
+the tenants' data keys (`services.audit.keys`); a `TenantPurgeRequested` destroys its
+tenant's key in the batch that stores it.
+
+Durability: the embedded PostgreSQL commits asynchronously (`synchronous_commit=off`),
+which is safe for batches because their offsets commit with them: a batch lost in a
+crash is read from Kafka again. A batch whose effects leave the database must be on disk
+before they do, so it commits synchronously: one that signs checkpoints (published to
+the note folder and over HTTP once committed; a re-projection could otherwise sign a
+different tree of the same size) or destroys a tenant key (the purge proof reports it).
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import gc
 import logging
@@ -45,9 +57,13 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from services.audit import fold
 from services.audit.chain import GENESIS, link
-from services.audit.merkle import CompactRange, checkpoint_message, leaf_hash
+from services.audit.keys import KeyRing, load_kek, vacuum_keys, write_key_changes
+from services.audit.merkle import CompactRange, leaf_hash
+from services.audit.metrics import ProjectorMetrics
 from services.audit.pgcopy import CopyFormat, copy_data
-from services.audit.signing import CheckpointSigner, load_signer
+from services.audit.publication import CheckpointFolder
+from services.audit.sealing import ERASED, seal
+from services.audit.signing import CheckpointSigner, load_signer, log_origin
 from services.audit.tables import (
     adapter_versions,
     adapters,
@@ -66,7 +82,9 @@ from services.audit.tables import (
     worker_heartbeats,
     workers,
 )
+from services.audit.verifier import Checkpoint
 from services.config import Settings
+from services.contracts.events import TenantPurgeRequested
 from services.eventlog.consumer import EventConsumer, Record, Rejected
 from services.eventlog.errors import EventLogError
 
@@ -125,6 +143,7 @@ class Ahead:
 
     heads: dict[PartitionKey, PartitionHead]
     positions: dict[PartitionKey, int]
+    keys: KeyRing
     state: fold.FoldState = field(default_factory=fold.FoldState)
 
 
@@ -138,7 +157,7 @@ class PreparedBatch:
     """Consumer offsets this batch moves."""
     rejected: list[Rejected]
     events: bytes
-    """COPY data of the event rows (with their chain links) for the staging table."""
+    """COPY data of the event rows (with their chain links), in chain order."""
     heads: list[dict[str, Any]]
     checkpoints: list[dict[str, Any]]
     upserts: list[tuple[Table, list[dict[str, Any]]]]
@@ -148,28 +167,42 @@ class PreparedBatch:
     appends: list[tuple[str, bytes]]
     """(COPY statement, COPY data) of the rows appended to state and history tables."""
     purges: list[dict[str, Any]]
+    purge_blobs: list[dict[str, Any]]
+    erasures: list[dict[str, Any]]
+    keys_created: list[dict[str, Any]]
+    keys_destroyed: list[dict[str, Any]]
+    topics: dict[str, int]
+    """Events written per topic (for the metrics)."""
 
     @property
     def empty(self) -> bool:
         return not (self.count or self.positions or self.rejected)
 
 
-STAGE = "audit_events_stage"
-STAGE_NAMES = ("n", "topic", "partition", "offset", "event_id", "type", "schema_version",
-               "stream", "seq", "actor", "tenant_org", "tenant_team", "tenant_project",
-               "trace_id", "canonical", "occurred_at", "prev_hash", "hash", "chain_index")
-STAGE_COLUMNS = ", ".join(f'"{c}"' for c in STAGE_NAMES[1:])
-STAGE_FORMAT = CopyFormat(events, STAGE_NAMES, into=STAGE)
-STAGE_DDL = f"""DO $$ BEGIN
-    IF to_regclass('pg_temp.{STAGE}') IS NULL THEN
-        CREATE TEMP TABLE {STAGE} ON COMMIT DELETE ROWS AS
-            SELECT 0::bigint AS n, {STAGE_COLUMNS} FROM events WITH NO DATA;
-        ALTER TABLE {STAGE} ALTER COLUMN canonical SET STORAGE EXTERNAL;
-    END IF;
-END $$"""
+EVENT_FORMAT = CopyFormat(events, (
+    "topic", "partition", "offset", "event_id", "type", "schema_version", "stream", "seq",
+    "actor", "tenant_org", "tenant_team", "tenant_project", "trace_id", "canonical",
+    "occurred_at", "prev_hash", "hash", "chain_index", "leaf_hash"))
+FRESH = text("""
+    SELECT e.event_id FROM events e
+    WHERE e.event_id IN (SELECT encode(substring(:ids FROM i * 16 + 1 FOR 16), 'hex')::uuid
+                         FROM generate_series(0, :n - 1) AS i)""")
+ERASE_VERSIONS = text("""
+    UPDATE adapter_versions SET label = :erased, owner = :erased,
+        disabled_reason = CASE WHEN disabled_reason IS NULL OR disabled_at > :at
+                               THEN disabled_reason ELSE :erased END
+    WHERE tenant_org = :org AND tenant_team = :team AND tenant_project = :project
+      AND published_at <= :at AND (label <> :erased OR owner <> :erased
+                                   OR disabled_reason <> :erased)""")
+ERASE_HISTORY = text("""
+    UPDATE version_history h SET reason = :erased
+    FROM adapters a
+    WHERE a.adapter_id = h.adapter_id AND a.tenant_org = :org AND a.tenant_team = :team
+      AND a.tenant_project = :project AND h.at <= :at
+      AND h.reason IS NOT NULL AND h.reason <> '' AND h.reason <> :erased""")
 APPEND_FORMATS = {t.name: CopyFormat(t) for t in (
-    worker_adapters, version_history, split_history, worker_heartbeats, worker_acks,
-    request_traces)}
+    worker_adapters, version_history, split_history, worker_heartbeats, worker_acks)}
+TRACE_FORMAT = CopyFormat(request_traces, fold.TRACE_COLUMNS)
 
 
 @contextlib.contextmanager
@@ -191,14 +224,18 @@ def batch_sized_gc() -> Iterator[None]:
 
 class AuditProjector:
     def __init__(self, settings: Settings, engine: Engine, *, name: str = "audit",
-                 signer: CheckpointSigner | None = None) -> None:
+                 signer: CheckpointSigner | None = None,
+                 metrics: ProjectorMetrics | None = None) -> None:
         self.settings = settings
         self.engine = engine
         self.name = name
         self.signer = signer
+        self.metrics = metrics or ProjectorMetrics()
+        self.folder = CheckpointFolder(settings.checkpoint_root)
+        self._kek = load_kek(settings)
         self._rejected: list[Rejected] = []
         self._committed: dict[PartitionKey, int] = {}
-        self._ahead = Ahead({}, {})
+        self._ahead = Ahead({}, {}, KeyRing(self._kek))
         self._consumer: EventConsumer | None = None
         self.on_batch: Callable[[int], None] | None = None
         self.before_commit: Callable[[Connection], None] | None = None
@@ -237,12 +274,27 @@ class AuditProjector:
             head.head = bytes(r.hash)
         return head
 
+    @staticmethod
+    def _load_fold_state(conn: Connection) -> fold.FoldState:
+        state = fold.FoldState()
+        for r in conn.execute(select(purges.c.tenant_org, purges.c.tenant_team,
+                                     purges.c.tenant_project,
+                                     func.max(purges.c.requested_at).label("at"))
+                              .where(purges.c.tenant_org.is_not(None))
+                              .group_by(purges.c.tenant_org, purges.c.tenant_team,
+                                        purges.c.tenant_project)):
+            state.purged_at[(r.tenant_org, r.tenant_team, r.tenant_project)] = r.at
+        return state
+
     def open(self) -> None:
         if self.signer is None:
             self.signer = load_signer(self.settings)
         with self.engine.connect() as conn:
             self._committed = self._stored_offsets(conn)
-            self._ahead = Ahead(self._load_heads(conn), dict(self._committed))
+            self._ahead = Ahead(self._load_heads(conn), dict(self._committed),
+                                KeyRing.load(conn, self._kek), self._load_fold_state(conn))
+        self.metrics.watch_lag(self.settings, lambda: dict(self._committed))
+        self.publish_checkpoints()
         self._rejected = []
         self._consumer = EventConsumer(
             self.settings, self.settings.topics, reader_id=f"loraplane-{self.name}",
@@ -290,11 +342,15 @@ class AuditProjector:
                                  fold.touched_keys(r.envelope for r in fresh))
         heads: dict[PartitionKey, PartitionHead] = {}
         liveness = self.settings.liveness_topic
-        rows, due = self._chain([r for r in fresh if r.topic != liveness], heads, ahead.heads)
+        rows, due, stored = self._chain([r for r in fresh if r.topic != liveness], heads,
+                                        ahead.heads, ahead.keys)
         state = ahead.state
+        values = iter(stored)  # one per chained record, in order
         for record in fresh:
-            fold.apply(state, record.envelope)
+            fold.apply(state, record.envelope,
+                       None if record.topic == liveness else next(values))
         changes = state.take_changes()
+        keys_created, keys_destroyed = ahead.keys.take_changes()
         ahead.heads.update(heads)
         ahead.positions.update(positions)
         appends = [(APPEND_FORMATS[name].statement, APPEND_FORMATS[name].data(rows))
@@ -304,11 +360,16 @@ class AuditProjector:
                        ("version_history", changes.version_history),
                        ("split_history", changes.split_history),
                        ("worker_heartbeats", changes.worker_heartbeats),
-                       ("worker_acks", changes.worker_acks),
-                       ("request_traces", changes.request_traces)) if rows]
+                       ("worker_acks", changes.worker_acks)) if rows]
+        if changes.request_traces:
+            appends.append((TRACE_FORMAT.statement,
+                            TRACE_FORMAT.data_of_values(changes.request_traces)))
+        topics: dict[str, int] = {}
+        for row in rows:
+            topics[row[0]] = topics.get(row[0], 0) + 1
         return PreparedBatch(
             count=len(rows), positions=positions, rejected=batch.rejected,
-            events=STAGE_FORMAT.data(rows),
+            events=EVENT_FORMAT.data_of_values(rows),
             heads=[{"topic": t, "partition": p, "size": h.size, "head_hash": h.head,
                     "frontier": h.tree.to_bytes()} for (t, p), h in heads.items()],
             checkpoints=due,
@@ -316,19 +377,25 @@ class AuditProjector:
                 (adapters, changes.adapters), (adapter_versions, changes.versions),
                 (aliases, changes.aliases), (workers, changes.workers)) if rows],
             worker_sets=list(changes.worker_adapters), appends=appends,
-            purges=changes.purges)
+            purges=changes.purges, purge_blobs=changes.purge_blobs,
+            erasures=changes.erasures, keys_created=keys_created,
+            keys_destroyed=keys_destroyed, topics=topics)
 
     def write_batch(self, prepared: PreparedBatch) -> int:
         """Commit one prepared batch (rows, state, checkpoints, dead letters, offsets)."""
         if prepared.empty:
             return 0
+        started = time.perf_counter()
         with self.engine.begin() as conn:
             conn.execute(text("SELECT pg_advisory_xact_lock(hashtext(:lock))"),
                          {"lock": f"loraplane-audit-projector/{self.name}"})
             if self._stored_offsets(conn) != self._committed:
                 raise ProjectionConflict(f"offsets of projector {self.name!r} moved: "
                                          "another instance is writing")
-            self._insert_events(conn, prepared.events)
+            if prepared.checkpoints or prepared.keys_destroyed:
+                conn.execute(text("SET LOCAL synchronous_commit = on"))
+            write_key_changes(conn, prepared.keys_created, prepared.keys_destroyed)
+            copy_data(conn, EVENT_FORMAT.statement, prepared.events)
             for table, rows in prepared.upserts:
                 upsert(conn, table, rows)
             if prepared.worker_sets:
@@ -339,6 +406,15 @@ class AuditProjector:
             if prepared.purges:
                 conn.execute(insert(purges).on_conflict_do_nothing(
                     index_elements=["purge_id"]), prepared.purges)
+            for blobs in prepared.purge_blobs:
+                conn.execute(purges.update().where(purges.c.purge_id == blobs["purge_id"])
+                             .values(**{k: v for k, v in blobs.items() if k != "purge_id"}))
+            for erasure in prepared.erasures:
+                params = {"erased": ERASED, "at": erasure["requested_at"],
+                          "org": erasure["tenant_org"], "team": erasure["tenant_team"],
+                          "project": erasure["tenant_project"]}
+                conn.execute(ERASE_VERSIONS, params)
+                conn.execute(ERASE_HISTORY, params)
             if prepared.heads:
                 stmt = insert(chain_heads)
                 conn.execute(stmt.on_conflict_do_update(
@@ -365,26 +441,42 @@ class AuditProjector:
             if self.before_commit is not None:
                 self.before_commit(conn)
         self._committed.update(prepared.positions)
+        self._after_commit(prepared, time.perf_counter() - started)
         if self.on_batch is not None:
             self.on_batch(prepared.count)
         return prepared.count
 
-    @staticmethod
-    def _insert_events(conn: Connection, data: bytes) -> None:
-        """COPY the rows into a staging table, then let PostgreSQL derive `payload`.
+    def _after_commit(self, prepared: PreparedBatch, seconds: float) -> None:
+        """Publish what the committed (and, for these, durable) batch signed; count it."""
+        for cp in prepared.checkpoints:
+            self.folder.publish(cp["topic"], cp["partition"], cp["tree_size"], cp["note"])
+            self.metrics.checkpoints.labels(cp["topic"]).inc()
+        if prepared.keys_destroyed:
+            vacuum_keys(self.engine)
+            self.metrics.keys_destroyed.inc(len(prepared.keys_destroyed))
+        m = self.metrics
+        for topic, n in prepared.topics.items():
+            m.events.labels(topic).inc(n)
+        for r in prepared.rejected:
+            m.dead_letters.labels(r.topic).inc()
+        m.batch_events.observe(prepared.count)
+        m.batch_seconds.observe(seconds)
+        m.last_commit.set_to_current_time()
 
-        Parsing the canonical bytes into jsonb server-side saves the projector a JSON
-        parse and a JSON dump per event, and the stored payload is by construction the
-        one in the hashed bytes. The staging copy of the bytes is not compressed (it
-        lives until commit): compressing it cost more than the COPY itself.
-        """
-        if not data:
-            return
-        conn.execute(text(STAGE_DDL))
-        copy_data(conn, STAGE_FORMAT.statement, data)
-        conn.execute(text(f"INSERT INTO events ({STAGE_COLUMNS}, payload) SELECT {STAGE_COLUMNS}, "
-                          f"convert_from(canonical, 'UTF8')::jsonb -> 'payload' FROM {STAGE} "
-                          "ORDER BY n"))
+    def publish_checkpoints(self) -> int:
+        """Write every stored checkpoint note missing from the folder (after a crash
+        between a commit and its publication, or into a new folder); returns how many."""
+        written = 0
+        with self.engine.connect() as conn:
+            rows = conn.execute(select(checkpoints.c.topic, checkpoints.c.partition,
+                                       checkpoints.c.tree_size, checkpoints.c.note)
+                                .where(checkpoints.c.note.is_not(None))
+                                .order_by(checkpoints.c.id))
+            for r in rows:
+                if self.folder.read(r.topic, r.partition, r.tree_size) is None:
+                    self.folder.publish(r.topic, r.partition, r.tree_size, r.note)
+                    written += 1
+        return written
 
     def _fresh(self, conn: Connection, records: list[Record]) -> list[Record]:
         """Records whose event_id is neither stored nor earlier in this batch.
@@ -396,10 +488,10 @@ class AuditProjector:
         """
         if not records:
             return []
+        # the ids as one bytea (16 bytes each): binding a uuid[] dumps it id by id in Python
         liveness = self.settings.liveness_topic
-        seen = set(conn.execute(text("SELECT event_id FROM events WHERE event_id = ANY(:ids)"),
-                                {"ids": [r.envelope.event_id for r in records
-                                         if r.topic != liveness]}).scalars())
+        packed = b"".join(r.envelope.event_id.bytes for r in records if r.topic != liveness)
+        seen = set(conn.execute(FRESH, {"ids": packed, "n": len(packed) // 16}).scalars())
         fresh = []
         for record in records:
             if record.envelope.event_id not in seen:
@@ -408,48 +500,62 @@ class AuditProjector:
         return fresh
 
     def _chain(self, records: Iterable[Record], heads: dict[PartitionKey, PartitionHead],
-               start: dict[PartitionKey, PartitionHead]
-               ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-        """Event rows linked into their partition chains (continuing from `start`, left
-        unchanged; `heads` gets the new heads), and the checkpoints that fell due."""
-        rows: list[dict[str, Any]] = []
+               start: dict[PartitionKey, PartitionHead], keys: KeyRing
+               ) -> tuple[list[tuple[Any, ...]], list[dict[str, Any]],
+                          list[dict[tuple[str, int], str]]]:
+        """Event rows in their stored form (values in `EVENT_FORMAT` order), linked into
+        their partition chains (continuing from `start`, left unchanged; `heads` gets the
+        new heads), the checkpoints that fell due, and each record's stored personal
+        values (for the fold)."""
+        rows: list[tuple[Any, ...]] = []
         due: list[dict[str, Any]] = []
+        stored: list[dict[tuple[str, int], str]] = []
         every = self.settings.audit_checkpoint_every
         assert self.signer is not None
-        for n, record in enumerate(records):
+        records = list(records)
+        # Purges first: the two topics interleave in no fixed order, so a value dated
+        # after a purge may be read before it; within a batch it still gets a fresh key.
+        for record in records:
+            envelope = record.envelope
+            if envelope.tenant is not None and isinstance(envelope.payload,
+                                                          TenantPurgeRequested):
+                keys.destroy(envelope.tenant, envelope.payload.purge_id, envelope.occurred_at)
+        for record in records:
             key = (record.topic, record.partition)
             head = heads.get(key)
             if head is None:
                 head = heads[key] = start[key].copy() if key in start else PartitionHead()
-            canonical = record.value
-            prev, index = head.head, head.size
-            head.head = link(prev, canonical)
-            head.tree.append(leaf_hash(canonical))
             envelope = record.envelope
             tenant = envelope.tenant
-            rows.append({
-                "n": n, "topic": record.topic, "partition": record.partition,
-                "offset": record.offset, "event_id": envelope.event_id, "type": envelope.type,
-                "schema_version": envelope.schema_version, "stream": envelope.stream,
-                "seq": envelope.seq, "actor": envelope.actor,
-                "tenant_org": tenant.org if tenant else None,
-                "tenant_team": tenant.team if tenant else None,
-                "tenant_project": tenant.project if tenant else None,
-                "trace_id": envelope.trace_id, "canonical": canonical,
-                "occurred_at": envelope.occurred_at,
-                "prev_hash": prev, "hash": head.head, "chain_index": index,
-            })
+            sealed = seal(envelope, record.value, keys.key_for)
+            canonical = sealed.stored
+            stored.append(sealed.values)
+            prev, index = head.head, head.size
+            leaf = leaf_hash(canonical)
+            head.head = link(prev, canonical)
+            head.tree.append(leaf)
+            rows.append((
+                record.topic, record.partition, record.offset, envelope.event_id,
+                envelope.type, envelope.schema_version, envelope.stream, envelope.seq,
+                envelope.actor, tenant.org if tenant else None,
+                tenant.team if tenant else None, tenant.project if tenant else None,
+                envelope.trace_id, canonical, envelope.occurred_at, prev, head.head, index,
+                leaf))
             if head.size % every == 0:
                 due.append(self._checkpoint(key, head))
-        return rows, due
+        return rows, due, stored
 
     def _checkpoint(self, key: PartitionKey, head: PartitionHead) -> dict[str, Any]:
         assert self.signer is not None
+        origin = log_origin(self.settings, key[0], key[1])
         root = head.tree.root()
-        message = checkpoint_message(key[0], key[1], head.size, root, head.head)
+        note = self.signer.sign(Checkpoint(origin, head.size, root))
+        note_key = self.signer.note_key(origin)
+        signature = base64.b64decode(note.rstrip("\n").rsplit(" ", 1)[1])[4:]
         return {"topic": key[0], "partition": key[1], "tree_size": head.size, "root": root,
                 "chain_head": head.head, "public_key": self.signer.public_key,
-                "signature": self.signer.sign(message)}
+                "signature": signature, "origin": origin, "note": note,
+                "key_name": note_key.name, "key_hash": note_key.hash}
 
     # --- current state ----------------------------------------------------------------------
 
@@ -464,7 +570,8 @@ class AuditProjector:
                 state.adapters[r.adapter_id] = dict(r._mapping)
             for r in conn.execute(select(adapter_versions)
                                   .where(adapter_versions.c.adapter_id.in_(ids))):
-                state.versions[(r.adapter_id, r.version)] = dict(r._mapping)
+                row = state.versions[(r.adapter_id, r.version)] = dict(r._mapping)
+                state.scrub_version(row)  # a purge prepared but not yet committed
         if keys.aliases:
             for r in conn.execute(select(aliases).where(aliases.c.alias.in_(
                     sorted(keys.aliases)))):
@@ -485,13 +592,15 @@ class AuditProjector:
         """Sign the current head of every partition not yet covered by a checkpoint.
 
         Periodic checkpoints fall at multiples of `audit_checkpoint_every`; this one is
-        for publishing (or proving) the tail in between. It locks like a batch does.
+        for publishing (or proving) the tail in between. It locks like a batch does and
+        commits synchronously before publishing.
         """
         if self.signer is None:
             self.signer = load_signer(self.settings)
         with self.engine.begin() as conn:
             conn.execute(text("SELECT pg_advisory_xact_lock(hashtext(:lock))"),
                          {"lock": f"loraplane-audit-projector/{self.name}"})
+            conn.execute(text("SET LOCAL synchronous_commit = on"))
             heads = self._load_heads(conn)
             signed = {(r.topic, r.partition, r.tree_size)
                       for r in conn.execute(select(checkpoints.c.topic, checkpoints.c.partition,
@@ -501,6 +610,8 @@ class AuditProjector:
             if due:
                 conn.execute(insert(checkpoints).on_conflict_do_nothing(
                     constraint="uq_checkpoints_size"), due)
+        for cp in due:
+            self.folder.publish(cp["topic"], cp["partition"], cp["tree_size"], cp["note"])
         return due
 
     def run(self, stop: threading.Event) -> None:
@@ -521,6 +632,7 @@ class AuditProjector:
                 written += self._run_pipeline(stop)
                 backoff = 0.5
             except (SQLAlchemyError, EventLogError, ProjectionConflict, OSError) as exc:
+                self.metrics.failures.inc()
                 log.error("audit batch failed (%s); resuming from stored offsets in %.1fs",
                           exc, backoff)
                 stop.wait(backoff)

@@ -1,8 +1,11 @@
-"""`audit proof EVENT_ID`: an inclusion proof a third party checks without the database.
+"""Proofs a third party checks without the database: `audit proof EVENT_ID` (inclusion
+of one event in a signed checkpoint) and `audit consistency OLD NEW` (the log at NEW
+extends the log an auditor kept at OLD).
 
-The proof ties one event's exact bytes to the first signed checkpoint of its partition
-that covers it. Check it with `loraplane audit verify-proof FILE` or, with nothing but
-Python and `cryptography`, `python merkle.py FILE --public-key HEX`.
+A proof carries the signed checkpoint note it relies on, so what was signed travels with
+it, but never a key: the verifier (`services/audit/verifier.py`, or the Go reference
+libraries) checks the note against the verifier key the auditor pinned. Proofs read the
+stored leaf hashes (32 bytes per event), never the events themselves.
 """
 
 from __future__ import annotations
@@ -11,14 +14,39 @@ import base64
 import uuid
 from typing import Any
 
-from sqlalchemy import Engine, select
+from sqlalchemy import Connection, Engine, select
 
-from services.audit.merkle import PROOF_FORMAT, inclusion_path, leaf_hash, root_from_hashes
+from services.audit.merkle import consistency_path, inclusion_path, leaf_hash, root_from_hashes
 from services.audit.tables import checkpoints, events
+from services.audit.verifier import (
+    CONSISTENCY_FORMAT,
+    INCLUSION_FORMAT,
+    Checkpoint,
+    EvidenceError,
+    parse_checkpoint,
+    split_note,
+)
+from services.audit.verify import partition_of
 
 
 class ProofUnavailable(LookupError):
-    """No such event, or no checkpoint covers it yet, or the stored rows no longer match."""
+    """No such event or log, no checkpoint covers it yet, or the rows no longer match."""
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def _leaf_hashes(conn: Connection, topic: str, partition: int, size: int) -> list[bytes]:
+    hashes = [bytes(h) for h in conn.execute(
+        select(events.c.leaf_hash)
+        .where(events.c.topic == topic, events.c.partition == partition,
+               events.c.chain_index < size)
+        .order_by(events.c.chain_index)).scalars()]
+    if len(hashes) != size:
+        raise ProofUnavailable(f"{topic}[{partition}] holds {len(hashes)} of the {size} events "
+                               "its checkpoint signs; run `loraplane audit verify`")
+    return hashes
 
 
 def build_proof(engine: Engine, event_id: uuid.UUID) -> dict[str, Any]:
@@ -31,38 +59,78 @@ def build_proof(engine: Engine, event_id: uuid.UUID) -> dict[str, Any]:
         cp = conn.execute(select(checkpoints)
                           .where(checkpoints.c.topic == row.topic,
                                  checkpoints.c.partition == row.partition,
-                                 checkpoints.c.tree_size > row.chain_index)
+                                 checkpoints.c.tree_size > row.chain_index,
+                                 checkpoints.c.note.is_not(None))
                           .order_by(checkpoints.c.tree_size).limit(1)).first()
         if cp is None:
             raise ProofUnavailable(
                 f"event {event_id} is not covered by a signed checkpoint yet; "
                 "`loraplane audit checkpoint` signs the current heads")
-        hashes = [leaf_hash(bytes(c)) for c in conn.execute(
-            select(events.c.canonical)
-            .where(events.c.topic == row.topic, events.c.partition == row.partition,
-                   events.c.chain_index < cp.tree_size)
-            .order_by(events.c.chain_index)).scalars()]
-    if len(hashes) != cp.tree_size or root_from_hashes(hashes) != bytes(cp.root):
+        hashes = _leaf_hashes(conn, row.topic, row.partition, cp.tree_size)
+    canonical = bytes(row.canonical)
+    if (root_from_hashes(hashes) != bytes(cp.root)
+            or hashes[row.chain_index] != leaf_hash(canonical)):
         raise ProofUnavailable("the stored rows no longer match their checkpoint; "
                                "run `loraplane audit verify`")
-    canonical = bytes(row.canonical)
     return {
-        "format": PROOF_FORMAT,
+        "format": INCLUSION_FORMAT,
         "event_id": str(event_id),
+        "origin": cp.origin,
         "topic": row.topic,
         "partition": row.partition,
         "offset": row.offset,
-        "leaf": base64.b64encode(canonical).decode(),
-        "leaf_hash": leaf_hash(canonical).hex(),
-        "index": row.chain_index,
+        "leaf": _b64(canonical),
+        "leaf_index": row.chain_index,
         "tree_size": cp.tree_size,
-        "audit_path": [h.hex() for h in inclusion_path(hashes, row.chain_index)],
-        "checkpoint": {
-            "tree_size": cp.tree_size,
-            "root": bytes(cp.root).hex(),
-            "chain_head": bytes(cp.chain_head).hex(),
-            "public_key": bytes(cp.public_key).hex(),
-            "signature": bytes(cp.signature).hex(),
-            "signed_at": cp.signed_at.isoformat(),
-        },
+        "inclusion_path": [_b64(h) for h in inclusion_path(hashes, row.chain_index)],
+        "checkpoint": cp.note,
+        "key": {"name": cp.key_name, "hash": bytes(cp.key_hash).hex()},
+    }
+
+
+def _checkpoint_of(note: str, source: str) -> Checkpoint:
+    try:
+        return parse_checkpoint(split_note(note)[0])
+    except EvidenceError as exc:
+        raise ProofUnavailable(f"{source} is not a checkpoint note: {exc}") from None
+
+
+def build_consistency(engine: Engine, origin_prefix: str, old_note: str,
+                      new_note: str | None = None) -> dict[str, Any]:
+    """A consistency proof from the checkpoint `old_note` to `new_note` (default: the
+    newest stored checkpoint of the same log)."""
+    old = _checkpoint_of(old_note, "OLD")
+    where = partition_of(old.origin, origin_prefix)
+    if where is None:
+        raise ProofUnavailable(f"{old.origin} is not a log of this store "
+                               f"(origins start with {origin_prefix}/)")
+    topic, partition = where
+    with engine.connect() as conn:
+        if new_note is None:
+            new_note = conn.execute(
+                select(checkpoints.c.note)
+                .where(checkpoints.c.topic == topic, checkpoints.c.partition == partition,
+                       checkpoints.c.note.is_not(None))
+                .order_by(checkpoints.c.tree_size.desc()).limit(1)).scalar()
+            if new_note is None:
+                raise ProofUnavailable(f"{old.origin} has no signed checkpoint")
+        new = _checkpoint_of(new_note, "NEW")
+        if new.origin != old.origin:
+            raise ProofUnavailable(f"OLD is of {old.origin}, NEW of {new.origin}")
+        if new.size < old.size:
+            raise ProofUnavailable(f"NEW ({new.size}) is older than OLD ({old.size})")
+        hashes = _leaf_hashes(conn, topic, partition, new.size)
+    if root_from_hashes(hashes[:old.size]) != old.root:
+        raise ProofUnavailable(f"the store's first {old.size} events of {old.origin} do not "
+                               "hash to OLD's root: the log was rewritten since OLD was signed")
+    if root_from_hashes(hashes) != new.root:
+        raise ProofUnavailable("the stored events no longer match NEW; run `audit verify`")
+    return {
+        "format": CONSISTENCY_FORMAT,
+        "origin": old.origin,
+        "old_size": old.size,
+        "new_size": new.size,
+        "old_checkpoint": old_note,
+        "new_checkpoint": new_note,
+        "consistency_path": [_b64(h) for h in consistency_path(hashes, old.size)],
     }

@@ -6,6 +6,10 @@ event is produced again with its original bytes (hence its original event_id), k
 within each partition), so any consumer folds the
 same log and deduplicates by event_id whatever it had already seen. The chain is
 checked while reading, so a tampered store is not republished.
+
+Personal fields are opened with their tenants' keys first, so the log gets the bytes it
+had; a field whose key a purge destroyed is republished as `[erased]`: the erased data
+does not come back through the log either.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartit
 from sqlalchemy import Engine, select
 
 from services.audit.chain import GENESIS, link
+from services.audit.keys import KeyVault, load_kek
+from services.audit.sealing import unseal
 from services.audit.tables import events
 from services.config import Settings
 from services.contracts.codec import decode
@@ -74,11 +80,12 @@ def replay_to_kafka(settings: Settings, engine: Engine, *, allow_nonempty: bool 
             failures.append(error.str())
 
     report = ReplayReport()
+    vault = KeyVault(engine, load_kek(settings))
     heads: dict[tuple[str, int], bytes] = {}
     with engine.connect() as conn:
         rows = conn.execute(select(events.c.topic, events.c.partition, events.c.chain_index,
                                    events.c.stream, events.c.canonical, events.c.prev_hash,
-                                   events.c.hash)
+                                   events.c.hash, events.c.type, events.c.event_id)
                             .order_by(events.c.id)).yield_per(2000)
         for row in rows:
             canonical = bytes(row.canonical)
@@ -90,6 +97,7 @@ def replay_to_kafka(settings: Settings, engine: Engine, *, allow_nonempty: bool 
                                         f"{row.chain_index} fails the chain check; "
                                         "run `loraplane audit verify`")
                 heads[key] = bytes(row.hash)
+            canonical = unseal(row.type, row.event_id, canonical, vault)
             envelope = decode(canonical)  # nothing is produced unvalidated
             topic = topic_for(envelope, settings)
             if row.partition >= sizes[topic][0]:

@@ -17,7 +17,7 @@ from sqlalchemy import (
     Text,
     func,
 )
-from sqlalchemy.dialects.postgresql import JSONB, UUID
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
 
 metadata = MetaData()
 
@@ -38,13 +38,13 @@ events = Table(
     Column("tenant_team", Text),
     Column("tenant_project", Text),
     Column("trace_id", Text),
-    Column("payload", JSONB, nullable=False),
     Column("canonical", LargeBinary, nullable=False),
     Column("occurred_at", DateTime(timezone=True), nullable=False),
     Column("recorded_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     Column("prev_hash", LargeBinary(32), nullable=False),
     Column("hash", LargeBinary(32), nullable=False),
     Column("chain_index", BigInteger, nullable=False),  # revision 0002
+    Column("leaf_hash", LargeBinary(32), nullable=False),  # revision 0007
 )
 
 consumer_offsets = Table(
@@ -96,6 +96,11 @@ checkpoints = Table(
     Column("public_key", LargeBinary(32), nullable=False),
     Column("signature", LargeBinary(64), nullable=False),
     Column("signed_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    # revision 0007: the checkpoint as a C2SP signed note (NULL on older rows)
+    Column("origin", Text),
+    Column("note", Text),
+    Column("key_name", Text),
+    Column("key_hash", LargeBinary(4)),
 )
 
 adapters = Table(
@@ -252,14 +257,18 @@ purges = Table(
     Column("deadline_at", DateTime(timezone=True), nullable=False),
     Column("hard", Boolean, nullable=False),
     Column("event_id", UUID(as_uuid=True), nullable=False),
+    # revision 0007
+    Column("expected_workers", ARRAY(Text), nullable=False, server_default="{}"),
+    Column("blobs_deleted", ARRAY(Text)),
+    Column("blobs_kept", ARRAY(Text)),
+    Column("blobs_event_id", UUID(as_uuid=True)),
 )
 
 request_traces = Table(
     "request_traces",
     metadata,
-    Column("id", BigInteger, Identity(), primary_key=True),
-    Column("event_id", UUID(as_uuid=True), nullable=False),
-    Column("ordinal", Integer, nullable=False),
+    Column("event_id", UUID(as_uuid=True), primary_key=True),  # revision 0006
+    Column("ordinal", Integer, primary_key=True),
     Column("request_id", Text, nullable=False),
     Column("trace_id", Text),
     Column("worker_id", Text, nullable=False),
@@ -276,6 +285,20 @@ request_traces = Table(
     Column("started_at", DateTime(timezone=True), nullable=False),
     Column("finished_at", DateTime(timezone=True), nullable=False),
     Column("status", Text, nullable=False),
+)
+
+tenant_keys = Table(  # revision 0007
+    "tenant_keys",
+    metadata,
+    Column("key_id", Text, primary_key=True),
+    Column("tenant_org", Text, nullable=False),
+    Column("tenant_team", Text, nullable=False),
+    Column("tenant_project", Text, nullable=False),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("kek_id", Text, nullable=False),
+    Column("wrapped_key", LargeBinary),
+    Column("destroyed_at", DateTime(timezone=True)),
+    Column("destroyed_by_purge", Text),
 )
 
 STATE_TABLES = (adapters, adapter_versions, version_history, aliases, split_history, workers,

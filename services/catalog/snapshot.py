@@ -40,12 +40,14 @@ from services.contracts.events import (
     RolloutPlan,
     RolloutStep,
     SplitEntry,
+    TenantBlobsDeleted,
     TenantRef,
 )
 from services.eventlog.consumer import Record
 
-FOLD_VERSION = "catalog/3"
-"""catalog/1 was the fold before snapshots existed; catalog/2 lacked release state."""
+FOLD_VERSION = "catalog/4"
+"""catalog/1 was the fold before snapshots existed; catalog/2 lacked release state;
+catalog/3 lacked the blob erasure of purges (TenantBlobsDeleted)."""
 
 Document = dict[str, Any]
 
@@ -175,7 +177,8 @@ def dump_state(state: CatalogState) -> Document:
         "purges": [
             {"purge_id": p.purge_id, "tenant": _tenant(p.tenant), "deadline_s": p.deadline_s,
              "hard": p.hard, "requested_at": _time(p.requested_at),
-             "expected_workers": list(p.expected_workers), "acks": [_ack(a) for a in p.acks]}
+             "expected_workers": list(p.expected_workers), "acks": [_ack(a) for a in p.acks],
+             "blobs": _model(p.blobs)}
             for p in state.purges.values()],
         "early_acks": {purge_id: [_ack(a) for a in acks]
                        for purge_id, acks in state.early_acks.items()},
@@ -228,7 +231,8 @@ def load_state(doc: Document) -> CatalogState:
         state.purges[p["purge_id"]] = Purge(
             p["purge_id"], _tenant_of(p["tenant"]), p["deadline_s"], p["hard"],
             datetime.fromisoformat(p["requested_at"]), tuple(p["expected_workers"]),
-            [_ack_of(a) for a in p["acks"]])
+            [_ack_of(a) for a in p["acks"]],
+            None if p["blobs"] is None else TenantBlobsDeleted.model_validate(p["blobs"]))
     state.early_acks = {purge_id: [_ack_of(a) for a in acks]
                         for purge_id, acks in doc["early_acks"].items()}
     state.tenant_seqs = {k: int(v) for k, v in doc["tenant_seqs"].items()}

@@ -74,6 +74,7 @@ from services.contracts.events import (
     RolloutResumed,
     RolloutStep,
     SplitEntry,
+    TenantBlobsDeleted,
     TenantPurged,
     TenantPurgeRequested,
     TenantRef,
@@ -349,6 +350,8 @@ class Purge:
     """The workers that must acknowledge, as the request event lists them."""
     acks: list[PurgeAck] = field(default_factory=list)
     """Every acknowledgement, sorted (see `services.catalog.purge` for which count)."""
+    blobs: TenantBlobsDeleted | None = None
+    """What the registry erased from the blob store for this purge, once it has."""
 
     @property
     def deadline(self) -> datetime:
@@ -539,6 +542,13 @@ class CatalogState:
         acks = purge.acks if purge is not None else self.early_acks.setdefault(p.purge_id, [])
         acks.append(ack)
         acks.sort(key=_ack_order)
+
+    def _blobs_deleted(self, e: Envelope, position: LogPosition | None) -> None:
+        p = e.payload
+        assert isinstance(p, TenantBlobsDeleted)
+        self.tenant_seqs[e.stream] = e.seq
+        if p.purge_id in self.purges:  # same stream as its request: read after it
+            self.purges[p.purge_id].blobs = p
 
     def _leased(self, e: Envelope, position: LogPosition | None) -> None:
         p = e.payload
@@ -741,6 +751,7 @@ _STEPS: dict[str, _Step] = {
     TrafficSplitChanged.event_type(): CatalogState._split_changed,
     TenantPurgeRequested.event_type(): CatalogState._purge_requested,
     TenantPurged.event_type(): CatalogState._purged,
+    TenantBlobsDeleted.event_type(): CatalogState._blobs_deleted,
     RegistryLease.event_type(): CatalogState._leased,
     WorkerHeartbeat.event_type(): CatalogState._heartbeat,
     **{cls.event_type(): CatalogState._apply_release

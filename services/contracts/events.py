@@ -213,6 +213,25 @@ class TenantPurgeRequested(Payload):
     request_sha256: RequestSha256 = None
 
 
+class TenantBlobsDeleted(Payload):
+    """The registry erased a purged tenant's adapter files from the blob store.
+
+    Written on the tenant's stream right after its `TenantPurgeRequested` (so it is read
+    after it), once the files are gone. A digest another live tenant's version also
+    references stays, as does one written too recently to be sure no upload in flight is
+    about to reference it; both are listed with `kept`.
+    """
+
+    purge_id: str = Field(min_length=1, max_length=64)
+    deleted: list[Sha256Hex] = Field(
+        default_factory=list,
+        description="The tenant's blobs no longer in the blob store (removed by this erasure).")
+    kept: list[Sha256Hex] = Field(
+        default_factory=list,
+        description="The tenant's blobs left in place: shared with a live tenant's version, or "
+                    "written within the upload grace period before the purge.")
+
+
 class RegistryLease(Payload):
     """Proof of a live, current registry; workers past the stale threshold stop serving.
 
@@ -538,6 +557,7 @@ PAYLOAD_TYPES: dict[str, type[Payload]] = {
         AdapterDisabled,
         AdapterEnabled,
         TenantPurgeRequested,
+        TenantBlobsDeleted,
         RegistryLease,
         WorkerHeartbeat,
         AdapterLoaded,

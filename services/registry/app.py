@@ -14,6 +14,7 @@ Every error is an RFC 9457 problem (`services/contracts/problems.py`) with a sta
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -34,6 +35,7 @@ from services.contracts.problems import (
 )
 from services.registry.auth import TokenBook
 from services.registry.blobstore import LocalBlobStore
+from services.registry.erasure import resume_erasures
 from services.registry.gate_sweeper import GateSweeper
 from services.registry.metrics import RegistryMetrics
 from services.registry.node import RegistryNode, WritesUnavailable
@@ -120,9 +122,16 @@ def create_app(settings: Settings, *, registry_id: str | None = None) -> FastAPI
         node.start()
         sweeper = GateSweeper(node)
         sweeper.start()
+        stop_erasing = threading.Event()
+        erasing = threading.Thread(target=resume_erasures, args=(node, app.state.blobs,
+                                                                 stop_erasing),
+                                   name="blob-erasure", daemon=True)
+        erasing.start()
         try:
             yield
         finally:
+            stop_erasing.set()
+            erasing.join(timeout=15)
             sweeper.stop()
             node.stop()
 

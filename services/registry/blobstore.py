@@ -7,7 +7,8 @@ same path, and a sweep may delete unreferenced blobs at any time.
 
 `BlobStore` is the interface; `LocalBlobStore` is the directory implementation. An
 S3-compatible store implements the same methods (multipart upload to a temporary key,
-then copy to the digest key) and runs the same contract tests.
+then copy to the digest key; `modified_at` is the object's Last-Modified) and runs the
+same contract tests. `delete` exists for tenant purges (`services.registry.erasure`).
 
 Bytes that do not hash to their name are never handed out whole. `verify` hashes a blob
 before anyone sends it (a corrupt one is refused with a clear error, nothing sent), and
@@ -26,6 +27,7 @@ import os
 import re
 import tempfile
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Protocol
 
@@ -75,6 +77,14 @@ class BlobStore(Protocol):
     def read(self, digest: str) -> Iterator[bytes]:
         """Chunks of the blob; the last one only after the digest checked out, else
         BlobCorrupted instead of it (callers that forward bytes must then abort)."""
+        ...
+
+    def modified_at(self, digest: str) -> datetime | None:
+        """When the blob was last (re)written, or None when it is not stored."""
+        ...
+
+    def delete(self, digest: str) -> bool:
+        """Remove the blob; True if it was there. Durable when it returns."""
         ...
 
 
@@ -160,6 +170,25 @@ class LocalBlobStore:
             self._verified.clear()
         self._verified[digest] = mark
         return stat.st_size
+
+    def modified_at(self, digest: str) -> datetime | None:
+        try:
+            return datetime.fromtimestamp(self.path_of(digest).stat().st_mtime, UTC)
+        except FileNotFoundError:
+            return None
+
+    def delete(self, digest: str) -> bool:
+        path = self.path_of(digest)
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            return False
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # the unlink is on disk before the erasure is recorded
+        finally:
+            os.close(fd)
+        return True
 
     def read(self, digest: str) -> Iterator[bytes]:
         try:

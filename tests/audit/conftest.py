@@ -7,19 +7,23 @@ from collections.abc import Iterator
 
 import pytest
 from sqlalchemy import Engine, func, select
+from typer.testing import CliRunner
 
 from services.audit.projector import AuditProjector
 from services.audit.tables import events
+from services.cli import app
 from services.config import Settings
 
 SIGNING_KEY = "11" * 32
+KEK = "22" * 32
 
 
 @pytest.fixture
 def audit_settings(migrated_settings: Settings) -> Settings:
     """Small checkpoint interval so short tests get several signed checkpoints."""
     return migrated_settings.model_copy(update={"audit_checkpoint_every": 8,
-                                                "audit_signing_key": SIGNING_KEY})
+                                                "audit_signing_key": SIGNING_KEY,
+                                                "audit_kek": KEK})
 
 
 @pytest.fixture
@@ -27,6 +31,26 @@ def projector(audit_settings: Settings, db_engine: Engine) -> Iterator[AuditProj
     value = AuditProjector(audit_settings, db_engine)
     yield value
     value.close()
+
+
+@pytest.fixture
+def filled_events() -> list:
+    """The story and 200 busy-platform events."""
+    from tests.audit.scenario import mixed, story
+
+    return story() + list(mixed(200, seed=2))
+
+
+@pytest.fixture
+def filled(audit_settings: Settings, projector: AuditProjector, db_engine: Engine,
+           filled_events: list) -> Engine:
+    """`filled_events` projected: a store with every kind of row and a few signed
+    checkpoints per partition."""
+    from tests.audit.scenario import produce, recorded
+
+    produce(audit_settings, filled_events)
+    drain(projector, len(recorded(filled_events)))
+    return db_engine
 
 
 def count_events(engine: Engine) -> int:
@@ -52,3 +76,13 @@ def settle(projector: AuditProjector, deadline: float | None = None) -> None:
     while not projector.consumer.caught_up:
         assert time.monotonic() < deadline, f"still behind on {projector.consumer.behind}"
         projector.project_batch(timeout=0.2)
+
+
+def cli(settings: Settings, *args: str) -> tuple[int, str]:
+    """`loraplane audit ARGS` as a user runs it, configured by environment variables."""
+    env = {f"LORAPLANE_{k.upper()}": str(getattr(settings, k)) for k in (
+        "database_url", "kafka_bootstrap", "adapter_events_topic", "worker_events_topic",
+        "liveness_topic", "dead_letter_topic", "state_dir", "audit_signing_key", "audit_kek",
+        "audit_origin", "topic_partitions")}
+    result = CliRunner().invoke(app, ["audit", *args], env=env)
+    return result.exit_code, result.output

@@ -30,6 +30,7 @@ from services.contracts.events import (
     RequestServed,
     ServedRequest,
     SplitEntry,
+    TenantBlobsDeleted,
     TenantPurged,
     TenantPurgeRequested,
     TenantRef,
@@ -40,6 +41,7 @@ from services.eventlog import EventProducer
 
 ACME = TenantRef(org="acme", team="ml", project="support")
 GLOBEX = TenantRef(org="globex", team="apps", project="chat")
+INITECH = TenantRef(org="initech", team="ops", project="batch")
 BASE_DIGEST = hashlib.sha256(b"tiny-llama").hexdigest()
 
 
@@ -71,13 +73,13 @@ class Log:
     # --- registry side -------------------------------------------------------------------
 
     def publish(self, adapter: str, version: int, tenant: TenantRef, actor: str,
-                rollback_to: int | None = None) -> Envelope:
+                rollback_to: int | None = None, owner: str | None = None) -> Envelope:
         return self.add(AdapterVersionPublished(
             adapter_id=adapter, version=version, label=f"{adapter}-v{version}",
             base_model="tiny-llama", base_model_digest=BASE_DIGEST,
             sha256=digest(adapter, version), config_sha256=digest(adapter, version, "config"),
             size_bytes=4096 * version, rank=8, lora_alpha=16.0, target_modules=["q_proj"],
-            dtype="float16", owner=actor, rollback_to=rollback_to),
+            dtype="float16", owner=owner or actor, rollback_to=rollback_to),
             f"adapter/{adapter}", actor, tenant)
 
     def switch(self, adapter: str, from_v: int | None, to_v: int, tenant: TenantRef,
@@ -107,11 +109,12 @@ class Log:
                         f"worker/{worker}", worker)
 
     def served(self, worker: str, adapter: str | None, version: int | None,
-               tenant: TenantRef, requests: int, prefix: str) -> Envelope:
+               tenant: TenantRef, requests: int, prefix: str, user: str | None = None
+               ) -> Envelope:
         start = self.now - timedelta(milliseconds=300)
         return self.add(RequestServed(worker_id=worker, requests=[ServedRequest(
             request_id=f"{prefix}-{i}", trace_id=digest(prefix, i)[:32], tenant=tenant,
-            user_id=f"user-{i % 3}", adapter_id=adapter, version=version,
+            user_id=user or f"user-{i % 3}", adapter_id=adapter, version=version,
             adapter_sha256=digest(adapter, version) if adapter else None,
             base_model_digest=BASE_DIGEST, prompt_tokens=20 + i, completion_tokens=40 + i,
             started_at=start + timedelta(milliseconds=10 * i), finished_at=self.now)
@@ -170,14 +173,19 @@ def story(now: datetime | None = None) -> list[Envelope]:
     log.tick()
     log.loaded("w2", "globex-chat", 2)
     log.served("w2", "globex-chat", 2, GLOBEX, 2, "req-c")
-    # purge 1: w1 and w2 live, both ack in time -> met
+    # purge 1: w1 and w2 live (the registry lists them in the request), both ack in time -> met
     log.tick(5)
     log.heartbeat("w1", [("acme-support", 2)])
     log.heartbeat("w2", [("globex-chat", 2)])
     log.tick(5)
-    log.add(TenantPurgeRequested(purge_id="purge-met", deadline_s=60), "tenant/globex/apps/chat",
-            "privacy@globex", GLOBEX)
+    log.add(TenantPurgeRequested(purge_id="purge-met", deadline_s=60,
+                                 expected_workers=["w1", "w2"]),
+            "tenant/globex/apps/chat", "privacy@globex", GLOBEX)
     log.tick(3)
+    log.add(TenantBlobsDeleted(purge_id="purge-met", deleted=sorted(
+        d for v in (1, 2) for d in (digest("globex-chat", v),
+                                    digest("globex-chat", v, "config")))),
+        "tenant/globex/apps/chat", "registry/erasure", GLOBEX)
     for w, blocks in (("w1", 0), ("w2", 17)):
         log.add(TenantPurged(worker_id=w, purge_id="purge-met", kv_blocks_freed=blocks,
                              adapters_unloaded=1 if w == "w2" else 0, refcounts_zero=True),
@@ -187,8 +195,9 @@ def story(now: datetime | None = None) -> list[Envelope]:
     log.heartbeat("w3", [])
     log.heartbeat("w1", [("acme-support", 2)])
     log.tick(2)
-    log.add(TenantPurgeRequested(purge_id="purge-missed", deadline_s=30),
-            "tenant/acme/ml/support", "privacy@acme", ACME)
+    log.add(TenantPurgeRequested(purge_id="purge-missed", deadline_s=30,
+                                 expected_workers=["w1", "w3"]),
+            "tenant/initech/ops/batch", "privacy@initech", INITECH)
     log.tick(1)
     log.add(TenantPurged(worker_id="w1", purge_id="purge-missed", kv_blocks_freed=5,
                          adapters_unloaded=1, refcounts_zero=True), "worker/w1", "w1")
@@ -196,7 +205,8 @@ def story(now: datetime | None = None) -> list[Envelope]:
     log.now = now - timedelta(seconds=20)
     log.heartbeat("w2", [("globex-chat", 2)])
     log.now = now - timedelta(seconds=10)
-    log.add(TenantPurgeRequested(purge_id="purge-pending", deadline_s=3600),
+    log.add(TenantPurgeRequested(purge_id="purge-pending", deadline_s=3600,
+                                 expected_workers=["w2"]),
             "tenant/globex/apps/chat", "privacy@globex", GLOBEX)
     return log.events
 

@@ -116,6 +116,7 @@ def _env(settings: Settings) -> dict[str, str]:
                  "audit_batch_size", "audit_checkpoint_every", "audit_signing_key"):
         env[f"LORAPLANE_{name.upper()}"] = str(getattr(settings, name))
     env["LORAPLANE_LOG_LEVEL"] = "WARNING"
+    env["LORAPLANE_AUDIT_METRICS_PORT"] = "0"  # any free port: tests run side by side
     return env
 
 

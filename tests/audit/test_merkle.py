@@ -1,22 +1,22 @@
-"""RFC 6962 tree, proofs and compact range, checked against the RFC's definitions."""
+"""RFC 6962 tree, inclusion and consistency proofs and the compact range, checked
+against the RFC's definitions."""
 
 from __future__ import annotations
 
-import base64
 import hashlib
-import json
 
 import pytest
 
-from services.audit import merkle
 from services.audit.merkle import (
     CompactRange,
+    consistency_path,
     inclusion_path,
     leaf_hash,
     node_hash,
     root_from_hashes,
     root_from_inclusion,
     tree_root,
+    verify_consistency,
     verify_inclusion,
 )
 
@@ -87,57 +87,52 @@ def test_out_of_range_index_is_refused() -> None:
         inclusion_path([leaf_hash(b"a")], 1)
 
 
-def _signed_proof(tmp_index: int = 5, n: int = 12) -> tuple[dict, bytes]:
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-    from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
-
-    key = Ed25519PrivateKey.from_private_bytes(bytes(range(32)))
-    public = key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
-    leaves = [json.dumps({"event_id": f"id-{i}"}).encode() for i in range(n)]
-    hashes = [leaf_hash(leaf) for leaf in leaves]
-    root = root_from_hashes(hashes)
-    head = hashlib.sha256(b"head").digest()
-    message = merkle.checkpoint_message("t.adapter-events", 1, n, root, head)
-    document = {
-        "format": merkle.PROOF_FORMAT, "event_id": f"id-{tmp_index}",
-        "topic": "t.adapter-events", "partition": 1,
-        "leaf": base64.b64encode(leaves[tmp_index]).decode(),
-        "leaf_hash": hashes[tmp_index].hex(), "index": tmp_index, "tree_size": n,
-        "audit_path": [h.hex() for h in inclusion_path(hashes, tmp_index)],
-        "checkpoint": {"tree_size": n, "root": root.hex(), "chain_head": head.hex(),
-                       "public_key": public.hex(), "signature": key.sign(message).hex()},
-    }
-    return document, public
+def reference_consistency(m: int, leaves: list[bytes], complete: bool = True) -> list[bytes]:
+    """SUBPROOF(m, D[n], b) of RFC 6962 §2.1.2 over raw leaves, written independently."""
+    n = len(leaves)
+    if m == n:
+        return [] if complete else [reference_root(leaves)]
+    k = 1
+    while k * 2 < n:
+        k *= 2
+    if m <= k:
+        return [*reference_consistency(m, leaves[:k], complete), reference_root(leaves[k:])]
+    return [*reference_consistency(m - k, leaves[k:], False), reference_root(leaves[:k])]
 
 
-def test_standalone_verifier_accepts_a_good_proof_and_names_each_tampering() -> None:
-    document, public = _signed_proof()
-    assert merkle.verify_proof(document, public) == []
-    forged = json.loads(json.dumps(document))
-    forged["leaf"] = base64.b64encode(b'{"event_id": "id-5", "x": 1}').decode()
-    forged.pop("leaf_hash")
-    assert any("audit path" in p for p in merkle.verify_proof(forged, public))
-    moved = json.loads(json.dumps(document))
-    moved["checkpoint"]["root"] = "00" * 32
-    problems = merkle.verify_proof(moved, public)
-    assert any("audit path" in p for p in problems) and any("signature" in p for p in problems)
-    other_key = json.loads(json.dumps(document))
-    assert any("trusted" in p for p in merkle.verify_proof(other_key, bytes(32)))
+@pytest.mark.parametrize("n", range(1, 41))
+def test_every_consistency_proof_matches_the_rfc_and_verifies(n: int) -> None:
+    hashes = [leaf_hash(leaf) for leaf in LEAVES[:n]]
+    new_root = root_from_hashes(hashes)
+    for m in range(0, n + 1):
+        path = consistency_path(hashes, m)
+        if 0 < m < n:
+            assert path == reference_consistency(m, LEAVES[:n])
+        old_root = root_from_hashes(hashes[:m])
+        assert verify_consistency(m, n, old_root, new_root, path)
+        if 0 < m < n:
+            assert not verify_consistency(m, n, new_root, new_root, path)
+            assert not verify_consistency(m, n, old_root, old_root, path)
+            assert not verify_consistency(m, n, old_root, new_root, path[:-1])
+            assert not verify_consistency(m, n, old_root, new_root, [*path, new_root])
+            if m + 1 < n:  # the same path never proves another pair of sizes
+                assert not verify_consistency(m + 1, n, old_root, new_root, path)
 
 
-def test_standalone_verifier_runs_as_a_script(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    import subprocess
-    import sys
+def test_a_rewritten_history_has_no_consistency_proof() -> None:
+    hashes = [leaf_hash(leaf) for leaf in LEAVES[:20]]
+    forked = [*hashes[:6], leaf_hash(b"forged"), *hashes[7:]]
+    old_root = root_from_hashes(hashes[:10])
+    path = consistency_path(forked, 10)
+    assert not verify_consistency(10, 20, old_root, root_from_hashes(forked), path)
 
-    document, public = _signed_proof()
-    path = tmp_path / "proof.json"
-    path.write_text(json.dumps(document))
-    script = merkle.__file__
-    ok = subprocess.run([sys.executable, script, str(path), "--public-key", public.hex()],
-                        capture_output=True, text=True, cwd=tmp_path)
-    assert ok.returncode == 0, ok.stdout + ok.stderr
-    document["index"] = 4
-    path.write_text(json.dumps(document))
-    bad = subprocess.run([sys.executable, script, str(path)], capture_output=True, text=True,
-                         cwd=tmp_path)
-    assert bad.returncode == 1 and "INVALID" in bad.stdout
+
+def test_consistency_edge_cases() -> None:
+    root = tree_root(LEAVES[:4])
+    assert verify_consistency(4, 4, root, root, [])
+    assert not verify_consistency(4, 4, root, tree_root(LEAVES[:3]), [])
+    assert not verify_consistency(4, 4, root, root, [root])
+    assert verify_consistency(0, 4, tree_root([]), root, [])
+    assert not verify_consistency(5, 4, root, root, [])
+    with pytest.raises(ValueError):
+        consistency_path([leaf_hash(b"a")], 2)

@@ -68,12 +68,13 @@ def test_purge_proofs(projected: Engine) -> None:
     got = {r["purge_id"]: r for r in rows(projected, "SELECT * FROM purge_proofs")}
     met = got["purge-met"]
     assert met["status"] == "met"
-    assert met["workers_live"] == ["w1", "w2"] and met["workers_acked"] == ["w1", "w2"]
+    assert met["workers_expected"] == ["w1", "w2"] and met["workers_acked"] == ["w1", "w2"]
+    assert met["workers_done"] == ["w1", "w2"]
     assert met["kv_blocks_freed"] == 17 and met["adapters_unloaded"] == 1
     assert met["refcounts_zero"] is True
     missed = got["purge-missed"]
     assert missed["status"] == "missed"
-    assert missed["workers_live"] == ["w1", "w3"] and missed["workers_missing"] == ["w3"]
+    assert missed["workers_expected"] == ["w1", "w3"] and missed["workers_missing"] == ["w3"]
     pending = got["purge-pending"]
     assert pending["status"] == "pending" and pending["workers_missing"] == ["w2"]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from datetime import UTC, datetime
 from typing import Annotated
 
@@ -12,6 +13,7 @@ from services.catalog.state import tenant_stream
 from services.contracts.events import SLUG_PATTERN, TenantPurgeRequested, TenantRef, uuid7
 from services.contracts.problems import ProblemError, problem_responses
 from services.registry.deps import (
+    Blobs,
     IdempotencyKey,
     Node,
     Reader,
@@ -24,8 +26,11 @@ from services.registry.deps import (
     request_fingerprint,
 )
 from services.registry.domain import request_purge
+from services.registry.erasure import erase_tenant_blobs
+from services.registry.node import WritesUnavailable
 from services.registry.views import PurgeView, event_ref, purge_view
 
+log = logging.getLogger("loraplane.registry")
 router = APIRouter(prefix="/v1", tags=["purges"], dependencies=[Replayed])
 ERRORS = problem_responses(401, 403, 404, 409, 422, 503)
 Slug = Annotated[str, Path(pattern=SLUG_PATTERN)]
@@ -40,9 +45,10 @@ class PurgeBody(BaseModel):
 @router.post("/tenants/{org}/{team}/{project}/purge", status_code=202,
              response_model=PurgeView, responses=ERRORS)
 def purge_tenant(org: Slug, team: Slug, project: Slug, principal: Writer, node: Node,
-                 key: IdempotencyKey, trace: TraceId, deadline: WriteDeadline,
+                 blobs: Blobs, key: IdempotencyKey, trace: TraceId, deadline: WriteDeadline,
                  body: PurgeBody | None = None) -> PurgeView:
-    """Emit TenantPurgeRequested; workers free the tenant's KV and adapters and ack."""
+    """Emit TenantPurgeRequested; workers free the tenant's KV and adapters and ack; the
+    tenant's adapter files are erased from the blob store (TenantBlobsDeleted)."""
     body = body or PurgeBody()
     tenant = TenantRef(org=org, team=team, project=project)
     ensure_write_scope(principal, tenant)
@@ -54,6 +60,10 @@ def purge_tenant(org: Slug, team: Slug, project: Slug, principal: Writer, node: 
         request_sha256=request_fingerprint("purge", tenant.key, body), deadline=deadline)
     payload = committed.envelope.payload
     assert isinstance(payload, TenantPurgeRequested)
+    try:
+        erase_tenant_blobs(node, blobs, payload.purge_id)
+    except WritesUnavailable as exc:  # the purge stands; the erasure resumes at start-up
+        log.warning("purge %s: blob erasure deferred: %s", payload.purge_id, exc.message)
     with node.state_lock:
         purge = node.state.purges[payload.purge_id]
         return purge_view(purge, datetime.now(UTC),
