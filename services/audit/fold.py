@@ -36,7 +36,7 @@ from typing import Any
 
 from services.audit.sealing import ERASED
 from services.catalog.purge import deadline_of
-from services.contracts.events import WORKER_TOPIC, Envelope, TenantRef
+from services.contracts.events import Envelope, TenantRef
 
 Row = dict[str, Any]
 VersionKey = tuple[str, int]
@@ -68,8 +68,8 @@ def touched_keys(envelopes: Iterable[Envelope]) -> TouchedKeys:
             alias_names.add(_get(p, "alias"))
             for entry in [*(_get(p, "split") or ()), *(_get(p, "previous") or ())]:
                 adapter_ids.add(_get(entry, "adapter_id"))
-        elif p.topic == WORKER_TOPIC:
-            worker_ids.add(_get(p, "worker_id"))
+        elif isinstance(w := p.__dict__.get("worker_id"), str):  # a field: no getattr miss
+            worker_ids.add(w)
     return TouchedKeys(frozenset(adapter_ids), frozenset(alias_names), frozenset(worker_ids))
 
 

@@ -23,7 +23,7 @@ from services.audit.projector import AuditProjector
 from services.audit.proof import build_consistency, build_proof
 from services.config import Settings
 from tests.audit.conftest import cli, drain
-from tests.audit.scenario import mixed, produce, story
+from tests.audit.scenario import mixed, produce, recorded, story
 from tests.conftest import CACHE
 
 pytestmark = pytest.mark.slow
@@ -61,7 +61,7 @@ def test_go_reference_libraries_verify_our_evidence(
         db_engine: Engine) -> None:
     events = story() + list(mixed(60, seed=6))
     produce(audit_settings, events)
-    drain(projector, len(events))
+    drain(projector, len(recorded(events)))
     assert cli(audit_settings, "checkpoint")[0] == 0
     _, keys = cli(audit_settings, "public-key")
     with db_engine.connect() as conn:

@@ -21,7 +21,7 @@ from services.audit.projector import AuditProjector
 from services.audit.publication import HttpEndpoint, http_app
 from services.config import Settings
 from tests.audit.conftest import cli, count_events, drain
-from tests.audit.scenario import mixed, produce
+from tests.audit.scenario import mixed, produce, recorded
 
 pytestmark = pytest.mark.slow
 
@@ -149,7 +149,7 @@ def test_consistency_proofs_between_checkpoints(
     shutil.copy(folder / "8", old)
     more = list(mixed(120, seed=9))
     produce(audit_settings, more)
-    drain(projector, count_events(filled) + len(more))
+    drain(projector, count_events(filled) + len(recorded(more)))
 
     code, out = cli(audit_settings, "consistency", str(old), "-o", str(tmp_path / "c.json"))
     assert code == 0, out
