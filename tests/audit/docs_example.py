@@ -92,7 +92,9 @@ def auditors(settings: Settings, engine: Engine, projector: AuditProjector,
     try:
         cli(settings, "checkpoint")
         index = httpx.get(f"http://127.0.0.1:{endpoint.port}/checkpoints").json()
-        log = max(index["logs"], key=lambda entry: entry["size"])
+        log = max((entry for entry in index["logs"]
+                   if entry["topic"] == settings.worker_events_topic),
+                  key=lambda entry: entry["size"])
         url = f"/checkpoints/{log['topic']}/{log['partition']}/latest"
         note = httpx.get(f"http://127.0.0.1:{endpoint.port}{url}").text
     finally:
