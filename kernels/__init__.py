@@ -10,9 +10,22 @@ Public API (what the engine calls)::
 Weights live in per-module slot slabs, ``a_slab[num_slots, max_rank, in]`` and
 ``b_slab[num_slots, out, max_rank]``; only each slot's first ``ranks[s]`` rows/columns are
 read. ``indices[t]`` is token t's slot (-1: no LoRA); ``segments`` switches to SGMV.
+
+The engine's adapter pool uses the rank-granular layout instead, ``lora_apply_paged(y, x,
+weights: PagedLora, indices, ...)``: every slot's A and B at per-slot offsets in one flat
+pool, no padding to a max rank (see :mod:`kernels.paged`).
 """
 
-from kernels.dispatch import lora_apply, lora_expand, lora_shrink
+from kernels.dispatch import lora_apply, lora_apply_paged, lora_expand, lora_shrink
+from kernels.paged import PagedLora, Runs
 from kernels.segments import Segments
 
-__all__ = ["Segments", "lora_apply", "lora_expand", "lora_shrink"]
+__all__ = [
+    "PagedLora",
+    "Runs",
+    "Segments",
+    "lora_apply",
+    "lora_apply_paged",
+    "lora_expand",
+    "lora_shrink",
+]

@@ -21,9 +21,17 @@ import torch
 from torch import Tensor
 
 from kernels import reference
+from kernels.paged import PagedLora, Runs, apply_runs, runs_of
 from kernels.segments import Segments
 from kernels.tuning_table import TuningEntry, TuningTable, load_table
-from kernels.validation import KERNEL_DTYPES, check_expand, check_shrink, check_slab_pair
+from kernels.validation import (
+    KERNEL_DTYPES,
+    check_expand,
+    check_paged,
+    check_routing,
+    check_shrink,
+    check_slab_pair,
+)
 
 BACKEND_ENV = "LORAPLANE_KERNELS_BACKEND"
 Backend = Literal["torch", "triton"]
@@ -151,6 +159,49 @@ def lora_apply(y: Tensor, x: Tensor, a_slab: Tensor, b_slab: Tensor, ranks: Tens
 
     bgmv_fused(y, x, a_slab, b_slab, ranks, scales, indices.contiguous(),
                out_offset=out_offset, n_split=plan.entry.fused_n_split)
+
+
+def lora_apply_paged(y: Tensor, x: Tensor, w: PagedLora, indices: Tensor, *,
+                     out_offset: int = 0, segments: Segments | None = None,
+                     runs: Runs | None = None, fused: bool | None = None) -> None:
+    """:func:`lora_apply` over the rank-granular pool (:class:`kernels.paged.PagedLora`).
+
+    ``runs`` (host ``(slot, start, end)`` groups, which a scheduler that sorts tokens by
+    adapter already has) spares the torch path from reading the indices back.
+    """
+    check_paged(y, x, w, out_offset)
+    if select_backend(x.device) == "torch":
+        if runs is None:
+            runs = runs_of(indices if segments is None else segments.token_indices())
+        apply_runs(y, x, w, runs, out_offset)
+        return
+    check_routing(indices, segments, x.shape[0], w.num_slots, x.device)
+    plan = plan_apply(x.shape[0], x.shape[1], w.max_rank, segmented=segments is not None,
+                      table=load_table(device_model(x.device)), fused=fused)
+    if plan.fused:
+        if segments is not None:
+            from kernels.triton.fused import sgmv_fused
+
+            sgmv_fused(y, x, w, w, w.ranks, w.scales, _contiguous(segments),
+                       out_offset=out_offset, n_split=plan.entry.fused_n_split)
+            return
+        from kernels.triton.fused import bgmv_fused
+
+        bgmv_fused(y, x, w, w, w.ranks, w.scales, indices.contiguous(), out_offset=out_offset,
+                   n_split=plan.entry.fused_n_split)
+        return
+    if segments is not None:
+        from kernels.triton.sgmv import sgmv_expand, sgmv_shrink
+
+        seg = _contiguous(segments)
+        h = sgmv_shrink(x, w, w.ranks, seg)
+        sgmv_expand(y, h, w, w.ranks, w.scales, seg, out_offset=out_offset)
+        return
+    from kernels.triton.bgmv import bgmv_expand, bgmv_shrink
+
+    idx = indices.contiguous()
+    h = bgmv_shrink(x, w, w.ranks, idx, split_k=plan.entry.shrink_split_k)
+    bgmv_expand(y, h, w, w.ranks, w.scales, idx, out_offset=out_offset)
 
 
 def _contiguous(segments: Segments) -> Segments:

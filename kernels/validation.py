@@ -14,6 +14,7 @@ import os
 import torch
 from torch import Tensor
 
+from kernels.paged import PagedLora
 from kernels.segments import Segments
 
 #: Activation and weight dtypes the Triton kernels accept. float64 is accepted by the torch
@@ -134,3 +135,18 @@ def check_slab_pair(a_slab: Tensor, b_slab: Tensor) -> None:
              and a_slab.shape[0] == b_slab.shape[0] and a_slab.shape[1] == b_slab.shape[2],
              "b_slab", f"shape {list(b_slab.shape)} does not pair with a_slab's "
              f"{list(a_slab.shape)} (expected [num_slots, out_features, max_rank])")
+
+
+def check_paged(y: Tensor, x: Tensor, w: PagedLora, out_offset: int) -> None:
+    """Validate activations against a paged pool (its tables are checked when written)."""
+    _require(x.dim() == 2 and x.shape[1] == w.in_features, "x",
+             f"expected [T, {w.in_features}], got {list(x.shape)}")
+    _require(x.dtype == w.pool.dtype, "x", f"dtype {x.dtype} differs from the pool's "
+             f"{w.pool.dtype}")
+    _require(x.device == w.pool.device, "x", f"on {x.device}, pool on {w.pool.device}")
+    _require(y.dim() == 2 and y.shape[0] == x.shape[0], "y",
+             f"expected [{x.shape[0]}, out_total], got {list(y.shape)}")
+    _require(y.dtype == x.dtype, "y", f"dtype {y.dtype} differs from x's {x.dtype}")
+    _require(out_offset >= 0 and out_offset + w.out_features <= y.shape[1], "out_offset",
+             f"slice [{out_offset}, {out_offset + w.out_features}) does not fit y's "
+             f"{y.shape[1]} columns")

@@ -13,13 +13,16 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kernels.paged import PagedLora
+from kernels.triton.operands import a_operand, b_operand
+
 
 @triton.jit
 def _bgmv_shrink_kernel(
     x_ptr, a_ptr, h_ptr, ranks_ptr, idx_ptr,
     K,
     stride_xt, stride_xk,
-    stride_as, stride_ar, stride_ak,
+    a_off_ptr, stride_ar, stride_ak,
     stride_ht, stride_hr,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
@@ -34,7 +37,7 @@ def _bgmv_shrink_kernel(
         return
     offs_r = r0 + tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
-    a_base = a_ptr + slot.to(tl.int64) * stride_as
+    a_base = a_ptr + tl.load(a_off_ptr + slot)
     x_base = x_ptr + t.to(tl.int64) * stride_xt
     k_chunk = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
     k_start = split * k_chunk
@@ -62,7 +65,7 @@ def _bgmv_expand_kernel(
     N, out_offset,
     stride_yt, stride_yn,
     stride_ht, stride_hr,
-    stride_bs, stride_bn, stride_br,
+    b_off_ptr, stride_bn, stride_br,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     t = tl.program_id(0)
@@ -75,7 +78,7 @@ def _bgmv_expand_kernel(
         return
     scale = tl.load(scales_ptr + slot)
     n_mask = offs_n < N
-    b_base = b_ptr + slot.to(tl.int64) * stride_bs
+    b_base = b_ptr + tl.load(b_off_ptr + slot)
     h_base = h_ptr + t.to(tl.int64) * stride_ht
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for r0 in range(0, rank, BLOCK_R):
@@ -92,41 +95,43 @@ def _bgmv_expand_kernel(
     tl.store(y_ptrs, (yv + scale * acc).to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
-def bgmv_shrink(x: Tensor, a_slab: Tensor, ranks: Tensor, indices: Tensor, *,
+def bgmv_shrink(x: Tensor, a_slab: Tensor | PagedLora, ranks: Tensor, indices: Tensor, *,
                 block_r: int = 16, block_k: int = 256, split_k: int = 1) -> Tensor:
     """``h[t, :r] = x[t] @ A_slot[:r].T`` per token; ``split_k > 1`` adds parallelism for
     small batches by splitting the reduction and accumulating with atomics."""
     num_tokens, k = x.shape
-    max_rank = a_slab.shape[1]
+    a = a_operand(a_slab)
+    max_rank = a.max_rank
     h = torch.zeros(num_tokens, max_rank, dtype=torch.float32, device=x.device)
     if num_tokens == 0 or max_rank == 0:
         return h
     grid = (num_tokens, triton.cdiv(max_rank, block_r), split_k)
     _bgmv_shrink_kernel[grid](
-        x, a_slab, h, ranks, indices,
+        x, a.data, h, ranks, indices,
         k,
         x.stride(0), x.stride(1),
-        a_slab.stride(0), a_slab.stride(1), a_slab.stride(2),
+        a.offsets, a.stride_r, a.stride_f,
         h.stride(0), h.stride(1),
         BLOCK_R=block_r, BLOCK_K=block_k, SPLIT_K=split_k,
     )
     return h
 
 
-def bgmv_expand(y: Tensor, h: Tensor, b_slab: Tensor, ranks: Tensor, scales: Tensor,
+def bgmv_expand(y: Tensor, h: Tensor, b_slab: Tensor | PagedLora, ranks: Tensor, scales: Tensor,
                 indices: Tensor, *, out_offset: int = 0, block_n: int = 128,
                 block_r: int = 16) -> None:
     """``y[t, off:off+N] += scale * h[t, :r] @ B_slot[:, :r].T`` in place, per token."""
     num_tokens = y.shape[0]
-    n = b_slab.shape[1]
+    b = b_operand(b_slab)
+    n = b.features
     if num_tokens == 0 or n == 0:
         return
     grid = (num_tokens, triton.cdiv(n, block_n))
     _bgmv_expand_kernel[grid](
-        y, h, b_slab, ranks, scales, indices,
+        y, h, b.data, ranks, scales, indices,
         n, out_offset,
         y.stride(0), y.stride(1),
         h.stride(0), h.stride(1),
-        b_slab.stride(0), b_slab.stride(1), b_slab.stride(2),
+        b.offsets, b.stride_f, b.stride_r,
         BLOCK_N=block_n, BLOCK_R=block_r,
     )

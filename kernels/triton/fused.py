@@ -19,7 +19,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kernels.paged import PagedLora
 from kernels.segments import Segments
+from kernels.triton.operands import a_operand, b_operand
 from kernels.triton.sgmv import dot_precision, upcast_dot_operands
 from kernels.triton.tiles import segment_tiles
 
@@ -35,8 +37,8 @@ def _bgmv_fused_kernel(
     K, N, out_offset,
     stride_yt, stride_yn,
     stride_xt, stride_xk,
-    stride_as, stride_ar, stride_ak,
-    stride_bs, stride_bn, stride_br,
+    a_off_ptr, stride_ar, stride_ak,
+    b_off_ptr, stride_bn, stride_br,
     R_PAD: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, N_SPLIT: tl.constexpr,
 ):
     t = tl.program_id(0)
@@ -49,7 +51,7 @@ def _bgmv_fused_kernel(
         return
     offs_r = tl.arange(0, R_PAD)
     r_mask = offs_r < rank
-    a_base = a_ptr + slot.to(tl.int64) * stride_as
+    a_base = a_ptr + tl.load(a_off_ptr + slot)
     x_base = x_ptr + t.to(tl.int64) * stride_xt
     h = tl.zeros([R_PAD], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -62,7 +64,7 @@ def _bgmv_fused_kernel(
         ).to(tl.float32)
         h += tl.sum(av * xv[None, :], axis=1)
     h = h * tl.load(scales_ptr + slot)
-    b_base = b_ptr + slot.to(tl.int64) * stride_bs
+    b_base = b_ptr + tl.load(b_off_ptr + slot)
     y_base = y_ptr + t.to(tl.int64) * stride_yt
     n_chunk = tl.cdiv(N, N_SPLIT * BLOCK_N) * BLOCK_N
     n_start = split * n_chunk
@@ -87,8 +89,8 @@ def _sgmv_fused_kernel(
     K, N, out_offset, num_segments,
     stride_yt, stride_yn,
     stride_xt, stride_xk,
-    stride_as, stride_ar, stride_ak,
-    stride_bs, stride_bn, stride_br,
+    a_off_ptr, stride_ar, stride_ak,
+    b_off_ptr, stride_bn, stride_br,
     BLOCK_M: tl.constexpr, R_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_N: tl.constexpr, N_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -110,7 +112,7 @@ def _sgmv_fused_kernel(
     m_mask = offs_m < m_end
     offs_r = tl.arange(0, R_PAD)
     r_mask = offs_r < rank
-    a_base = a_ptr + slot.to(tl.int64) * stride_as
+    a_base = a_ptr + tl.load(a_off_ptr + slot)
     h = tl.zeros([BLOCK_M, R_PAD], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -128,7 +130,7 @@ def _sgmv_fused_kernel(
         else:
             h = tl.dot(xv, av, h, input_precision=DOT_PRECISION)
     scale = tl.load(scales_ptr + slot)
-    b_base = b_ptr + slot.to(tl.int64) * stride_bs
+    b_base = b_ptr + tl.load(b_off_ptr + slot)
     hb = h.to(b_ptr.dtype.element_ty)
     n_chunk = tl.cdiv(N, N_SPLIT * BLOCK_N) * BLOCK_N
     n_start = split * n_chunk
@@ -151,43 +153,46 @@ def _sgmv_fused_kernel(
         tl.store(y_ptrs, (yv + scale * delta).to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
-def bgmv_fused(y: Tensor, x: Tensor, a_slab: Tensor, b_slab: Tensor, ranks: Tensor,
-               scales: Tensor, indices: Tensor, *, out_offset: int = 0, block_k: int = 128,
-               block_n: int = 64, n_split: int = 1) -> None:
+def bgmv_fused(y: Tensor, x: Tensor, a_slab: Tensor | PagedLora, b_slab: Tensor | PagedLora,
+               ranks: Tensor, scales: Tensor, indices: Tensor, *, out_offset: int = 0,
+               block_k: int = 128, block_n: int = 64, n_split: int = 1) -> None:
     """Per-token shrink+expand in one launch (decode)."""
     num_tokens, k = x.shape
-    n = b_slab.shape[1]
-    if num_tokens == 0 or n == 0 or a_slab.shape[1] == 0:
+    a, b = a_operand(a_slab), b_operand(b_slab)
+    n = b.features
+    if num_tokens == 0 or n == 0 or a.max_rank == 0:
         return
     _bgmv_fused_kernel[(num_tokens, n_split)](
-        y, x, a_slab, b_slab, ranks, scales, indices,
+        y, x, a.data, b.data, ranks, scales, indices,
         k, n, out_offset,
         y.stride(0), y.stride(1),
         x.stride(0), x.stride(1),
-        a_slab.stride(0), a_slab.stride(1), a_slab.stride(2),
-        b_slab.stride(0), b_slab.stride(1), b_slab.stride(2),
-        R_PAD=rank_tile(a_slab.shape[1]), BLOCK_K=block_k, BLOCK_N=block_n, N_SPLIT=n_split,
+        a.offsets, a.stride_r, a.stride_f,
+        b.offsets, b.stride_f, b.stride_r,
+        R_PAD=rank_tile(a.max_rank), BLOCK_K=block_k, BLOCK_N=block_n, N_SPLIT=n_split,
     )
 
 
-def sgmv_fused(y: Tensor, x: Tensor, a_slab: Tensor, b_slab: Tensor, ranks: Tensor,
-               scales: Tensor, segments: Segments, *, out_offset: int = 0, block_m: int = 16,
-               block_k: int = 64, block_n: int = 64, n_split: int = 1) -> None:
+def sgmv_fused(y: Tensor, x: Tensor, a_slab: Tensor | PagedLora, b_slab: Tensor | PagedLora,
+               ranks: Tensor, scales: Tensor, segments: Segments, *, out_offset: int = 0,
+               block_m: int = 16, block_k: int = 64, block_n: int = 64,
+               n_split: int = 1) -> None:
     """Per-segment-tile shrink+expand in one launch (short prefills, mixed batches)."""
     num_tokens, k = x.shape
-    n = b_slab.shape[1]
-    if num_tokens == 0 or n == 0 or a_slab.shape[1] == 0 or segments.num_segments == 0:
+    a, b = a_operand(a_slab), b_operand(b_slab)
+    n = b.features
+    if num_tokens == 0 or n == 0 or a.max_rank == 0 or segments.num_segments == 0:
         return
     tiles = segment_tiles(segments.starts, num_tokens, block_m)
     _sgmv_fused_kernel[(tiles.num_programs, n_split)](
-        y, x, a_slab, b_slab, ranks, scales, segments.starts, segments.slots, tiles.segment,
+        y, x, a.data, b.data, ranks, scales, segments.starts, segments.slots, tiles.segment,
         tiles.first_tile,
         k, n, out_offset, segments.num_segments,
         y.stride(0), y.stride(1),
         x.stride(0), x.stride(1),
-        a_slab.stride(0), a_slab.stride(1), a_slab.stride(2),
-        b_slab.stride(0), b_slab.stride(1), b_slab.stride(2),
-        BLOCK_M=block_m, R_PAD=rank_tile(a_slab.shape[1]), BLOCK_K=block_k, BLOCK_N=block_n,
+        a.offsets, a.stride_r, a.stride_f,
+        b.offsets, b.stride_f, b.stride_r,
+        BLOCK_M=block_m, R_PAD=rank_tile(a.max_rank), BLOCK_K=block_k, BLOCK_N=block_n,
         N_SPLIT=n_split, DOT_PRECISION=dot_precision(x.dtype),
         UPCAST=upcast_dot_operands(_sgmv_fused_kernel, x.dtype),
     )

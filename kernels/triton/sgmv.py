@@ -16,7 +16,9 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
+from kernels.paged import PagedLora
 from kernels.segments import Segments
+from kernels.triton.operands import a_operand, b_operand
 from kernels.triton.tiles import segment_tiles
 
 
@@ -40,7 +42,7 @@ def _sgmv_shrink_kernel(
     x_ptr, a_ptr, h_ptr, ranks_ptr, starts_ptr, slots_ptr, tile_seg_ptr, first_tile_ptr,
     K, num_segments,
     stride_xt, stride_xk,
-    stride_as, stride_ar, stride_ak,
+    a_off_ptr, stride_ar, stride_ak,
     stride_ht, stride_hr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
@@ -63,7 +65,7 @@ def _sgmv_shrink_kernel(
     m_mask = offs_m < m_end
     offs_r = r0 + tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
-    a_base = a_ptr + slot.to(tl.int64) * stride_as
+    a_base = a_ptr + tl.load(a_off_ptr + slot)
     k_chunk = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
     k_start = split * k_chunk
     k_end = tl.minimum(k_start + k_chunk, K)
@@ -98,7 +100,7 @@ def _sgmv_expand_kernel(
     N, out_offset, num_segments,
     stride_yt, stride_yn,
     stride_ht, stride_hr,
-    stride_bs, stride_bn, stride_br,
+    b_off_ptr, stride_bn, stride_br,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
@@ -119,7 +121,7 @@ def _sgmv_expand_kernel(
     offs_m = m0 + tl.arange(0, BLOCK_M)
     m_mask = offs_m < m_end
     n_mask = offs_n < N
-    b_base = b_ptr + slot.to(tl.int64) * stride_bs
+    b_base = b_ptr + tl.load(b_off_ptr + slot)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for r0 in range(0, rank, BLOCK_R):
         offs_r = r0 + tl.arange(0, BLOCK_R)
@@ -144,22 +146,23 @@ def _sgmv_expand_kernel(
     tl.store(y_ptrs, (yv + scale * acc).to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
-def sgmv_shrink(x: Tensor, a_slab: Tensor, ranks: Tensor, segments: Segments, *,
+def sgmv_shrink(x: Tensor, a_slab: Tensor | PagedLora, ranks: Tensor, segments: Segments, *,
                 block_m: int = 32, block_r: int = 16, block_k: int = 64,
                 split_k: int = 1) -> Tensor:
     """``h[t, :r] = x[t] @ A_slot[:r].T`` for every token of every segment."""
     num_tokens, k = x.shape
-    max_rank = a_slab.shape[1]
+    a = a_operand(a_slab)
+    max_rank = a.max_rank
     h = torch.zeros(num_tokens, max_rank, dtype=torch.float32, device=x.device)
     if num_tokens == 0 or max_rank == 0 or segments.num_segments == 0:
         return h
     tiles = segment_tiles(segments.starts, num_tokens, block_m)
     grid = (tiles.num_programs, triton.cdiv(max_rank, block_r), split_k)
     _sgmv_shrink_kernel[grid](
-        x, a_slab, h, ranks, segments.starts, segments.slots, tiles.segment, tiles.first_tile,
+        x, a.data, h, ranks, segments.starts, segments.slots, tiles.segment, tiles.first_tile,
         k, segments.num_segments,
         x.stride(0), x.stride(1),
-        a_slab.stride(0), a_slab.stride(1), a_slab.stride(2),
+        a.offsets, a.stride_r, a.stride_f,
         h.stride(0), h.stride(1),
         BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, SPLIT_K=split_k,
         DOT_PRECISION=dot_precision(x.dtype),
@@ -168,7 +171,7 @@ def sgmv_shrink(x: Tensor, a_slab: Tensor, ranks: Tensor, segments: Segments, *,
     return h
 
 
-def sgmv_expand(y: Tensor, h: Tensor, b_slab: Tensor, ranks: Tensor, scales: Tensor,
+def sgmv_expand(y: Tensor, h: Tensor, b_slab: Tensor | PagedLora, ranks: Tensor, scales: Tensor,
                 segments: Segments, *, out_offset: int = 0, block_m: int = 32,
                 block_n: int = 64, block_r: int = 16) -> None:
     """``y[t, off:off+N] += scale * h[t, :r] @ B_slot[:, :r].T`` for every segment's tokens.
@@ -177,19 +180,20 @@ def sgmv_expand(y: Tensor, h: Tensor, b_slab: Tensor, ranks: Tensor, scales: Ten
     do; the products and the sum stay in fp32.
     """
     num_tokens = y.shape[0]
-    n = b_slab.shape[1]
+    b = b_operand(b_slab)
+    n = b.features
     if num_tokens == 0 or n == 0 or segments.num_segments == 0:
         return
     tiles = segment_tiles(segments.starts, num_tokens, block_m)
     grid = (tiles.num_programs, triton.cdiv(n, block_n))
     _sgmv_expand_kernel[grid](
-        y, h, b_slab, ranks, scales, segments.starts, segments.slots, tiles.segment,
+        y, h, b.data, ranks, scales, segments.starts, segments.slots, tiles.segment,
         tiles.first_tile,
         n, out_offset, segments.num_segments,
         y.stride(0), y.stride(1),
         h.stride(0), h.stride(1),
-        b_slab.stride(0), b_slab.stride(1), b_slab.stride(2),
+        b.offsets, b.stride_f, b.stride_r,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
-        DOT_PRECISION=dot_precision(b_slab.dtype),
-        UPCAST=upcast_dot_operands(_sgmv_expand_kernel, b_slab.dtype),
+        DOT_PRECISION=dot_precision(b.data.dtype),
+        UPCAST=upcast_dot_operands(_sgmv_expand_kernel, b.data.dtype),
     )

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from kernels import Segments
+from kernels import PagedLora, Segments
 
 #: Allowed ``max|got - oracle| / max|oracle|`` per dtype. fp16/bf16 round x, A, B on input
 #: (the oracle sees the same rounded values), round h to the weight dtype before the
@@ -119,3 +119,25 @@ def naive_apply(p: Problem) -> Tensor:
         h = p.a_slab[s, :r] @ p.x[t]
         y[t, off:off + p.b_slab.shape[1]] += float(p.scales[s]) * (p.b_slab[s, :, :r] @ h)
     return y
+
+
+def paged(p: Problem) -> PagedLora:
+    """The same weights packed rank-granular into one pool, in reverse slot order and with
+    garbage between extents, so reads at a wrong offset or past a rank show up."""
+    k, n = p.a_slab.shape[2], p.b_slab.shape[1]
+    ranks = p.ranks.tolist()
+    gap = 7
+    pool = torch.full((sum(r * (k + n) + 2 * gap for r in ranks) + gap,), 1e4,
+                      dtype=p.a_slab.dtype)
+    w = PagedLora(pool, k, n, len(ranks))
+    cursor = gap
+    for s in reversed(range(len(ranks))):
+        r = ranks[s]
+        if r == 0:
+            continue
+        a_off, b_off = cursor, cursor + r * k + gap
+        pool[a_off:a_off + r * k] = p.a_slab[s, :r].reshape(-1)
+        pool[b_off:b_off + r * n] = p.b_slab[s, :, :r].T.reshape(-1)
+        w.place(s, a_off, b_off, r, float(p.scales[s]))
+        cursor = b_off + r * n + gap
+    return w

@@ -6,9 +6,19 @@ import re
 
 import pytest
 import torch
-from lora_cases import CASE_IDS, CASES, DTYPES, TOLERANCE, build, naive_apply, relative_error
+from lora_cases import (
+    CASE_IDS,
+    CASES,
+    DTYPES,
+    TOLERANCE,
+    build,
+    naive_apply,
+    paged,
+    relative_error,
+)
 
-from kernels import Segments, lora_apply, lora_expand, lora_shrink, reference
+from kernels import Segments, lora_apply, lora_apply_paged, lora_expand, lora_shrink, reference
+from kernels.paged import runs_of
 
 
 @pytest.mark.parametrize("spec", CASES, ids=CASE_IDS)
@@ -126,3 +136,27 @@ def test_apply_rejects_unpaired_slabs() -> None:
     with pytest.raises(ValueError, match=r"^b_slab\b"):
         lora_apply(p.y.clone(), p.x, p.a_slab, p.b_slab[:, :, :-1], p.ranks, p.scales,
                    p.indices)
+
+
+@pytest.mark.parametrize("spec", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("dtype", [torch.float64, *DTYPES], ids=str)
+def test_paged_pool_matches_per_token_loop(spec, dtype) -> None:
+    """The rank-granular pool (no padding, slots at arbitrary offsets) on the torch path,
+    routed by indices, by segments and by host runs."""
+    p = build(spec, seed=5).to(dtype)
+    w = paged(p)
+    want = naive_apply(p.to(torch.float64))
+    tol = 1e-12 if dtype == torch.float64 else TOLERANCE[dtype]
+    for routing in ({"segments": p.segments}, {"runs": runs_of(p.indices)}, {}):
+        y = p.y.clone()
+        lora_apply_paged(y, p.x, w, p.indices, out_offset=p.out_offset, **routing)
+        assert relative_error(y, want) < max(tol, 1e-12), routing
+
+
+def test_paged_rejects_mismatched_activations() -> None:
+    p = build(CASES[1], seed=6)
+    w = paged(p)
+    with pytest.raises(ValueError, match=r"^x\b"):
+        lora_apply_paged(p.y.clone(), p.x[:, :-1], w, p.indices)
+    with pytest.raises(ValueError, match=r"^out_offset\b"):
+        lora_apply_paged(p.y.clone(), p.x, w, p.indices, out_offset=10_000)

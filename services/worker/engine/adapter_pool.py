@@ -1,10 +1,14 @@
-"""Device slots for LoRA adapters, held in per-layer slab tensors.
+"""Device memory for LoRA adapters: one flat pool, each adapter exactly its own size.
 
-One slab per (layer, projection) holds every resident adapter zero-padded to `max_rank`
-(S-LoRA's unified pool, simplified), so a forward pass mixes adapters by passing a slot
-index per token to the multi-LoRA kernels. Slots are keyed by content digest, never by
-adapter name: a same-name reload is a different digest and gets a different key, so
-nothing cached under the old version can be served for the new one.
+S-LoRA's unified pool, rank-granular: an adapter occupies one contiguous extent of a
+single 1-D tensor holding, for every (layer, projection) it adapts, ``A`` [rank, in] and
+``B.T`` [rank, out]. Nothing is padded to a maximum rank and nothing is reserved for
+projections an adapter does not target, so a budget of mixed ranks holds as many adapters
+as their real bytes allow (slabs of `max_rank` rows per slot held about half as many).
+When the free space is fragmented the pool compacts (moves extents down, re-points the
+offset tables) between steps; when it is short it evicts idle, unpinned adapters in LRU
+order. Slots are small integer ids the kernels index per token; they are keyed by content
+digest, never by adapter name, so nothing cached under an old version can serve a new one.
 """
 
 from __future__ import annotations
@@ -20,7 +24,12 @@ from services.contracts.peft import TARGET_MODULES
 from .adapter import AdapterDigest, AdapterFiles, LoraAdapter, module_shape, parse_adapter
 from .config import ModelConfig
 from .errors import AdapterError, AdapterNotLoadedError, AdapterPoolFullError
-from .lora_ops import Segments, lora_apply
+from .lora_ops import PagedLora, Runs, Segments, lora_apply_paged
+
+ALIGN = 16
+"""Each A / B.T starts on a 16-element boundary (64 bytes in fp32): aligned vector loads."""
+MAX_SLOTS = 4096
+"""Slot ids when only a byte budget is given: the pool's bytes, not ids, are the limit."""
 
 
 @dataclass(frozen=True)
@@ -34,23 +43,44 @@ class AdapterSlotInfo:
     pinned: bool
     active_sequences: int
     num_parameters: int
+    bytes: int = 0
+    """Device bytes the adapter occupies in the pool (its real ranks, no padding)."""
 
 
 @dataclass
-class _Slab:
-    a: torch.Tensor  # [slots, max_rank, in]
-    b: torch.Tensor  # [slots, out, max_rank]
-    ranks: torch.Tensor  # [slots] int32; 0 = slot does not adapt this module
-    scales: torch.Tensor  # [slots] float32
-    host_ranks: list[int]  # host copy of `ranks`: no device sync to decide skipping a call
+class _Resident:
+    """Where a resident adapter lives; its weights are only in the pool, never twice."""
+
+    rank: int
+    target_modules: tuple[str, ...]
+    num_parameters: int
+    start: int
+    length: int
+    layout: dict[tuple[int, str], tuple[int, int, float]]
+    """(layer, module) -> (A offset, B.T offset relative to `start`, scale)."""
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def adapter_elements(cfg: ModelConfig, adapter: LoraAdapter) -> int:
+    """Pool elements an adapter needs: its real ranks on the projections it adapts."""
+    total = 0
+    for (_, module), w in adapter.weights.items():
+        fin, fout = module_shape(cfg, module)
+        total += _aligned(w.rank * fin) + _aligned(w.rank * fout)
+    return total
 
 
 class AdapterPool:
-    """Fixed set of adapter slots with LRU eviction of unpinned, idle adapters.
+    """Resident adapters in one byte budget, LRU eviction of unpinned, idle ones.
 
     The worker's adapter state machine drives `load` / `unload` / `pin`; the engine calls
     `acquire` / `release` per sequence so an adapter in use is never evicted under it.
-    Either `num_slots` or `byte_budget` sizes the pool.
+    `byte_budget` sizes the pool; without it, `num_slots` adapters of `max_rank` on every
+    projection fit (what a slab pool of that many slots held), and `num_slots` also caps
+    how many adapters are resident at once.
     """
 
     def __init__(
@@ -66,41 +96,49 @@ class AdapterPool:
         self.cfg = cfg
         self.max_rank = max_rank
         self.dtype = dtype
-        elem = torch.empty((), dtype=dtype).element_size()
-        per_layer = sum(max_rank * sum(module_shape(cfg, m)) for m in TARGET_MODULES)
-        self.bytes_per_slot = per_layer * cfg.num_hidden_layers * elem
-        if num_slots is None:
-            if byte_budget is None:
+        self.element_size = torch.empty((), dtype=dtype).element_size()
+        per_layer = sum(_aligned(max_rank * fin) + _aligned(max_rank * fout)
+                        for fin, fout in (module_shape(cfg, m) for m in TARGET_MODULES))
+        self.bytes_per_slot = per_layer * cfg.num_hidden_layers * self.element_size
+        """Bytes of one max-rank adapter on every projection: a slab pool's slot size."""
+        if byte_budget is None:
+            if num_slots is None:
                 raise ValueError("give num_slots or byte_budget")
-            num_slots = byte_budget // self.bytes_per_slot
-        if num_slots < 1:
-            raise AdapterPoolFullError(
-                f"byte budget fits no slot (one slot needs {self.bytes_per_slot} bytes)"
-            )
-        self.num_slots = int(num_slots)
-        self.slabs: list[dict[str, _Slab]] = []
-        for _ in range(cfg.num_hidden_layers):
-            layer: dict[str, _Slab] = {}
-            for m in TARGET_MODULES:
-                fin, fout = module_shape(cfg, m)
-                layer[m] = _Slab(
-                    a=torch.zeros(self.num_slots, max_rank, fin, dtype=dtype, device=device),
-                    b=torch.zeros(self.num_slots, fout, max_rank, dtype=dtype, device=device),
-                    ranks=torch.zeros(self.num_slots, dtype=torch.int32, device=device),
-                    scales=torch.zeros(self.num_slots, dtype=torch.float32, device=device),
-                    host_ranks=[0] * self.num_slots,
-                )
-            self.slabs.append(layer)
-        self._by_digest: OrderedDict[AdapterDigest, int] = OrderedDict()  # LRU order, oldest first
-        self._adapters: dict[int, LoraAdapter] = {}
+            byte_budget = num_slots * self.bytes_per_slot
+        capacity = byte_budget // self.element_size
+        smallest = _aligned(1) * 2
+        if capacity < smallest:
+            raise AdapterPoolFullError(f"byte budget {byte_budget} fits no adapter")
+        self.num_slots = int(num_slots if num_slots is not None
+                             else min(MAX_SLOTS, capacity // smallest))
+        if self.num_slots < 1:
+            raise AdapterPoolFullError("the pool needs at least one slot")
+        self.capacity = int(capacity)
+        self.pool = torch.zeros(self.capacity, dtype=dtype, device=device)
+        self.weights: list[dict[str, PagedLora]] = [
+            {m: PagedLora(self.pool, *module_shape(cfg, m), self.num_slots)
+             for m in TARGET_MODULES}
+            for _ in range(cfg.num_hidden_layers)
+        ]
+        self._by_digest: OrderedDict[AdapterDigest, int] = OrderedDict()  # LRU, oldest first
+        self._resident: dict[int, _Resident] = {}
         self._pinned: set[AdapterDigest] = set()
         self._active: dict[AdapterDigest, int] = {}
         self._free = list(range(self.num_slots - 1, -1, -1))
         self.evictions = 0
+        self.compactions = 0
 
     @property
     def byte_budget(self) -> int:
-        return self.bytes_per_slot * self.num_slots
+        return self.capacity * self.element_size
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(r.length for r in self._resident.values()) * self.element_size
+
+    @property
+    def free_bytes(self) -> int:
+        return self.byte_budget - self.used_bytes
 
     # -- control surface (driven by the worker's adapter state machine) --------------------
 
@@ -127,16 +165,20 @@ class AdapterPool:
         if adapter.rank > self.max_rank:
             raise AdapterError(f"adapter rank {adapter.rank} exceeds the pool's max_rank "
                                f"{self.max_rank}")
-        slot = self._take_slot()
-        self._write(slot, adapter)
+        need = adapter_elements(self.cfg, adapter)
+        if need > self.capacity:
+            raise AdapterPoolFullError(
+                f"adapter needs {need * self.element_size} bytes, the whole pool has "
+                f"{self.byte_budget}")
+        slot, start = self._make_room(need)
+        self._write(slot, start, need, adapter)
         self._by_digest[key] = slot
-        self._adapters[slot] = adapter
         if pin:
             self._pinned.add(key)
         return self.info(key)
 
     def unload(self, digest: AdapterDigest) -> None:
-        """Free a slot and zero its weights (no stale adapter stays in device memory).
+        """Free an adapter's extent and zero it (no stale weights stay in device memory).
 
         The engine aborts or drains sequences using it first; unloading an adapter that
         sequences still hold is an error.
@@ -145,11 +187,8 @@ class AdapterPool:
             raise AdapterNotLoadedError(f"adapter {digest} is not loaded")
         if self._active.get(digest):
             raise AdapterError(f"adapter {digest} is used by {self._active[digest]} sequences")
-        slot = self._by_digest.pop(digest)
+        self._remove(self._by_digest.pop(digest))
         self._pinned.discard(digest)
-        self._clear(slot)
-        del self._adapters[slot]
-        self._free.append(slot)
 
     def pin(self, digest: AdapterDigest, pinned: bool = True) -> None:
         """Pinned adapters are never evicted (high-SLA tenants' adapters stay resident)."""
@@ -165,15 +204,16 @@ class AdapterPool:
 
     def info(self, digest: AdapterDigest) -> AdapterSlotInfo:
         slot = self._by_digest[digest]
-        a = self._adapters[slot]
+        res = self._resident[slot]
         return AdapterSlotInfo(
             digest=digest,
             slot=slot,
-            rank=a.rank,
-            target_modules=a.target_modules,
+            rank=res.rank,
+            target_modules=res.target_modules,
             pinned=digest in self._pinned,
             active_sequences=self._active.get(digest, 0),
-            num_parameters=a.num_parameters,
+            num_parameters=res.num_parameters,
+            bytes=res.length * self.element_size,
         )
 
     def list(self) -> list[AdapterSlotInfo]:
@@ -181,21 +221,26 @@ class AdapterPool:
 
     @property
     def free_slots(self) -> int:
+        """Unused slot ids. Whether an adapter fits also depends on `free_bytes`."""
         return len(self._free)
 
     def padding_fraction(self) -> float:
-        """Share of the resident slabs' rank rows that are zero padding.
+        """Share of the resident adapters' bytes that is not weights (alignment only)."""
+        used = sum(r.length for r in self._resident.values())
+        real = sum(r.num_parameters for r in self._resident.values())
+        return 0.0 if used == 0 else 1.0 - real / used
 
-        Counted over the (layer, module) pairs each resident adapter adapts: 0.0 when every
-        adapter has rank `max_rank`, approaching 1.0 for tiny ranks in a wide pool.
-        """
-        used = padded = 0
-        for adapter in self._adapters.values():
-            for key in adapter.weights:
-                fin, fout = module_shape(self.cfg, key[1])
-                used += adapter.rank * (fin + fout)
-                padded += self.max_rank * (fin + fout)
-        return 0.0 if padded == 0 else 1.0 - used / padded
+    def weights_of(self, digest: AdapterDigest) -> dict[tuple[int, str], tuple[torch.Tensor,
+                                                                             torch.Tensor, float]]:
+        """(layer, module) -> (A [r, in], B.T [r, out], scale): views into the pool."""
+        slot = self._by_digest[digest]
+        out = {}
+        for layer, module in self._resident[slot].layout:
+            w = self.weights[layer][module]
+            a, bt = w.a_views[slot], w.bt_views[slot]
+            assert a is not None and bt is not None
+            out[(layer, module)] = (a, bt, w.host_scales[slot])
+        return out
 
     # -- engine side ------------------------------------------------------------------------
 
@@ -223,48 +268,98 @@ class AdapterPool:
         indices: torch.Tensor,
         segments: Segments | None,
         out_offset: int = 0,
+        runs: Runs | None = None,
     ) -> None:
         """Add every token's adapter delta for one projection into `y` in place."""
-        s = self.slabs[layer][module]
-        lora_apply(y, x, s.a, s.b, s.ranks, s.scales, indices, out_offset=out_offset,
-                   segments=segments)
+        lora_apply_paged(y, x, self.weights[layer][module], indices, out_offset=out_offset,
+                         segments=segments, runs=runs)
 
     def layer_has_lora(self, layer: int, module: str, slots: list[int]) -> bool:
         """Skip the kernel call when no adapter in the batch adapts this projection."""
-        ranks = self.slabs[layer][module].host_ranks
+        ranks = self.weights[layer][module].host_ranks
         return any(ranks[s] > 0 for s in slots if s >= 0)
 
     # -- internals --------------------------------------------------------------------------
 
-    def _take_slot(self) -> int:
-        if self._free:
-            return self._free.pop()
+    def _gaps(self) -> list[tuple[int, int]]:
+        """Free (start, length) extents in address order."""
+        gaps, cursor = [], 0
+        for r in sorted(self._resident.values(), key=lambda r: r.start):
+            if r.start > cursor:
+                gaps.append((cursor, r.start - cursor))
+            cursor = r.start + r.length
+        if cursor < self.capacity:
+            gaps.append((cursor, self.capacity - cursor))
+        return gaps
+
+    def _make_room(self, need: int) -> tuple[int, int]:
+        """A free slot id and the start of a free extent of `need` elements."""
+        while True:
+            if self._free:
+                fit = next((s for s, n in self._gaps() if n >= need), None)
+                if fit is not None:
+                    return self._free.pop(), fit
+                if self.capacity - self.used_elements >= need:
+                    self._compact()
+                    continue
+            if not self._evict_one():
+                raise AdapterPoolFullError(
+                    f"no room for {need * self.element_size} bytes: "
+                    f"{self.free_bytes} bytes and {len(self._free)} slots free, the rest "
+                    "pinned or in use")
+
+    @property
+    def used_elements(self) -> int:
+        return sum(r.length for r in self._resident.values())
+
+    def _evict_one(self) -> bool:
         for digest in self._by_digest:  # oldest first
             if digest not in self._pinned and not self._active.get(digest):
-                slot = self._by_digest.pop(digest)
-                self._clear(slot)
-                del self._adapters[slot]
+                self._remove(self._by_digest.pop(digest))
                 self.evictions += 1
-                return slot
-        raise AdapterPoolFullError(
-            f"all {self.num_slots} adapter slots are pinned or in use"
-        )
+                return True
+        return False
 
-    def _write(self, slot: int, adapter: LoraAdapter) -> None:
+    def _compact(self) -> None:
+        """Move every extent down to close the gaps; offsets are re-pointed in place."""
+        cursor = 0
+        for slot, r in sorted(self._resident.items(), key=lambda kv: kv[1].start):
+            if r.start != cursor:
+                self.pool[cursor:cursor + r.length] = self.pool[r.start:r.start + r.length].clone()
+                r.start = cursor
+                self._place(slot, r)
+            cursor += r.length
+        self.pool[cursor:].zero_()
+        self.compactions += 1
+
+    def _write(self, slot: int, start: int, length: int, adapter: LoraAdapter) -> None:
+        layout: dict[tuple[int, str], tuple[int, int, float]] = {}
+        cursor = 0
         for (layer, module), w in adapter.weights.items():
-            s = self.slabs[layer][module]
-            r = w.rank
-            s.a[slot, :r].copy_(w.a)
-            s.b[slot, :, :r].copy_(w.b)
-            s.ranks[slot] = r
-            s.host_ranks[slot] = r
-            s.scales[slot] = w.scale
+            fin, fout = module_shape(self.cfg, module)
+            a_off, cursor = cursor, cursor + _aligned(w.rank * fin)
+            b_off, cursor = cursor, cursor + _aligned(w.rank * fout)
+            layout[(layer, module)] = (a_off, b_off, w.scale)
+            base = start + a_off
+            self.pool[base:base + w.rank * fin].view(w.rank, fin).copy_(w.a)
+            base = start + b_off
+            self.pool[base:base + w.rank * fout].view(w.rank, fout).copy_(w.b.T)
+        assert cursor == length
+        res = _Resident(rank=adapter.rank, target_modules=adapter.target_modules,
+                        num_parameters=adapter.num_parameters, start=start, length=length,
+                        layout=layout)
+        self._resident[slot] = res
+        self._place(slot, res)
 
-    def _clear(self, slot: int) -> None:
-        for layer in self.slabs:
-            for s in layer.values():
-                s.a[slot].zero_()
-                s.b[slot].zero_()
-                s.ranks[slot] = 0
-                s.host_ranks[slot] = 0
-                s.scales[slot] = 0.0
+    def _place(self, slot: int, res: _Resident) -> None:
+        for (layer, module), (a_off, b_off, scale) in res.layout.items():
+            self.weights[layer][module].place(slot, res.start + a_off, res.start + b_off,
+                                              res.rank, scale)
+
+    def _remove(self, slot: int) -> None:
+        res = self._resident.pop(slot)
+        for layer, module in res.layout:
+            self.weights[layer][module].clear(slot)
+        self.pool[res.start:res.start + res.length].zero_()
+        self._free.append(slot)
+

@@ -292,6 +292,11 @@ class Engine:
         meta.finalize(decode_rows, decode_tables, decode_lens, bs, self.model.dtype)
         used = tuple(sorted({s for s in seg_slots if s >= 0}))
         has_prefill = bool(prefills)
+        runs: list[tuple[int, int, int]] = []
+        start = 0
+        for n, s in zip(seg_lengths, seg_slots, strict=True):
+            runs.append((s, start, start + n))
+            start += n
         return ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.long),
             positions=torch.tensor(positions, dtype=torch.long),
@@ -303,6 +308,7 @@ class Engine:
             lora_segments=Segments.from_lengths(seg_lengths, seg_slots)
             if used and has_prefill else None,
             lora_slots=used,
+            lora_runs=tuple(runs) if used else None,
         )
 
     def _slots_of(self, table: list[int], length: int) -> torch.Tensor:

@@ -6,6 +6,6 @@ dispatches per device (Triton on GPU, its torch reference on CPU).
 
 from __future__ import annotations
 
-from kernels import Segments, lora_apply
+from kernels import PagedLora, Runs, Segments, lora_apply_paged
 
-__all__ = ["Segments", "lora_apply"]
+__all__ = ["PagedLora", "Runs", "Segments", "lora_apply_paged"]

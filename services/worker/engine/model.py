@@ -19,7 +19,7 @@ from .attention import AttentionMetadata, paged_attention
 from .checkpoint import load_checkpoint, load_tokenizer
 from .config import ModelConfig
 from .kv_cache import KVStorage
-from .lora_ops import Segments
+from .lora_ops import Runs, Segments
 from .rope import RotaryEmbedding, apply_rotary
 
 
@@ -36,6 +36,7 @@ class ForwardBatch:
     lora_indices: torch.Tensor | None = None  # [T] int32 slot, -1 = base
     lora_segments: Segments | None = None  # set when the step has prefill (SGMV)
     lora_slots: tuple[int, ...] = ()  # distinct slots >= 0 in the step
+    lora_runs: Runs | None = None  # host (slot, start, end) runs: the torch path's groups
 
     def to(self, device: torch.device) -> ForwardBatch:
         """Move device-side tensors; positions stay on the host for the rope tables."""
@@ -57,6 +58,7 @@ class ForwardBatch:
             lora_segments=None if seg is None else Segments(
                 move(seg.starts), move(seg.slots)),  # type: ignore[arg-type]
             lora_slots=self.lora_slots,
+            lora_runs=self.lora_runs,
         )
 
 
@@ -136,10 +138,11 @@ class LlamaModel:
             batch.lora_indices is not None
         )
         idx, seg, slots = batch.lora_indices, batch.lora_segments, list(batch.lora_slots)
+        runs = batch.lora_runs
 
         def lora(layer: int, module: str, y: torch.Tensor, x: torch.Tensor, off: int = 0) -> None:
             if use_lora and adapters.layer_has_lora(layer, module, slots):  # type: ignore[union-attr]
-                adapters.apply(layer, module, y, x, idx, seg, off)  # type: ignore[union-attr,arg-type]
+                adapters.apply(layer, module, y, x, idx, seg, off, runs)  # type: ignore[union-attr,arg-type]
 
         h = self.embed[batch.input_ids]
         for li, w in enumerate(self.layers):

@@ -1,0 +1,117 @@
+"""Rank-granular LoRA weights: every slot's A and B packed in one flat pool, no padding.
+
+Slab layouts (``a_slab[num_slots, max_rank, in]``) reserve ``max_rank`` rows for every
+slot, so a pool of mixed ranks is mostly zeros and holds half as many adapters as its
+bytes allow. Here each slot's ``A`` (``[rank, in]``, row-major) and ``B`` stored transposed
+(``Bt = B.T``, ``[rank, out]``, row-major) start at per-slot element offsets into one 1-D
+pool shared by every projection and layer (S-LoRA's unified pool), so an adapter costs
+exactly its own ``rank * (in + out)`` elements and the strides never depend on the rank.
+The kernels read a slot's weights at ``pool + offset``; the torch path takes views at the
+same offsets, built once when the adapter is written, not per call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+Runs = tuple[tuple[int, int, int], ...]
+"""Host-side ``(slot, start, end)`` token runs, one per contiguous group of a slot."""
+
+
+@dataclass
+class PagedLora:
+    """One projection's LoRA weights for every slot, as offsets into a shared pool.
+
+    ``ranks[s] == 0`` means slot s does not adapt this projection. The device tables
+    (``a_offsets``, ``b_offsets``, ``ranks``, ``scales``) feed the Triton kernels; the host
+    lists mirror them so the torch path and the dispatch decisions never read the device.
+    """
+
+    pool: Tensor
+    in_features: int
+    out_features: int
+    num_slots: int
+    a_offsets: Tensor = field(init=False)
+    b_offsets: Tensor = field(init=False)
+    ranks: Tensor = field(init=False)
+    scales: Tensor = field(init=False)
+    host_ranks: list[int] = field(init=False)
+    host_scales: list[float] = field(init=False)
+    a_views: list[Tensor | None] = field(init=False)
+    """``A`` [rank, in] of each slot (a view into the pool), None where rank is 0."""
+    bt_views: list[Tensor | None] = field(init=False)
+    """``B.T`` [rank, out] of each slot, None where rank is 0."""
+
+    def __post_init__(self) -> None:
+        dev = self.pool.device
+        n = self.num_slots
+        self.a_offsets = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.b_offsets = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.ranks = torch.zeros(n, dtype=torch.int32, device=dev)
+        self.scales = torch.zeros(n, dtype=torch.float32, device=dev)
+        self.host_ranks = [0] * n
+        self.host_scales = [0.0] * n
+        self.a_views = [None] * n
+        self.bt_views = [None] * n
+
+    @property
+    def max_rank(self) -> int:
+        """The largest rank placed (sizes register tiles; no memory is reserved for it)."""
+        return max(self.host_ranks, default=0)
+
+    def place(self, slot: int, a_offset: int, b_offset: int, rank: int, scale: float) -> None:
+        """Point slot ``slot`` at weights already written into the pool."""
+        k, n = self.in_features, self.out_features
+        self.a_offsets[slot] = a_offset
+        self.b_offsets[slot] = b_offset
+        self.ranks[slot] = rank
+        self.scales[slot] = scale
+        self.host_ranks[slot] = rank
+        self.host_scales[slot] = scale
+        self.a_views[slot] = self.pool[a_offset:a_offset + rank * k].view(rank, k)
+        self.bt_views[slot] = self.pool[b_offset:b_offset + rank * n].view(rank, n)
+
+    def clear(self, slot: int) -> None:
+        self.ranks[slot] = 0
+        self.scales[slot] = 0.0
+        self.host_ranks[slot] = 0
+        self.host_scales[slot] = 0.0
+        self.a_views[slot] = None
+        self.bt_views[slot] = None
+
+    def adapts(self, slot: int) -> bool:
+        return slot >= 0 and self.host_ranks[slot] > 0
+
+
+def runs_of(indices: Tensor) -> Runs:
+    """``(slot, start, end)`` runs of equal consecutive slot indices (host tensor)."""
+    vals = indices.tolist()
+    runs: list[tuple[int, int, int]] = []
+    start = 0
+    for i in range(1, len(vals) + 1):
+        if i == len(vals) or vals[i] != vals[start]:
+            runs.append((vals[start], start, i))
+            start = i
+    return tuple(runs)
+
+
+def apply_runs(y: Tensor, x: Tensor, w: PagedLora, runs: Runs, out_offset: int = 0) -> None:
+    """The torch path: per run of one slot, ``y += scale * (x @ A.T) @ Bt`` in place.
+
+    Two BLAS calls per run: the shrink into a small ``[t, rank]`` tensor and an ``addmm_``
+    that scales and accumulates into the output slice, so no temporary of the output's
+    size is made. Computed in the activations' dtype (float32 accumulation inside BLAS).
+    """
+    n = w.out_features
+    for slot, start, end in runs:
+        if slot < 0 or end == start:
+            continue
+        a = w.a_views[slot]
+        if a is None:
+            continue
+        h = torch.mm(x[start:end], a.T)
+        out = y[start:end, out_offset:out_offset + n]
+        out.addmm_(h, w.bt_views[slot], alpha=w.host_scales[slot])
