@@ -21,6 +21,7 @@ from .errors import (
 )
 from .kv_cache import InvalidationResult
 from .model import LlamaModel
+from .precision import cpu_has_bf16, serving_dtype
 from .request import (
     FinishReason,
     GenerationRequest,
@@ -61,6 +62,8 @@ __all__ = [
     "SharingPolicy",
     "TokenEvent",
     "UnsupportedModelError",
+    "cpu_has_bf16",
     "decide",
     "parse_adapter",
+    "serving_dtype",
 ]

@@ -23,6 +23,7 @@ from .errors import AdapterNotLoadedError, RequestError
 from .kv_cache import BlockPool, InvalidationResult, KVStorage
 from .lora_ops import Segments
 from .model import ForwardBatch, LlamaModel
+from .precision import serving_dtype
 from .request import FinishReason, GenerationRequest, GenerationResult, TokenEvent
 from .sampling import find_stop, held_back, make_generator, sample_tokens
 from .scheduler import ScheduledChunk, Scheduler, SchedulerLimits
@@ -34,6 +35,8 @@ class EngineConfig:
     """Sizing of the engine's memory and batching."""
 
     dtype: str = "float32"
+    """"float32" / "bfloat16" / "float16", or "auto" (`precision.serving_dtype`: bf16 where
+    the hardware runs it natively, else fp32)."""
     device: str = "cpu"
     """Where weights, KV cache and adapter slabs live ("cuda" runs the Triton kernels)."""
     block_size: int = 16
@@ -84,12 +87,15 @@ class Engine:
         self._results: dict[str, GenerationResult] = {}
         self._arrivals = itertools.count()
         self._pending: list[TokenEvent] = []
+        self._merged: AdapterDigest | None = None
+        self._pristine: dict[tuple[int, str], torch.Tensor] = {}
         self.steps = 0
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, config: EngineConfig | None = None) -> Engine:
         cfg = config or EngineConfig()
-        return cls(LlamaModel.from_pretrained(model_dir, cfg.dtype, cfg.device), cfg)
+        dtype = serving_dtype(cfg.dtype, cfg.device)
+        return cls(LlamaModel.from_pretrained(model_dir, dtype, cfg.device), cfg)
 
     @property
     def base_digest(self) -> str:
@@ -108,10 +114,63 @@ class Engine:
         return self.adapters.load(source, digest, pin=pin)
 
     def unload_adapter(self, digest: AdapterDigest) -> InvalidationResult:
-        """Unload now: abort sequences using it, free its KV, zero its slot."""
+        """Unload now: abort sequences using it, free its KV, zero its slot (unmerging it
+        first if it is the merged adapter)."""
         result = self.invalidate_adapter(digest, hard=True, include_waiting=True)
+        if digest == self._merged:
+            self.unmerge()
         self.adapters.unload(digest)
         return result
+
+    # -- merged mode ---------------------------------------------------------------------
+
+    @property
+    def merged_adapter(self) -> AdapterDigest | None:
+        """The adapter currently merged into the base weights, if any."""
+        return self._merged
+
+    def merge_adapter(self, digest: AdapterDigest) -> None:
+        """Serve one resident adapter merged into the base weights: ``W += scale * B @ A``.
+
+        Merged mode is for a worker dedicated to one hot adapter: its requests then do no
+        LoRA work at all, and still carry (and report) its digest; requests for anything
+        else are refused until `unmerge`. The touched base weights are copied first and
+        every merge starts from those pristine copies, so switching the merged adapter (a
+        version switch or rollback) or unmerging restores the base bit for bit instead of
+        subtracting a delta in floating point. Merged and unmerged forms round differently,
+        so the adapter's cached KV is invalidated (softly) on every change. In-flight
+        requests of any other adapter (the previous version included) must be drained or
+        aborted first: they would otherwise finish on weights they were not admitted for.
+        """
+        if not self.adapters.is_loaded(digest):
+            raise AdapterNotLoadedError(f"adapter {digest} is not loaded")
+        if digest == self._merged:
+            return
+        others = [s.request_id for s in self._seqs.values() if s.request.adapter_digest != digest]
+        if others:
+            raise RequestError(f"cannot merge adapter {digest} while {len(others)} requests "
+                               "of other adapters or the base model are in flight")
+        self.unmerge()
+        for (layer, module), (a, bt, scale) in self.adapters.weights_of(digest).items():
+            w = self.model.projection_weight(layer, module)
+            self._pristine[(layer, module)] = w.clone()
+            merged = w.float() + scale * (bt.float().T @ a.float())
+            w.copy_(merged.to(w.dtype))
+        self._merged = digest
+        self.adapters.pin(digest)
+        self.invalidate_adapter(digest)
+
+    def unmerge(self) -> AdapterDigest | None:
+        """Restore the pristine base weights; returns the adapter that was merged."""
+        digest = self._merged
+        if digest is None:
+            return None
+        for (layer, module), original in self._pristine.items():
+            self.model.projection_weight(layer, module).copy_(original)
+        self._pristine.clear()
+        self._merged = None
+        self.invalidate_adapter(digest)
+        return digest
 
     def list_adapters(self) -> list[AdapterSlotInfo]:
         return self.adapters.list()
@@ -184,6 +243,11 @@ class Engine:
             if not self.adapters.is_loaded(request.adapter_digest):
                 raise AdapterNotLoadedError(f"adapter {request.adapter_digest} is not loaded")
             slot = self.adapters.acquire(request.adapter_digest)
+        if self._merged is not None and request.adapter_digest != self._merged:
+            if request.adapter_digest is not None:
+                self.adapters.release(request.adapter_digest)
+            raise RequestError(f"adapter {self._merged} is merged into the base weights: "
+                               "this engine serves only it until unmerged")
         seq = Sequence(
             request=request,
             prompt_ids=ids,
@@ -270,12 +334,13 @@ class Engine:
             seq_lens.extend([end] * n)
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            lora_idx.extend([seq.slot] * n)
-            if seg_slots and seg_slots[-1] == seq.slot:
+            slot = -1 if self._merged is not None else seq.slot
+            lora_idx.extend([slot] * n)
+            if seg_slots and seg_slots[-1] == slot:
                 seg_lengths[-1] += n
             else:
                 seg_lengths.append(n)
-                seg_slots.append(seq.slot)
+                seg_slots.append(slot)
             if n == 1 and start > 0:
                 decode_rows.append(row)
                 decode_tables.append(table)

@@ -115,6 +115,18 @@ class LlamaModel:
         self.rope = RotaryEmbedding(cfg)
         self.scale = cfg.head_dim**-0.5
 
+    def projection_weight(self, layer: int, module: str) -> torch.Tensor:
+        """The [out, in] weight of one projection: a view into the fused q|k|v or gate|up
+        matrix where the module is packed there, so writing it changes what forward uses."""
+        w = self.layers[layer]
+        qs, ks, inter = self.cfg.q_size, self.cfg.kv_size, self.cfg.intermediate_size
+        rows = {"q_proj": (w.qkv, 0, qs), "k_proj": (w.qkv, qs, qs + ks),
+                "v_proj": (w.qkv, qs + ks, qs + 2 * ks), "o_proj": (w.o, 0, w.o.shape[0]),
+                "gate_proj": (w.gate_up, 0, inter), "up_proj": (w.gate_up, inter, 2 * inter),
+                "down_proj": (w.down, 0, w.down.shape[0])}
+        t, lo, hi = rows[module]
+        return t[lo:hi]
+
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, dtype: str | torch.dtype = "float32",
                         device: str | torch.device = "cpu") -> LlamaModel:
