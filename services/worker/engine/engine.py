@@ -47,6 +47,8 @@ class EngineConfig:
     """When set (and adapter_slots is None), sizes the adapter pool by bytes."""
     limits: SchedulerLimits = field(default_factory=SchedulerLimits)
     sharing_policy: SharingPolicy = SharingPolicy.STRICT
+    prefix_cache: bool = True
+    """Off: no block is looked up or published (benchmarks' baseline; nothing is shared)."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,11 @@ class EngineStats:
     adapter_slots_free: int
     adapter_padding_fraction: float
     steps: int
+    prefix_cache_cross_tenant_hits: int = 0
+    """Blocks served to a tenant that another tenant computed (0 under the strict policy)."""
+    prefix_cache_hits_by_tenant: dict[str, int] = field(default_factory=dict)
+    deferred_admissions: int = 0
+    """Admissions postponed because a running request was computing the same prefix."""
 
 
 class Engine:
@@ -256,6 +263,7 @@ class Engine:
             arrival=next(self._arrivals),
             generator=make_generator(request.sampling.seed),
             slot=slot,
+            publish_blocks=self.config.prefix_cache,
         )
         self._seqs[request.request_id] = seq
         self.scheduler.add(seq)
@@ -508,4 +516,7 @@ class Engine:
             adapter_slots_free=self.adapters.free_slots,
             adapter_padding_fraction=self.adapters.padding_fraction(),
             steps=self.steps,
+            prefix_cache_cross_tenant_hits=self.blocks.cross_tenant_hits,
+            prefix_cache_hits_by_tenant=dict(self.blocks.hits_by_tenant),
+            deferred_admissions=self.scheduler.deferred_admissions,
         )

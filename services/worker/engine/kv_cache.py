@@ -10,7 +10,7 @@ asked on every hit as a second, independently tested gate.
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -113,6 +113,10 @@ class BlockPool:
         self.index: dict[bytes, int] = {}
         self.hits = 0
         self.queries = 0
+        self.hits_by_tenant: Counter[str] = Counter()
+        self.cross_tenant_hits = 0
+        """Hits on a block another tenant computed: only ever non-zero under
+        `shared-base-prefix`, for adapter-free requests in one sharing scope."""
 
     @property
     def num_available(self) -> int:
@@ -176,6 +180,9 @@ class BlockPool:
         if decide(scope, request_scope, self.policy) is not Decision.REUSE:
             return None
         self.hits += 1
+        self.hits_by_tenant[request_scope.tenant_key] += 1
+        if scope.tenant_key != request_scope.tenant_key:
+            self.cross_tenant_hits += 1
         return bid
 
     def invalidate(self, predicate: Callable[[CacheScope], bool]) -> tuple[int, list[int]]:

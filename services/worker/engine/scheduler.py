@@ -61,6 +61,10 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by priority
         self.running: list[Sequence] = []
         self.preemptions = 0
+        self._inflight: dict[bytes, Sequence] = {}
+        """Hash of the next full block each prefilling sequence will publish -> that
+        sequence: a request whose prefix continues into that block waits for it."""
+        self.deferred_admissions = 0
 
     # -- queue operations -------------------------------------------------------------------
 
@@ -71,6 +75,7 @@ class Scheduler:
 
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out of the queues and release its blocks."""
+        self._untrack(seq)
         if seq in self.running:
             self.running.remove(seq)
         if seq in self.waiting:
@@ -105,30 +110,56 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence) -> None:
+        self._untrack(seq)
         self.running.remove(seq)
         self.free_blocks(seq)
         seq.preemptions += 1
         self.preemptions += 1
         self.add(seq)
 
-    def _match_prefix(self, seq: Sequence) -> None:
-        """Reuse cached full blocks of the sequence's tokens (all but the last token)."""
+    def _match_prefix(self, seq: Sequence) -> bytes | None:
+        """Reuse cached full blocks of the sequence's tokens (all but the last token).
+
+        Returns the hash of the first full block not found, if any: the block this
+        sequence would compute next.
+        """
         tokens = seq.tokens
         key = seq.scope.partition_key(self.policy)
         parent = ROOT_HASH
         bs = self.block_size
-        for j in range((len(tokens) - 1) // bs):
-            h = block_hash(parent, tokens[j * bs : (j + 1) * bs], key)
-            bid = self.blocks.lookup(h, seq.scope) if seq.publish_blocks else None
-            if bid is None:
-                break
-            self.blocks.retain(bid)
-            seq.block_table.append(bid)
-            seq.block_hashes.append(h)
-            parent = h
+        miss = None
+        if seq.publish_blocks:
+            for j in range((len(tokens) - 1) // bs):
+                h = block_hash(parent, tokens[j * bs : (j + 1) * bs], key)
+                bid = self.blocks.lookup(h, seq.scope)
+                if bid is None:
+                    miss = h
+                    break
+                self.blocks.retain(bid)
+                seq.block_table.append(bid)
+                seq.block_hashes.append(h)
+                parent = h
         seq.num_computed = len(seq.block_table) * bs
-        if seq.cached_prompt_tokens is None:
-            seq.cached_prompt_tokens = seq.num_computed
+        return miss
+
+    def _track(self, seq: Sequence) -> None:
+        """Register the next full prompt block a prefilling sequence will publish."""
+        self._untrack(seq)
+        bs = self.block_size
+        j = len(seq.block_hashes)
+        if not seq.publish_blocks or (j + 1) * bs > seq.num_tokens - 1:
+            return
+        parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_HASH
+        h = block_hash(parent, seq.tokens[j * bs:(j + 1) * bs],
+                       seq.scope.partition_key(self.policy))
+        seq.inflight_hash = h
+        self._inflight.setdefault(h, seq)
+
+    def _untrack(self, seq: Sequence) -> None:
+        h = seq.inflight_hash
+        if h is not None and self._inflight.get(h) is seq:
+            del self._inflight[h]
+        seq.inflight_hash = None
 
     def schedule(self) -> list[ScheduledChunk]:
         """Plan one step: continue running sequences, then admit waiting ones."""
@@ -164,14 +195,25 @@ class Scheduler:
                     and len(adapters) >= lim.max_adapters_per_step):
                 i += 1  # adapter-aware: let a request whose adapter is already batched pass
                 continue
-            self._match_prefix(seq)
+            miss = self._match_prefix(seq)
+            owner = self._inflight.get(miss) if miss is not None else None
+            if owner is not None and owner is not seq:
+                # Another running sequence of the same cache scope is computing this very
+                # block: wait for it to be published instead of computing it twice.
+                self.free_blocks(seq)
+                self.deferred_admissions += 1
+                i += 1
+                continue
             n = min(seq.num_tokens - seq.num_computed, budget)
             if not self.grow(seq, n):
                 self.free_blocks(seq)
                 break
+            if seq.cached_prompt_tokens is None:
+                seq.cached_prompt_tokens = seq.num_computed
             self.waiting.pop(i)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            self._track(seq)
             if digest is not None:
                 adapters.add(digest)
             plan.append(ScheduledChunk(seq, n))
@@ -183,6 +225,7 @@ class Scheduler:
     def publish_full_blocks(self, seq: Sequence) -> None:
         """After a step: put newly completed blocks into the prefix cache."""
         if not seq.publish_blocks:
+            self._untrack(seq)
             return
         bs = self.block_size
         full = seq.num_computed // bs
@@ -193,3 +236,5 @@ class Scheduler:
             h = block_hash(parent, tokens[j * bs : (j + 1) * bs], key)
             self.blocks.publish(seq.block_table[j], h, seq.scope)
             seq.block_hashes.append(h)
+        if seq.inflight_hash is not None:
+            self._track(seq)

@@ -40,6 +40,8 @@ class Sequence:
     publish_blocks: bool = True
     """False once the sequence's scope was invalidated: its blocks must not be cached."""
     cached_prompt_tokens: int | None = None
+    inflight_hash: bytes | None = None
+    """Hash of the next full block this sequence will publish (see `Scheduler._track`)."""
     preemptions: int = 0
     text: str = ""
     emitted_chars: int = 0

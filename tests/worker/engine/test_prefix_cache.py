@@ -136,3 +136,37 @@ def test_unload_adapter_aborts_its_sequences(tiny):
     assert not eng.adapters.is_loaded(x)
     eng.run_until_idle()
     assert eng.result("b1").finish_reason is FinishReason.LENGTH
+
+
+def test_requests_arriving_together_share_the_prefix_being_computed(tiny):
+    """The second request waits one step for the first to publish the shared system
+    prompt instead of computing it twice; another tenant's identical prompt does not."""
+    eng = make_engine(tiny)
+    system = list(range(30, 54))  # 6 full blocks
+    reqs = [GenerationRequest(prompt_token_ids=system + turn, tenant_key=tenant,
+                              sampling=SamplingParams(max_tokens=3, min_tokens=3))
+            for tenant, turn in (("acme", [60, 61]), ("acme", [62, 63, 64]),
+                                 ("globex", [60, 61]))]
+    results = eng.generate(reqs)
+    assert [r.cached_prompt_tokens for r in results] == [0, 24, 0]
+    stats = eng.stats()
+    assert stats.deferred_admissions >= 1
+    assert stats.prefix_cache_cross_tenant_hits == 0
+    assert stats.prefix_cache_hits_by_tenant == {"acme": 6}
+
+
+def test_prefix_cache_off_computes_everything(tiny):
+    eng = Engine.from_pretrained(tiny.path, EngineConfig(num_kv_blocks=64, block_size=4,
+                                                         prefix_cache=False))
+    first, second = run(eng), run(eng)
+    assert first.token_ids == second.token_ids and second.cached_prompt_tokens == 0
+    assert eng.stats().prefix_cache_hits == 0 and eng.stats().deferred_admissions == 0
+
+
+def test_cross_tenant_hits_are_counted_under_shared_base_prefix(tiny):
+    eng = make_engine(tiny, SharingPolicy.SHARED_BASE_PREFIX)
+    run(eng, tenant="acme", sharing="public")
+    run(eng, tenant="globex", sharing="public")
+    stats = eng.stats()
+    assert stats.prefix_cache_cross_tenant_hits == 4
+    assert stats.prefix_cache_hits_by_tenant == {"globex": 4}
