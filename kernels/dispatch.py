@@ -14,16 +14,18 @@ Fused versus separate launches is decided per call from the GPU model's tuning t
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
+from prometheus_client import Gauge
 from torch import Tensor
 
 from kernels import reference
 from kernels.paged import PagedLora, Runs, apply_runs, runs_of
 from kernels.segments import Segments
-from kernels.tuning_table import TuningEntry, TuningTable, load_table
+from kernels.tuning_table import TuningEntry, TuningFallbackWarning, TuningTable, load_table
 from kernels.validation import (
     KERNEL_DTYPES,
     check_expand,
@@ -35,6 +37,13 @@ from kernels.validation import (
 
 BACKEND_ENV = "LORAPLANE_KERNELS_BACKEND"
 Backend = Literal["torch", "triton"]
+
+UNTUNED = Gauge(
+    "loraplane_kernels_untuned",
+    "1 while this GPU model has no measured fused/separate threshold, so every adapter "
+    "bucket takes the separate path (run bench/tune_kernels.py on it)",
+    ["device"],
+)
 
 
 def triton_interpreted() -> bool:
@@ -85,6 +94,37 @@ def plan_apply(num_tokens: int, hidden: int, max_rank: int, *, segmented: bool,
     if fused is None:
         fused = num_tokens <= entry.fused_max_tokens
     return LaunchPlan(op=op, fused=fused, entry=entry, table=table)
+
+
+def base_fusion_threshold(device: torch.device, hidden: int, max_rank: int) -> int | None:
+    """Largest adapter bucket that takes the fused base + LoRA kernel on this device.
+
+    None means every bucket takes the separate path: on the torch backend (measured on
+    CPUs: fusing gains nothing there, see bench/multi_lora.py) and on any GPU model whose
+    tuning table has no measured ``fused_base_max_tokens``. There is no global default:
+    an untuned GPU says so in a warning (once) and the ``loraplane_kernels_untuned``
+    metric.
+    """
+    if select_backend(device) == "torch":
+        return None
+    name = device_model(device)
+    return fusion_threshold(load_table(name), name, hidden, max_rank)
+
+
+def fusion_threshold(table: TuningTable, name: str, hidden: int, max_rank: int) -> int | None:
+    """The measured bucket threshold in ``table`` (None: untuned, warned and metered)."""
+    threshold = None if table.is_fallback else (
+        table.lookup("sgmv", hidden, max_rank).fused_base_max_tokens)
+    UNTUNED.labels(device=name).set(1 if threshold is None else 0)
+    if threshold is None and name not in _WARNED:
+        _WARNED.add(name)
+        warnings.warn(f"no measured fused_base_max_tokens for {name!r} "
+                      f"({table.path.name}): every adapter bucket takes the separate path",
+                      TuningFallbackWarning, stacklevel=2)
+    return threshold
+
+
+_WARNED: set[str] = set()
 
 
 def lora_shrink(x: Tensor, a_slab: Tensor, ranks: Tensor, indices: Tensor, *,
@@ -202,6 +242,16 @@ def lora_apply_paged(y: Tensor, x: Tensor, w: PagedLora, indices: Tensor, *,
     idx = indices.contiguous()
     h = bgmv_shrink(x, w, w.ranks, idx, split_k=plan.entry.shrink_split_k)
     bgmv_expand(y, h, w, w.ranks, w.scales, idx, out_offset=out_offset)
+
+
+def base_lora_fused(y: Tensor, x: Tensor, weight: Tensor, w: PagedLora, segments: Segments, *,
+                    out_offset: int = 0) -> None:
+    """The fused path: ``y[:, off:off+N] = x @ weight.T + delta`` per adapter bucket, in one
+    Triton launch (callers take it only below :func:`base_fusion_threshold`)."""
+    check_paged(y, x, w, out_offset)
+    from kernels.triton.fused_base import sgmv_base_fused
+
+    sgmv_base_fused(y, x, weight, w, _contiguous(segments), out_offset=out_offset)
 
 
 def _contiguous(segments: Segments) -> Segments:

@@ -9,12 +9,16 @@ not a constant in code. File layout::
 
 keyed by op (``bgmv`` or ``sgmv``), hidden size (the op's input width) and rank bucket (the
 slab's ``max_rank`` rounded up to a listed bucket). The nearest hidden size on a log scale
-is used. Optional per-entry launch parameters: ``shrink_split_k``, ``fused_n_split``.
+is used. Optional per-entry launch parameters: ``shrink_split_k``, ``fused_n_split``, and
+on sgmv entries ``fused_base_max_tokens``, the bucket size up to which the fused base +
+LoRA kernel is used (two-level batching: one decision per adapter bucket).
 
 When no file exists for the GPU model, ``default.json`` is used and a
-:class:`TuningFallbackWarning` says so once per device, naming the file to create. Its
-numbers are conservative guesses, marked as such in its ``source`` field. Setting
-``LORAPLANE_KERNELS_TUNING`` to a JSON path overrides the lookup entirely.
+:class:`TuningFallbackWarning` says so once per device, naming the file to create. It
+carries launch parameters only and no fusion threshold: an untuned GPU runs every bucket
+on the separate path (see ``kernels.dispatch.base_fusion_threshold``, which also sets the
+``loraplane_kernels_untuned`` metric). Setting ``LORAPLANE_KERNELS_TUNING`` to a JSON path
+overrides the lookup entirely.
 """
 
 from __future__ import annotations
@@ -51,6 +55,10 @@ class TuningEntry:
     fused_max_tokens: int
     shrink_split_k: int = 1
     fused_n_split: int = 1
+    fused_base_max_tokens: int | None = None
+    """Largest adapter bucket (tokens of one adapter in a step) for which the fused base +
+    LoRA kernel beats the base GEMM followed by SGMV (sgmv entries). None: not measured,
+    so the separate path is used; only a measured table sets it."""
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from services.contracts.peft import TARGET_MODULES
 from .adapter import AdapterDigest, AdapterFiles, LoraAdapter, module_shape, parse_adapter
 from .config import ModelConfig
 from .errors import AdapterError, AdapterNotLoadedError, AdapterPoolFullError
-from .lora_ops import PagedLora, Runs, Segments, lora_apply_paged
+from .lora_ops import PagedLora, Runs, Segments, base_lora_fused, lora_apply_paged
 
 ALIGN = 16
 """Each A / B.T starts on a 16-element boundary (64 bytes in fp32): aligned vector loads."""
@@ -273,6 +273,12 @@ class AdapterPool:
         """Add every token's adapter delta for one projection into `y` in place."""
         lora_apply_paged(y, x, self.weights[layer][module], indices, out_offset=out_offset,
                          segments=segments, runs=runs)
+
+    def apply_fused_base(self, layer: int, module: str, y: torch.Tensor, x: torch.Tensor,
+                         weight: torch.Tensor, segments: Segments, out_offset: int = 0) -> None:
+        """The fused path: write ``x @ weight.T`` plus each bucket's delta into `y`."""
+        base_lora_fused(y, x, weight, self.weights[layer][module], segments,
+                        out_offset=out_offset)
 
     def layer_has_lora(self, layer: int, module: str, slots: list[int]) -> bool:
         """Skip the kernel call when no adapter in the batch adapts this projection."""

@@ -21,7 +21,7 @@ from .attention import AttentionMetadata, PrefillSpan
 from .compat import CacheScope, SharingPolicy
 from .errors import AdapterNotLoadedError, RequestError
 from .kv_cache import BlockPool, InvalidationResult, KVStorage
-from .lora_ops import Segments
+from .lora_ops import Segments, base_fusion_threshold
 from .model import ForwardBatch, LlamaModel
 from .precision import serving_dtype
 from .request import FinishReason, GenerationRequest, GenerationResult, TokenEvent
@@ -90,6 +90,10 @@ class Engine:
             device=model.device,
         )
         self.scheduler = Scheduler(self.blocks, cfg.block_size, cfg.limits, cfg.sharing_policy)
+        self.fusion_threshold = base_fusion_threshold(torch.device(model.device),
+                                                      mc.hidden_size, cfg.max_lora_rank)
+        """Adapter buckets up to this many tokens take the fused base + LoRA kernel; None
+        (CPU, or a GPU model without a measured table) = always the separate path."""
         self._seqs: dict[str, Sequence] = {}
         self._results: dict[str, GenerationResult] = {}
         self._arrivals = itertools.count()
@@ -317,7 +321,20 @@ class Engine:
             events.append(event)
         return events
 
+    def _fused_slots(self, plan: list[ScheduledChunk]) -> set[int]:
+        """Two-level batching: adapters whose bucket this step is small enough to fuse."""
+        if self.fusion_threshold is None or self._merged is not None:
+            return set()
+        sizes: dict[int, int] = {}
+        for chunk in plan:
+            if chunk.seq.slot >= 0:
+                sizes[chunk.seq.slot] = sizes.get(chunk.seq.slot, 0) + chunk.num_tokens
+        return {s for s, n in sizes.items() if n <= self.fusion_threshold}
+
     def _build_batch(self, plan: list[ScheduledChunk]) -> ForwardBatch:
+        fused = self._fused_slots(plan)
+        if fused:  # separate buckets first, then the fused ones, each still grouped by slot
+            plan = sorted(plan, key=lambda c: c.seq.slot in fused)
         bs = self.config.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -370,6 +387,13 @@ class Engine:
         for n, s in zip(seg_lengths, seg_slots, strict=True):
             runs.append((s, start, start + n))
             start += n
+        split = None
+        fused_segments = None
+        if fused:
+            first = next(i for i, s in enumerate(seg_slots) if s in fused)
+            split = runs[first][1]
+            fused_segments = Segments.from_lengths(seg_lengths[first:], seg_slots[first:])
+            seg_lengths, seg_slots = seg_lengths[:first], seg_slots[:first]
         return ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.long),
             positions=torch.tensor(positions, dtype=torch.long),
@@ -379,9 +403,11 @@ class Engine:
             logits_rows=torch.tensor(logits_rows, dtype=torch.long),
             lora_indices=torch.tensor(lora_idx, dtype=torch.int32) if used else None,
             lora_segments=Segments.from_lengths(seg_lengths, seg_slots)
-            if used and has_prefill else None,
+            if used and has_prefill and seg_lengths else None,
             lora_slots=used,
             lora_runs=tuple(runs) if used else None,
+            fused_from=split,
+            fused_segments=fused_segments,
         )
 
     def _slots_of(self, table: list[int], length: int) -> torch.Tensor:

@@ -37,6 +37,10 @@ class ForwardBatch:
     lora_segments: Segments | None = None  # set when the step has prefill (SGMV)
     lora_slots: tuple[int, ...] = ()  # distinct slots >= 0 in the step
     lora_runs: Runs | None = None  # host (slot, start, end) runs: the torch path's groups
+    fused_from: int | None = None
+    """Rows from here on are small adapter buckets served by the fused base + LoRA kernel
+    (`fused_segments`, relative to this row); rows before it take the separate path."""
+    fused_segments: Segments | None = None
 
     def to(self, device: torch.device) -> ForwardBatch:
         """Move device-side tensors; positions stay on the host for the rope tables."""
@@ -46,7 +50,7 @@ class ForwardBatch:
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(device, non_blocking=True)
 
-        seg = self.lora_segments
+        seg, fseg = self.lora_segments, self.fused_segments
         return ForwardBatch(
             input_ids=move(self.input_ids),  # type: ignore[arg-type]
             positions=self.positions,
@@ -59,6 +63,9 @@ class ForwardBatch:
                 move(seg.starts), move(seg.slots)),  # type: ignore[arg-type]
             lora_slots=self.lora_slots,
             lora_runs=self.lora_runs,
+            fused_from=self.fused_from,
+            fused_segments=None if fseg is None else Segments(
+                move(fseg.starts), move(fseg.slots)),  # type: ignore[arg-type]
         )
 
 
@@ -150,19 +157,38 @@ class LlamaModel:
             batch.lora_indices is not None
         )
         idx, seg, slots = batch.lora_indices, batch.lora_segments, list(batch.lora_slots)
-        runs = batch.lora_runs
+        runs, split = batch.lora_runs, batch.fused_from
 
-        def lora(layer: int, module: str, y: torch.Tensor, x: torch.Tensor, off: int = 0) -> None:
-            if use_lora and adapters.layer_has_lora(layer, module, slots):  # type: ignore[union-attr]
-                adapters.apply(layer, module, y, x, idx, seg, off, runs)  # type: ignore[union-attr,arg-type]
+        def project(layer: int, x: torch.Tensor, weight: torch.Tensor,
+                    modules: tuple[tuple[str, int], ...]) -> torch.Tensor:
+            """Base projection plus LoRA deltas (at column offsets of packed outputs)."""
+            if split is None:
+                y = F.linear(x, weight)
+                if use_lora:
+                    for module, off in modules:
+                        if adapters.layer_has_lora(layer, module, slots):  # type: ignore[union-attr]
+                            adapters.apply(layer, module, y, x, idx, seg, off, runs)  # type: ignore[union-attr,arg-type]
+                return y
+            # two-level batching: large buckets separate, small ones fused (rows >= split)
+            y = torch.empty(t, weight.shape[0], dtype=x.dtype, device=x.device)
+            if split:
+                y[:split] = F.linear(x[:split], weight)
+                for module, off in modules:
+                    if adapters.layer_has_lora(layer, module, slots):  # type: ignore[union-attr]
+                        adapters.apply(layer, module, y[:split], x[:split], idx[:split], seg,  # type: ignore[union-attr,index]
+                                       off)
+            for module, off in modules:
+                adapters.apply_fused_base(  # type: ignore[union-attr]
+                    layer, module, y[split:], x[split:], self.projection_weight(layer, module),
+                    batch.fused_segments, off)  # type: ignore[arg-type]
+            return y
 
+        qkv_mods = (("q_proj", 0), ("k_proj", qs), ("v_proj", qs + ks))
+        gate_up_mods = (("gate_proj", 0), ("up_proj", inter))
         h = self.embed[batch.input_ids]
         for li, w in enumerate(self.layers):
             x = rms_norm(h, w.input_norm, cfg.rms_norm_eps)
-            qkv = F.linear(x, w.qkv)
-            lora(li, "q_proj", qkv, x, 0)
-            lora(li, "k_proj", qkv, x, qs)
-            lora(li, "v_proj", qkv, x, qs + ks)
+            qkv = project(li, x, w.qkv, qkv_mods)
             q = qkv[:, :qs].view(t, cfg.num_attention_heads, cfg.head_dim)
             k = qkv[:, qs : qs + ks].view(t, cfg.num_key_value_heads, cfg.head_dim)
             v = qkv[:, qs + ks :].view(t, cfg.num_key_value_heads, cfg.head_dim)
@@ -171,16 +197,10 @@ class LlamaModel:
             kv.write(li, batch.slot_mapping, k, v)
             attn = paged_attention(q, k, v, kv.k[li], kv.v[li], batch.attention, self.scale)
             attn = attn.reshape(t, qs)
-            o = F.linear(attn, w.o)
-            lora(li, "o_proj", o, attn)
-            h = h + o
+            h = h + project(li, attn, w.o, (("o_proj", 0),))
             x = rms_norm(h, w.post_norm, cfg.rms_norm_eps)
-            gu = F.linear(x, w.gate_up)
-            lora(li, "gate_proj", gu, x, 0)
-            lora(li, "up_proj", gu, x, inter)
+            gu = project(li, x, w.gate_up, gate_up_mods)
             act = F.silu(gu[:, :inter]) * gu[:, inter:]
-            d = F.linear(act, w.down)
-            lora(li, "down_proj", d, act)
-            h = h + d
+            h = h + project(li, act, w.down, (("down_proj", 0),))
         last = rms_norm(h[batch.logits_rows], self.norm, cfg.rms_norm_eps)
         return F.linear(last, self.lm_head).float()

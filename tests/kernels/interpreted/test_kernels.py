@@ -4,10 +4,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lora_cases import CASE_IDS, CASES, DTYPES, TOLERANCE, Problem, build, relative_error
+from lora_cases import (
+    CASE_IDS,
+    CASES,
+    DTYPES,
+    TOLERANCE,
+    Problem,
+    build,
+    paged,
+    relative_error,
+)
 
 from kernels import reference
-from kernels.triton import bgmv, fused, sgmv
+from kernels.triton import bgmv, fused, fused_base, sgmv
 
 
 def oracle(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,3 +119,27 @@ def test_non_contiguous_packed_output() -> None:
     bgmv.bgmv_expand(y, h, p.b_slab, p.ranks, p.scales, p.indices, out_offset=p.out_offset)
     assert_matches(p, y, want_y, torch.float16)
     assert torch.all(wide[:, :3] == 0) and torch.all(wide[:, 3 + p.y.shape[1]:] == 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("spec", CASES, ids=CASE_IDS)
+def test_fused_base_and_lora(spec, dtype) -> None:
+    """One launch per bucket tile: base product plus the bucket's delta, slot -1 and
+    rank-0 buckets get the base product alone, columns outside the slice stay as they were."""
+    p = build(spec, seed=17).to(dtype)
+    k, n = p.a_slab.shape[2], p.b_slab.shape[1]
+    weight = (torch.randn(n, k, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+              / k**0.5).to(dtype)
+    q = p.to(torch.float64)
+    want = q.y.clone()
+    want[:, p.out_offset:p.out_offset + n] = q.x @ weight.double().T
+    h = reference.lora_shrink(q.x, q.a_slab, q.ranks, q.indices)
+    reference.lora_expand(want, h, q.b_slab, q.ranks, q.scales, q.indices,
+                          out_offset=q.out_offset)
+    y = p.y.clone()
+    fused_base.sgmv_base_fused(y, p.x, weight, paged(p), p.segments, out_offset=p.out_offset,
+                               block_m=16, block_n=32, block_k=16)
+    inside = slice(p.out_offset, p.out_offset + n)
+    assert torch.equal(y[:, :p.out_offset], p.y[:, :p.out_offset])
+    assert torch.equal(y[:, inside.stop:], p.y[:, inside.stop:])
+    assert relative_error(y[:, inside], want[:, inside]) < TOLERANCE[dtype]
