@@ -4,6 +4,10 @@ torch gather+bmm baseline, as fractions of measured HBM bandwidth.
 Run on a CUDA machine from the repository root::
 
     python bench/kernels_gpu.py            # ~1-3 minutes on an H200
+    TRITON_INTERPRET=1 python bench/kernels_gpu.py --smoke --out DIR   # tiny, on the CPU
+
+``--smoke`` runs one tiny case of every op through the Triton interpreter (host timings,
+meaningless as speed) so the script is exercised end to end where no GPU is lent.
 
 It checks each case on fresh random inputs against the torch reference, then times every op
 with CUDA events (median of many runs after warm-up, rotating through enough input copies
@@ -16,9 +20,11 @@ ranks costing about the average rank, not the maximum.
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,8 +34,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kernels import Segments, reference  # noqa: E402
-from kernels.triton import bgmv, fused, sgmv  # noqa: E402
+from kernels import PagedLora, Segments, reference  # noqa: E402
+from kernels.triton import bgmv, fused, fused_base, sgmv  # noqa: E402
 from kernels.tuning_table import table_file_name  # noqa: E402
 
 DTYPE = torch.float16
@@ -40,6 +46,13 @@ DEVICE = "cuda"             # a module global so the case builders can be smoke-
 
 def time_cuda(fns: list[Callable[[], object]], warmup: int = 10, iters: int = 100) -> float:
     """Median microseconds of one call, cycling through ``fns`` (one per input copy)."""
+    if DEVICE != "cuda":  # --smoke: host clock, a couple of calls
+        samples = []
+        for i in range(2):
+            t0 = time.perf_counter()
+            fns[i % len(fns)]()
+            samples.append((time.perf_counter() - t0) * 1e6)
+        return statistics.median(samples)
     for i in range(warmup):
         fns[i % len(fns)]()
     torch.cuda.synchronize()
@@ -184,7 +197,105 @@ def prefill(lengths: list[int], hidden: int, rank: int) -> Callable[[], Problem]
                                 segments.token_indices(), segments)
 
 
+@dataclass
+class BucketProblem:
+    """Adapter buckets of one projection: base weight plus rank-granular LoRA weights."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    weight: torch.Tensor
+    lora: PagedLora
+    segments: Segments
+
+
+def make_buckets(bucket: int, buckets: int, hidden: int, rank: int) -> BucketProblem:
+    """``buckets`` adapters with ``bucket`` tokens each, on a [hidden, hidden] projection."""
+    k = n = hidden
+    pool = torch.randn(buckets * rank * (k + n), dtype=DTYPE, device=DEVICE) / hidden**0.5
+    lora = PagedLora(pool, k, n, buckets)
+    for s in range(buckets):
+        base = s * rank * (k + n)
+        lora.place(s, base, base + rank * k, rank, 0.5)
+    return BucketProblem(
+        x=torch.randn(bucket * buckets, k, dtype=DTYPE, device=DEVICE),
+        y=torch.empty(bucket * buckets, n, dtype=DTYPE, device=DEVICE),
+        weight=torch.randn(n, k, dtype=DTYPE, device=DEVICE) / k**0.5,
+        lora=lora,
+        segments=Segments.from_lengths([bucket] * buckets, list(range(buckets)),
+                                       device=DEVICE),
+    )
+
+
+def run_base_separate(p: BucketProblem) -> None:
+    """The separate path: base GEMM over every token, then SGMV shrink + expand."""
+    torch.mm(p.x, p.weight.T, out=p.y)
+    h = sgmv.sgmv_shrink(p.x, p.lora, p.lora.ranks, p.segments)
+    sgmv.sgmv_expand(p.y, h, p.lora, p.lora.ranks, p.lora.scales, p.segments)
+
+
+def run_base_fused(p: BucketProblem) -> None:
+    fused_base.sgmv_base_fused(p.y, p.x, p.weight, p.lora, p.segments)
+
+
+def bucket_error(p: BucketProblem, op: Callable[[BucketProblem], None]) -> float:
+    want = torch.nn.functional.linear(p.x.float(), p.weight.float())
+    w32 = PagedLora(p.lora.pool.float(), p.lora.in_features, p.lora.out_features,
+                    p.lora.num_slots)
+    for s in range(p.lora.num_slots):
+        w32.place(s, int(p.lora.a_offsets[s]), int(p.lora.b_offsets[s]),
+                  p.lora.host_ranks[s], p.lora.host_scales[s])
+    for s, (lo, hi) in enumerate(zip(p.segments.starts[:-1].tolist(),
+                                     p.segments.starts[1:].tolist(), strict=True)):
+        a, bt = w32.a_views[s], w32.bt_views[s]
+        want[lo:hi] += w32.host_scales[s] * ((p.x[lo:hi].float() @ a.T) @ bt)
+    op(p)
+    return ((p.y.float() - want).abs().max() / want.abs().max()).item()
+
+
+def bench_fused_base(bucket: int, buckets: int, hidden: int, rank: int,
+                     iters: int = 100) -> dict[str, object]:
+    """Fused base + LoRA against the separate path, for one bucket size."""
+    probe = make_buckets(bucket, buckets, hidden, rank)
+    errors = {op: bucket_error(probe, fn) for op, fn in
+              (("fused", run_base_fused), ("separate", run_base_separate))}
+    ps = [probe] + [make_buckets(bucket, buckets, hidden, rank) for _ in range(3)]
+    us = {op: round(time_cuda([lambda p=p, fn=fn: fn(p) for p in ps], iters=iters), 2)
+          for op, fn in (("fused", run_base_fused), ("separate", run_base_separate))}
+    print(f"fused base b{bucket}x{buckets} h{hidden} r{rank}: fused {us['fused']} us, "
+          f"separate {us['separate']} us (err {errors})", flush=True)
+    return {"bucket": bucket, "buckets": buckets, "hidden": hidden, "rank": rank, "us": us,
+            "max_rel_err": errors, "correct": all(e < TOLERANCE for e in errors.values())}
+
+
+def smoke(out_dir: Path) -> int:
+    """Every op once on tiny shapes through the Triton interpreter (no speed meaning)."""
+    global DEVICE, DTYPE
+    DEVICE, DTYPE = "cpu", torch.float32
+    torch.manual_seed(0)
+    ops = {"fused": run_fused, "separate": run_separate, "gather_bmm": run_gather_bmm}
+    cases = {
+        "bgmv": bench_case("bgmv smoke", lambda: make_problem(4, 64, [8] * 4, distinct(4)),
+                           ops, 1.0, iters=2),
+        "sgmv": bench_case("sgmv smoke", prefill([8, 8], 64, 8), ops, 1.0, iters=2),
+        "fused_base": bench_fused_base(4, 2, 64, 8, iters=2),
+    }
+    correct = all(c["correct"] for c in cases.values())
+    out = out_dir / "kernels_gpu_smoke.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"device": "cpu (TRITON_INTERPRET=1)", "smoke": True,
+                               "cases": cases, "all_correct": correct}, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0 if correct else 1
+
+
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny shapes through the Triton interpreter (TRITON_INTERPRET=1)")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    args = parser.parse_args()
+    if args.smoke:
+        return smoke(args.out)
     if not torch.cuda.is_available():
         print("bench/kernels_gpu.py needs a CUDA GPU; none is visible (torch.cuda."
               "is_available() is False). Nothing was measured.", file=sys.stderr)
@@ -222,6 +333,8 @@ def main() -> int:
             lambda ranks=ranks: make_problem(256, 4096, ranks, idx, max_rank=128),
             {"fused": run_fused, "separate": run_separate}, hbm)
     cases["mixed_ranks_b256_h4096"] = mixed_result
+    cases["fused_base_h4096_r16"] = {
+        str(b): bench_fused_base(b, 8, 4096, 16) for b in (1, 4, 16, 64, 256)}
 
     best = lambda case, ops: min(case["us"][o] for o in ops)  # noqa: E731
     small, large = cases["bgmv_b64_h4096_r16_a64"], cases["bgmv_b256_h8192_r64_a256"]
@@ -242,18 +355,19 @@ def main() -> int:
             "mixed_over_padded": round(mixed_best / padded_best, 2),
             "met": mixed_best <= 1.25 * avg_best and mixed_best < padded_best},
         "all_correct": all(c.get("correct", True) for c in cases.values() if "correct" in c)
-        and all(mixed_result[v]["correct"] for v in variants),
+        and all(mixed_result[v]["correct"] for v in variants)
+        and all(c["correct"] for c in cases["fused_base_h4096_r16"].values()),
     }
     for name, t in targets.items():
         print(f"target {name}: {t}", flush=True)
-    out = ROOT / "bench" / "results" / f"kernels_gpu_{table_file_name(gpu)}"
+    out = args.out / f"kernels_gpu_{table_file_name(gpu)}"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         "gpu": gpu, "torch": torch.__version__,
         "triton": __import__("triton").__version__, "dtype": str(DTYPE),
         "hbm_copy_gbps": round(hbm, 1), "cases": cases, "targets": targets,
     }, indent=2) + "\n")
-    print(f"wrote {out.relative_to(ROOT)}")
+    print(f"wrote {out}")
     return 0
 
 

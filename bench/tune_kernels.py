@@ -1,13 +1,16 @@
-"""Measure where fused shrink+expand stops paying on this GPU; write its tuning table.
+"""Measure where fusing stops paying on this GPU; write its tuning table.
 
 Run on a CUDA machine from the repository root::
 
     python bench/tune_kernels.py [--out PATH] [--quick]
+    TRITON_INTERPRET=1 python bench/tune_kernels.py --smoke --out PATH   # tiny, on the CPU
 
 For each op (bgmv, sgmv), hidden size and rank bucket it times, at growing batch sizes, the
 separate launches over ``shrink_split_k`` choices and the fused launch over ``fused_n_split``
 choices, keeps the best of each, and records ``fused_max_tokens`` as the largest batch up to
-which fused wins without interruption. Writes ``kernels/tuning/<GPU_MODEL>.json`` (the file
+which fused wins without interruption. For sgmv it also times the fused base + LoRA kernel
+against base GEMM + SGMV per adapter bucket size and records ``fused_base_max_tokens``, the
+two-level batching threshold. Writes ``kernels/tuning/<GPU_MODEL>.json`` (the file
 ``kernels.dispatch`` looks up by ``torch.cuda.get_device_name()``).
 """
 
@@ -24,13 +27,27 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from kernels_gpu import L2_FLUSH_BYTES, Problem, make_problem, time_cuda  # noqa: E402
+import kernels_gpu  # noqa: E402
+from kernels_gpu import (  # noqa: E402
+    L2_FLUSH_BYTES,
+    Problem,
+    make_buckets,
+    make_problem,
+    run_base_fused,
+    run_base_separate,
+    time_cuda,
+)
 
 from kernels import Segments  # noqa: E402
 from kernels.triton import bgmv, fused, sgmv  # noqa: E402
 from kernels.tuning_table import TUNING_DIR, read_table, table_file_name  # noqa: E402
 
 SPLITS = (1, 2, 4, 8)
+SMOKE_SPLITS = (1, 2)
+
+
+def splits() -> tuple[int, ...]:
+    return SMOKE_SPLITS if kernels_gpu.DEVICE != "cuda" else SPLITS
 
 
 def problems(op: str, tokens: int, hidden: int, rank: int) -> list[Problem]:
@@ -41,7 +58,7 @@ def problems(op: str, tokens: int, hidden: int, rank: int) -> list[Problem]:
     else:
         seqs = max(1, min(8, tokens // 16))
         lengths = [tokens // seqs + (i < tokens % seqs) for i in range(seqs)]
-        seg = Segments.from_lengths(lengths, list(range(seqs)), device="cuda")
+        seg = Segments.from_lengths(lengths, list(range(seqs)), device=kernels_gpu.DEVICE)
         make = lambda: make_problem(tokens, hidden, [rank] * seqs,  # noqa: E731
                                     seg.token_indices(), seg)
     first = make()
@@ -51,7 +68,7 @@ def problems(op: str, tokens: int, hidden: int, rank: int) -> list[Problem]:
 
 def best_separate(op: str, ps: list[Problem]) -> tuple[float, int]:
     timings = {}
-    for split in SPLITS:
+    for split in splits():
         if op == "bgmv":
             def run(p: Problem, s: int = split) -> None:
                 h = bgmv.bgmv_shrink(p.x, p.a, p.ranks, p.indices, split_k=s)
@@ -67,7 +84,7 @@ def best_separate(op: str, ps: list[Problem]) -> tuple[float, int]:
 
 def best_fused(op: str, ps: list[Problem]) -> tuple[float, int]:
     timings = {}
-    for split in SPLITS:
+    for split in splits():
         launch = fused.bgmv_fused if op == "bgmv" else fused.sgmv_fused
 
         def run(p: Problem, s: int = split, f=launch) -> None:
@@ -78,19 +95,42 @@ def best_fused(op: str, ps: list[Problem]) -> tuple[float, int]:
     return timings[split], split
 
 
+def fused_base_threshold(hidden: int, rank: int, buckets: tuple[int, ...],
+                         iters: int) -> int:
+    """Largest bucket size up to which fused base + LoRA beats base GEMM + SGMV."""
+    best = 0
+    for bucket in buckets:
+        ps = [make_buckets(bucket, 8, hidden, rank) for _ in range(4)]
+        fused_us = time_cuda([lambda p=p: run_base_fused(p) for p in ps], iters=iters)
+        sep_us = time_cuda([lambda p=p: run_base_separate(p) for p in ps], iters=iters)
+        print(f"base+lora h{hidden} r{rank} bucket {bucket}: fused {fused_us:.1f} us, "
+              f"separate {sep_us:.1f} us", flush=True)
+        if fused_us > sep_us:
+            break
+        best = bucket
+    return best
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--quick", action="store_true", help="fewer shapes, for a smoke run")
+    parser.add_argument("--quick", action="store_true", help="fewer shapes")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny shapes through the Triton interpreter (TRITON_INTERPRET=1)")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
+    torch.manual_seed(0)
+    if args.smoke:
+        kernels_gpu.DEVICE, kernels_gpu.DTYPE = "cpu", torch.float32
+        gpu = "cpu (smoke)"
+        hiddens, ranks, batches = (64,), (16,), (1, 4)
+    elif not torch.cuda.is_available():
         print("bench/tune_kernels.py needs a CUDA GPU; none is visible.", file=sys.stderr)
         return 2
-    torch.manual_seed(0)
-    gpu = torch.cuda.get_device_name()
-    hiddens = (4096,) if args.quick else (4096, 8192)
-    ranks = (16, 64) if args.quick else (16, 32, 64, 128)
-    batches = (1, 4, 16, 64) if args.quick else (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    else:
+        gpu = torch.cuda.get_device_name()
+        hiddens = (4096,) if args.quick else (4096, 8192)
+        ranks = (16, 64) if args.quick else (16, 32, 64, 128)
+        batches = (1, 4, 16, 64) if args.quick else (1, 2, 4, 8, 16, 32, 64, 128, 256)
     entries: dict[str, dict[str, dict[str, dict[str, int]]]] = {}
     for op in ("bgmv", "sgmv"):
         for hidden in hiddens:
@@ -112,14 +152,18 @@ def main() -> int:
                         split_k = sep_split if split_k is None else split_k
                     del ps
                 split_k = split_k or 1
-                entries.setdefault(op, {}).setdefault(str(hidden), {})[str(rank)] = {
-                    "fused_max_tokens": fused_max, "shrink_split_k": split_k,
-                    "fused_n_split": n_split}
+                entry = {"fused_max_tokens": fused_max, "shrink_split_k": split_k,
+                         "fused_n_split": n_split}
+                if op == "sgmv":
+                    entry["fused_base_max_tokens"] = fused_base_threshold(
+                        hidden, rank, batches, iters=2 if args.smoke else 50)
+                entries.setdefault(op, {}).setdefault(str(hidden), {})[str(rank)] = entry
     out = args.out or TUNING_DIR / table_file_name(gpu)
     out.write_text(json.dumps({
         "device": gpu,
-        "source": f"bench/tune_kernels.py{' --quick' if args.quick else ''}, torch "
-                  f"{torch.__version__}, fp16, median CUDA-event timings",
+        "source": f"bench/tune_kernels.py{' --quick' if args.quick else ''}"
+                  f"{' --smoke (interpreter, not a measurement)' if args.smoke else ''}, torch "
+                  f"{torch.__version__}, {kernels_gpu.DTYPE}, median timings",
         "entries": entries,
     }, indent=2) + "\n")
     read_table(out)  # refuse to leave a file dispatch cannot load
