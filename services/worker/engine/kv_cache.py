@@ -185,6 +185,14 @@ class BlockPool:
             self.cross_tenant_hits += 1
         return bid
 
+    def forget_hits(self, request_scope: CacheScope, hits: int) -> None:
+        """Take back the hits of a match that was undone (a deferred admission re-matches
+        later, and each block must count once)."""
+        self.hits -= hits
+        self.hits_by_tenant[request_scope.tenant_key] -= hits
+        if not self.hits_by_tenant[request_scope.tenant_key]:
+            del self.hits_by_tenant[request_scope.tenant_key]
+
     def invalidate(self, predicate: Callable[[CacheScope], bool]) -> tuple[int, list[int]]:
         """Unpublish every block whose scope matches; free idle ones now.
 

@@ -200,6 +200,7 @@ class Scheduler:
             if owner is not None and owner is not seq:
                 # Another running sequence of the same cache scope is computing this very
                 # block: wait for it to be published instead of computing it twice.
+                self.blocks.forget_hits(seq.scope, len(seq.block_table))
                 self.free_blocks(seq)
                 self.deferred_admissions += 1
                 i += 1
