@@ -77,6 +77,13 @@ MLP = ("gate_proj", "up_proj", "down_proj")
 TARGET_SETS = (ATTN, MLP, ATTN + MLP, ("q_proj", "v_proj", "down_proj"))
 RANKS = (8, 16, 32, 64)
 THREADS = 2
+DEVICE = "cpu"
+"""--device: where the engine and PEFT run (gpu_check.sh runs this file on "cuda")."""
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
 
 
 def load() -> float:
@@ -103,7 +110,7 @@ def build_random_base(path: Path, seed: int, smoke: bool):
 def load_hf(path: Path, dtype: torch.dtype = torch.float32):
     from transformers import LlamaForCausalLM
 
-    return LlamaForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    return LlamaForCausalLM.from_pretrained(path, dtype=dtype).eval().to(DEVICE)
 
 
 def write_adapter(path: Path, mc: ModelConfig, rank: int, targets: tuple[str, ...],
@@ -185,10 +192,10 @@ class EngineRun:
     cached_prompt_tokens: int = 0
 
 
-def make_engine(model_dir: Path, dirs: list[Path], dtype: str, *, prefix_cache: bool = True,
-                device: str = "cpu") -> tuple[Engine, list]:
+def make_engine(model_dir: Path, dirs: list[Path], dtype: str, *,
+                prefix_cache: bool = True) -> tuple[Engine, list]:
     eng = Engine.from_pretrained(model_dir, EngineConfig(
-        dtype=dtype, device=device, block_size=16, num_kv_blocks=4096, max_lora_rank=64,
+        dtype=dtype, device=DEVICE, block_size=16, num_kv_blocks=4096, max_lora_rank=64,
         adapter_slots=len(dirs), prefix_cache=prefix_cache,
         limits=SchedulerLimits(max_running=64, max_tokens_per_step=4096,
                                max_adapters_per_step=len(dirs))))
@@ -246,8 +253,8 @@ def run_peft(model, workload: list[dict], batch: int | None = None) -> tuple[lis
     """Mixed-adapter generate over left-padded batches in arrival order (one by default)."""
     batch = batch or len(workload)
     with torch.no_grad():
-        model.generate(input_ids=torch.tensor([[5, 6, 7, 8]] * 2),
-                       attention_mask=torch.ones(2, 4, dtype=torch.long),
+        model.generate(input_ids=torch.tensor([[5, 6, 7, 8]] * 2, device=DEVICE),
+                       attention_mask=torch.ones(2, 4, dtype=torch.long, device=DEVICE),
                        adapter_names=["a0", "a1" if len(model.peft_config) > 1 else "a0"],
                        max_new_tokens=2, do_sample=False)  # warm-up
         tokens: list[list[int]] = []
@@ -261,10 +268,11 @@ def run_peft(model, workload: list[dict], batch: int | None = None) -> tuple[lis
                 ids[row, width - len(r["prompt"]):] = torch.tensor(r["prompt"])
                 mask[row, width - len(r["prompt"]):] = 1
             new = max(r["max_tokens"] for r in part)
-            out = model.generate(input_ids=ids, attention_mask=mask,
+            out = model.generate(input_ids=ids.to(DEVICE), attention_mask=mask.to(DEVICE),
                                  adapter_names=[f"a{r['adapter']}" for r in part],
                                  max_new_tokens=new, min_new_tokens=new, do_sample=False,
                                  use_cache=True, pad_token_id=0)
+            out = out.cpu()
             tokens += [out[row, width:width + r["max_tokens"]].tolist()
                        for row, r in enumerate(part)]
             del out
@@ -293,14 +301,17 @@ def dense_replay(eng: Engine, steps: list[tuple[int, int, bool, bool, float]]) -
 
     def timed(t: int, s: int) -> float:
         if (t, s) not in cache:
-            xs = {w.shape[1]: torch.randn(t, w.shape[1], dtype=model.dtype) for w in weights}
-            xl = torch.randn(s, mc.hidden_size, dtype=model.dtype)
+            xs = {w.shape[1]: torch.randn(t, w.shape[1], dtype=model.dtype, device=model.device)
+                  for w in weights}
+            xl = torch.randn(s, mc.hidden_size, dtype=model.dtype, device=model.device)
             best = float("inf")
             for _ in range(2):
+                sync()
                 t0 = time.perf_counter()
                 for w in weights:
                     F.linear(xs[w.shape[1]], w)
                 F.linear(xl, model.lm_head)
+                sync()
                 best = min(best, time.perf_counter() - t0)
             cache[(t, s)] = best
         return cache[(t, s)]
@@ -423,7 +434,7 @@ def section_bf16(model_dir: Path, dirs: list[Path], workload: list[dict]) -> dic
         seq = r["prompt"] + toks
         peft.set_adapter(f"a{r['adapter']}")
         with torch.no_grad():
-            ref = peft(torch.tensor([seq])).logits[0].float()
+            ref = peft(torch.tensor([seq], device=DEVICE)).logits[0].float().cpu()
         ours = eng.score(seq, digests[r["adapter"]])
         top1 += int((ours.argmax(-1) == ref.argmax(-1)).sum())
         agree += len(seq)
@@ -552,7 +563,8 @@ def section_latency(model_dir: Path, prompt_len: int = 128, new: int = 64) -> di
     rng = random.Random(7)
     vocab = ModelConfig.from_dir(model_dir).vocab_size
     prompt = [rng.randrange(3, vocab) for _ in range(prompt_len)]
-    eng = Engine.from_pretrained(model_dir, EngineConfig(num_kv_blocks=256, adapter_slots=1))
+    eng = Engine.from_pretrained(model_dir, EngineConfig(num_kv_blocks=256, adapter_slots=1,
+                                                         device=DEVICE))
     times: list[float] = []
     for _ in range(2):  # the first run warms up
         times = []
@@ -583,8 +595,9 @@ def section_latency(model_dir: Path, prompt_len: int = 128, new: int = 64) -> di
     for _ in range(2):
         clock = Clock()
         with torch.no_grad():
-            hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, prompt_len,
-                                                                          dtype=torch.long),
+            hf.generate(torch.tensor([prompt], device=DEVICE),
+                        attention_mask=torch.ones(1, prompt_len, dtype=torch.long,
+                                                  device=DEVICE),
                         max_new_tokens=new, min_new_tokens=new, do_sample=False,
                         streamer=clock)
     ref = _latency(clock.times)
@@ -606,6 +619,8 @@ def _latency(times: list[float]) -> dict[str, float]:
 
 def bench_model(name: str, model_dir: Path, hf, root: Path, args, sections: set[str],
                 log: Callable[[str], None]) -> dict:
+    if args.sections != "all":
+        sections &= set(args.sections.split(","))
     mc = ModelConfig.from_dir(model_dir)
     dirs = write_adapters(root / f"{name}-adapters", mc, args.adapters, args.seed)
     scale = 0.125 if args.smoke else 1.0
@@ -653,8 +668,13 @@ def main() -> None:
     ap.add_argument("--models", default="random,smollm2")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny random model, tiny workloads: checks the script end to end")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--sections", default="all",
+                    help="comma list of mixed,tenant,bf16,memory,merged,cpu_fused,latency")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "multi_lora.json"))
     args = ap.parse_args()
+    global DEVICE
+    DEVICE = args.device
     torch.set_num_threads(THREADS)
     if args.smoke:
         args.requests, args.tenant_requests, args.bf16_requests, args.adapters = 8, 16, 4, 8
@@ -665,7 +685,7 @@ def main() -> None:
         print(f"[{time.perf_counter() - t_start:6.0f} s, load {load()}] {msg}", flush=True)
 
     result: dict[str, object] = {
-        "settings": {"threads": torch.get_num_threads(), "device": "cpu", "seed": args.seed,
+        "settings": {"threads": torch.get_num_threads(), "device": DEVICE, "seed": args.seed,
                      "requests": args.requests, "tenant_requests": args.tenant_requests,
                      "bf16_requests": args.bf16_requests, "adapters": args.adapters,
                      "smoke": args.smoke, "serving_dtype_auto": str(serving_dtype("auto")),
@@ -676,10 +696,11 @@ def main() -> None:
         root = Path(tmp)
         for name in args.models.split(","):
             if name == "random":
-                hf = build_random_base(root / "random", args.seed, args.smoke)
+                hf = build_random_base(root / "random", args.seed, args.smoke).to(DEVICE)
                 result["random_llama"] = bench_model(
                     "random", root / "random", hf, root, args,
-                    {"mixed", "tenant", "bf16", "memory", "merged", "cpu_fused"}, log)
+                    {"mixed", "tenant", "bf16", "memory", "merged"}
+                    | ({"cpu_fused"} if DEVICE == "cpu" else set()), log)
             elif name == "smollm2":
                 model_dir = ensure_smollm2(Settings().cache_dir)
                 hf = load_hf(model_dir)

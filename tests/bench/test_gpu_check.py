@@ -1,0 +1,31 @@
+"""bench/gpu_check.sh, shrunk to run on the CPU, so it cannot rot before a GPU is lent."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+
+@pytest.mark.slow
+def test_gpu_check_smoke_runs_every_stage_end_to_end(tmp_path) -> None:
+    env = {**os.environ, "GPU_CHECK_OUT": str(tmp_path), "PYTHON": sys.executable}
+    for var in ("LORAPLANE_KERNELS_BACKEND", "LORAPLANE_KERNELS_TUNING", "TRITON_INTERPRET"):
+        env.pop(var, None)
+    proc = subprocess.run(["bash", str(REPO / "bench" / "gpu_check.sh"), "--smoke"], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=900, check=False)
+    report = proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, report
+    assert report.count(" ok in ") == 3, report
+    kernels = json.loads((tmp_path / "kernels_gpu_smoke.json").read_text())
+    assert kernels["all_correct"]
+    table = json.loads((tmp_path / "tuning.json").read_text())
+    assert "fused_base_max_tokens" in table["entries"]["sgmv"]["64"]["16"]
+    engine = json.loads((tmp_path / "multi_lora_smoke.json").read_text())["random_llama"]
+    assert engine["mixed"]["vs_peft"]["tokens_identical"] == 1.0
+    assert engine["tenant_prefix"]["prefix_cache"]["cross_tenant_hits"] == 0
