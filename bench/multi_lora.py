@@ -195,7 +195,7 @@ class EngineRun:
 def make_engine(model_dir: Path, dirs: list[Path], dtype: str, *,
                 prefix_cache: bool = True) -> tuple[Engine, list]:
     eng = Engine.from_pretrained(model_dir, EngineConfig(
-        dtype=dtype, device=DEVICE, block_size=16, num_kv_blocks=4096, max_lora_rank=64,
+        dtype=dtype, device=DEVICE, block_size=16, num_kv_blocks=3000, max_lora_rank=64,
         adapter_slots=len(dirs), prefix_cache=prefix_cache,
         limits=SchedulerLimits(max_running=64, max_tokens_per_step=4096,
                                max_adapters_per_step=len(dirs))))
