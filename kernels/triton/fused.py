@@ -23,7 +23,7 @@ from kernels.paged import PagedLora
 from kernels.segments import Segments
 from kernels.triton.operands import a_operand, b_operand
 from kernels.triton.sgmv import dot_precision, upcast_dot_operands
-from kernels.triton.tiles import segment_tiles
+from kernels.triton.tiles import load_tile, segment_tiles
 
 
 def rank_tile(max_rank: int) -> int:
@@ -58,10 +58,7 @@ def _bgmv_fused_kernel(
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         xv = tl.load(x_base + offs_k * stride_xk, mask=k_mask, other=0.0).to(tl.float32)
-        av = tl.load(
-            a_base + offs_r[:, None] * stride_ar + offs_k[None, :] * stride_ak,
-            mask=r_mask[:, None] & k_mask[None, :], other=0.0,
-        ).to(tl.float32)
+        av = load_tile(a_base, offs_r, stride_ar, r_mask, offs_k, stride_ak, k_mask).to(tl.float32)
         h += tl.sum(av * xv[None, :], axis=1)
     h = h * tl.load(scales_ptr + slot)
     b_base = b_ptr + tl.load(b_off_ptr + slot)
@@ -72,10 +69,7 @@ def _bgmv_fused_kernel(
     for n0 in range(n_start, n_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < n_end
-        bv = tl.load(
-            b_base + offs_n[:, None] * stride_bn + offs_r[None, :] * stride_br,
-            mask=n_mask[:, None] & r_mask[None, :], other=0.0,
-        ).to(tl.float32)
+        bv = load_tile(b_base, offs_n, stride_bn, n_mask, offs_r, stride_br, r_mask).to(tl.float32)
         delta = tl.sum(bv * h[None, :], axis=1)
         y_ptrs = y_base + (out_offset + offs_n) * stride_yn
         yv = tl.load(y_ptrs, mask=n_mask, other=0.0).to(tl.float32)
@@ -117,14 +111,8 @@ def _sgmv_fused_kernel(
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
-        xv = tl.load(
-            x_ptr + offs_m[:, None].to(tl.int64) * stride_xt + offs_k[None, :] * stride_xk,
-            mask=m_mask[:, None] & k_mask[None, :], other=0.0,
-        )
-        av = tl.load(
-            a_base + offs_k[:, None] * stride_ak + offs_r[None, :] * stride_ar,
-            mask=k_mask[:, None] & r_mask[None, :], other=0.0,
-        )
+        xv = load_tile(x_ptr, offs_m, stride_xt, m_mask, offs_k, stride_xk, k_mask)
+        av = load_tile(a_base, offs_k, stride_ak, k_mask, offs_r, stride_ar, r_mask)
         if UPCAST:
             h = tl.dot(xv.to(tl.float32), av.to(tl.float32), h, input_precision="ieee")
         else:
@@ -138,10 +126,7 @@ def _sgmv_fused_kernel(
     for n0 in range(n_start, n_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < n_end
-        bv = tl.load(
-            b_base + offs_r[:, None] * stride_br + offs_n[None, :] * stride_bn,
-            mask=r_mask[:, None] & n_mask[None, :], other=0.0,
-        )
+        bv = load_tile(b_base, offs_r, stride_br, r_mask, offs_n, stride_bn, n_mask)
         if UPCAST:
             delta = tl.dot(hb.to(tl.float32), bv.to(tl.float32), input_precision="ieee")
         else:

@@ -24,7 +24,7 @@ from kernels.paged import PagedLora
 from kernels.segments import Segments
 from kernels.triton.fused import rank_tile
 from kernels.triton.sgmv import dot_precision, upcast_dot_operands
-from kernels.triton.tiles import segment_tiles
+from kernels.triton.tiles import load_tile, segment_tiles
 
 
 @triton.jit
@@ -61,18 +61,9 @@ def _sgmv_base_fused_kernel(
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
-        xv = tl.load(
-            x_ptr + offs_m[:, None].to(tl.int64) * stride_xt + offs_k[None, :] * stride_xk,
-            mask=m_mask[:, None] & k_mask[None, :], other=0.0,
-        )
-        wv = tl.load(
-            w_ptr + offs_k[:, None] * stride_wk + offs_n[None, :].to(tl.int64) * stride_wn,
-            mask=k_mask[:, None] & n_mask[None, :], other=0.0,
-        )
-        av = tl.load(
-            a_base + offs_k[:, None] * stride_ak + offs_r[None, :] * stride_ar,
-            mask=k_mask[:, None] & r_mask[None, :], other=0.0,
-        )
+        xv = load_tile(x_ptr, offs_m, stride_xt, m_mask, offs_k, stride_xk, k_mask)
+        wv = load_tile(w_ptr, offs_k, stride_wk, k_mask, offs_n, stride_wn, n_mask)
+        av = load_tile(a_base, offs_k, stride_ak, k_mask, offs_r, stride_ar, r_mask)
         if UPCAST:
             acc = tl.dot(xv.to(tl.float32), wv.to(tl.float32), acc, input_precision="ieee")
             h = tl.dot(xv.to(tl.float32), av.to(tl.float32), h, input_precision="ieee")
@@ -81,10 +72,7 @@ def _sgmv_base_fused_kernel(
             h = tl.dot(xv, av, h, input_precision=DOT_PRECISION)
     if rank > 0:
         b_base = pool_ptr + tl.load(b_off_ptr + safe_slot)
-        bv = tl.load(
-            b_base + offs_r[:, None] * stride_br + offs_n[None, :] * stride_bn,
-            mask=r_mask[:, None] & n_mask[None, :], other=0.0,
-        )
+        bv = load_tile(b_base, offs_r, stride_br, r_mask, offs_n, stride_bn, n_mask)
         hb = h.to(pool_ptr.dtype.element_ty)
         if UPCAST:
             delta = tl.dot(hb.to(tl.float32), bv.to(tl.float32), input_precision="ieee")

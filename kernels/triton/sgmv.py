@@ -19,7 +19,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from kernels.paged import PagedLora
 from kernels.segments import Segments
 from kernels.triton.operands import a_operand, b_operand
-from kernels.triton.tiles import segment_tiles
+from kernels.triton.tiles import load_tile, segment_tiles
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -73,14 +73,8 @@ def _sgmv_shrink_kernel(
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < k_end
-        xv = tl.load(
-            x_ptr + offs_m[:, None].to(tl.int64) * stride_xt + offs_k[None, :] * stride_xk,
-            mask=m_mask[:, None] & k_mask[None, :], other=0.0,
-        )
-        av = tl.load(
-            a_base + offs_k[:, None] * stride_ak + offs_r[None, :] * stride_ar,
-            mask=k_mask[:, None] & r_mask[None, :], other=0.0,
-        )
+        xv = load_tile(x_ptr, offs_m, stride_xt, m_mask, offs_k, stride_xk, k_mask)
+        av = load_tile(a_base, offs_k, stride_ak, k_mask, offs_r, stride_ar, r_mask)
         if UPCAST:
             acc = tl.dot(xv.to(tl.float32), av.to(tl.float32), acc, input_precision="ieee")
         else:
@@ -126,14 +120,8 @@ def _sgmv_expand_kernel(
     for r0 in range(0, rank, BLOCK_R):
         offs_r = r0 + tl.arange(0, BLOCK_R)
         r_mask = offs_r < rank
-        hv = tl.load(
-            h_ptr + offs_m[:, None].to(tl.int64) * stride_ht + offs_r[None, :] * stride_hr,
-            mask=m_mask[:, None] & r_mask[None, :], other=0.0,
-        )
-        bv = tl.load(
-            b_base + offs_r[:, None] * stride_br + offs_n[None, :] * stride_bn,
-            mask=r_mask[:, None] & n_mask[None, :], other=0.0,
-        )
+        hv = load_tile(h_ptr, offs_m, stride_ht, m_mask, offs_r, stride_hr, r_mask)
+        bv = load_tile(b_base, offs_r, stride_br, r_mask, offs_n, stride_bn, n_mask)
         hv = hv.to(bv.dtype)
         if UPCAST:
             acc = tl.dot(hv.to(tl.float32), bv.to(tl.float32), acc, input_precision="ieee")

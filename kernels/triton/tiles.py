@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 import triton
+import triton.language as tl
 from torch import Tensor
 
 
@@ -35,3 +36,11 @@ def segment_tiles(starts: Tensor, num_tokens: int, block_m: int) -> TileMap:
     segment = torch.searchsorted(ends, programs, right=True).to(torch.int32)
     first_tile = (ends - tiles).to(torch.int32)
     return TileMap(segment=segment, first_tile=first_tile, num_programs=num_programs)
+
+
+@triton.jit
+def load_tile(base, rows, row_stride, row_mask, cols, col_stride, col_mask):
+    """The masked tile ``base[rows[:, None] * row_stride + cols[None, :] * col_stride]``
+    (zeros where masked): the one addressing every SGMV-family kernel uses."""
+    return tl.load(base + rows[:, None].to(tl.int64) * row_stride + cols[None, :] * col_stride,
+                   mask=row_mask[:, None] & col_mask[None, :], other=0.0)
