@@ -617,10 +617,12 @@ def _latency(times: list[float]) -> dict[str, float]:
 
 # -- main -----------------------------------------------------------------------------------
 
-def bench_model(name: str, model_dir: Path, hf, root: Path, args, sections: set[str],
-                log: Callable[[str], None]) -> dict:
+def bench_model(name: str, model_dir: Path, hf, root: Path, args, sections: list[str],
+                log: Callable[[str], None], save: Callable[[dict], None]) -> dict:
+    """Run the sections in order, saving the results after each (a long run that is cut
+    short still leaves every finished section on disk)."""
     if args.sections != "all":
-        sections &= set(args.sections.split(","))
+        sections = [s for s in sections if s in args.sections.split(",")]
     mc = ModelConfig.from_dir(model_dir)
     dirs = write_adapters(root / f"{name}-adapters", mc, args.adapters, args.seed)
     scale = 0.125 if args.smoke else 1.0
@@ -631,30 +633,25 @@ def bench_model(name: str, model_dir: Path, hf, root: Path, args, sections: set[
         "tied_embeddings": mc.tie_word_embeddings}, "adapters": len(dirs),
         "adapter_ranks": list(RANKS)}
     mixed = mixed_workload(args.requests, len(dirs), mc.vocab_size, args.seed, scale)
-    if "mixed" in sections:
-        log(f"{name}: mixed workload")
-        result["mixed"] = section_mixed(model_dir, hf, dirs, mixed)
-    if "tenant" in sections:
-        log(f"{name}: tenant-prefix workload")
-        tenant = tenant_workload(args.tenant_requests, len(dirs), mc.vocab_size, args.seed,
-                                 scale)
-        result["tenant_prefix"] = section_tenant(model_dir, hf, dirs, tenant)
-    if "bf16" in sections:
-        log(f"{name}: bf16")
-        result["bf16"] = section_bf16(model_dir, dirs, mixed[:args.bf16_requests])
-    if "memory" in sections:
-        log(f"{name}: adapters per byte budget")
-        result["memory"] = section_memory(model_dir, root / name, dirs)
-    if "merged" in sections:
-        log(f"{name}: merged vs unmerged")
-        result["merged"] = section_merged(model_dir, dirs, mixed[:args.bf16_requests])
-    if "cpu_fused" in sections:
-        log(f"{name}: fused path on the CPU")
-        result["cpu_fused_path"] = section_cpu_fused(model_dir, dirs)
-    if "latency" in sections:
-        log(f"{name}: single-stream latency")
-        result["latency"] = section_latency(model_dir, 32 if args.smoke else 128,
-                                            8 if args.smoke else 64)
+    runs: dict[str, tuple[str, Callable[[], dict]]] = {
+        "mixed": ("mixed", lambda: section_mixed(model_dir, hf, dirs, mixed)),
+        "tenant": ("tenant_prefix", lambda: section_tenant(
+            model_dir, hf, dirs, tenant_workload(args.tenant_requests, len(dirs),
+                                                 mc.vocab_size, args.seed, scale))),
+        "bf16": ("bf16", lambda: section_bf16(model_dir, dirs, mixed[:args.bf16_requests])),
+        "memory": ("memory", lambda: section_memory(model_dir, root / name, dirs)),
+        "merged": ("merged", lambda: section_merged(model_dir, dirs,
+                                                    mixed[:args.bf16_requests])),
+        "cpu_fused": ("cpu_fused_path", lambda: section_cpu_fused(model_dir, dirs)),
+        "latency": ("latency", lambda: section_latency(model_dir, 32 if args.smoke else 128,
+                                                       8 if args.smoke else 64)),
+    }
+    for section in sections:
+        key, run = runs[section]
+        log(f"{name}: {key}")
+        result[key] = run()
+        save(result)
+        gc.collect()
     return result
 
 
@@ -692,28 +689,36 @@ def main() -> None:
                      "block_size": 16, "max_running": 64, "max_tokens_per_step": 4096,
                      "load_at_start": load()},
     }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def saver(key: str) -> Callable[[dict], None]:
+        def save(part: dict) -> None:
+            result[key] = part
+            result["settings"]["seconds"] = round(  # type: ignore[index]
+                time.perf_counter() - t_start, 1)
+            out.write_text(json.dumps(result, indent=2) + "\n")
+        return save
+
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         for name in args.models.split(","):
             if name == "random":
                 hf = build_random_base(root / "random", args.seed, args.smoke).to(DEVICE)
-                result["random_llama"] = bench_model(
-                    "random", root / "random", hf, root, args,
-                    {"mixed", "tenant", "bf16", "memory", "merged"}
-                    | ({"cpu_fused"} if DEVICE == "cpu" else set()), log)
+                sections = ["mixed", "tenant", "memory", "merged", "cpu_fused", "bf16"]
+                if DEVICE != "cpu":
+                    sections.remove("cpu_fused")
+                bench_model("random", root / "random", hf, root, args, sections, log,
+                            saver("random_llama"))
             elif name == "smollm2":
                 model_dir = ensure_smollm2(Settings().cache_dir)
                 hf = load_hf(model_dir)
-                result["smollm2_135m"] = bench_model(
-                    "smollm2", model_dir, hf, root, args, {"mixed", "tenant", "latency"}, log)
+                bench_model("smollm2", model_dir, hf, root, args,
+                            ["mixed", "latency", "tenant"], log, saver("smollm2_135m"))
             else:
                 raise SystemExit(f"unknown model {name!r} (random, smollm2)")
             del hf
             gc.collect()
-    result["settings"]["seconds"] = round(time.perf_counter() - t_start, 1)  # type: ignore[index]
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
     log(f"wrote {out}")
 
 
