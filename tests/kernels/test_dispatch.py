@@ -115,3 +115,26 @@ def test_forcing_triton_on_cpu_without_interpreter_is_a_clear_error(
     else:
         with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
             dispatch.select_backend(torch.device("cpu"))
+
+
+def test_fusion_threshold_is_measured_or_absent(table, monkeypatch) -> None:
+    """Two-level batching: only a measured table fuses base + LoRA; an untuned GPU model
+    (the fallback table, or a table without the field) takes the separate path, warns
+    once, and sets the untuned gauge."""
+    monkeypatch.setattr(dispatch, "_WARNED", set())
+    measured = parse_table({**TABLE, "entries": {**TABLE["entries"], "sgmv": {"4096": {"16": {
+        "fused_max_tokens": 0, "fused_base_max_tokens": 12}}}}}, table.path, is_fallback=False)
+    assert dispatch.fusion_threshold(measured, "Test GPU", 4096, 16) == 12
+    assert dispatch.UNTUNED.labels(device="Test GPU")._value.get() == 0
+    with pytest.warns(TuningFallbackWarning, match="separate path"):
+        assert dispatch.fusion_threshold(table, "Other GPU", 4096, 64) is None
+    assert dispatch.UNTUNED.labels(device="Other GPU")._value.get() == 1
+    fallback = read_table(TUNING_DIR / "default.json", is_fallback=True)
+    assert dispatch.fusion_threshold(fallback, "Other GPU", 4096, 16) is None
+    assert all(e.fused_max_tokens == 0 for by_rank in fallback.entries.values()
+               for entries in by_rank.values() for e in entries.values())
+
+
+def test_cpu_never_fuses_base_and_lora(monkeypatch) -> None:
+    monkeypatch.delenv(dispatch.BACKEND_ENV, raising=False)
+    assert dispatch.base_fusion_threshold(torch.device("cpu"), 4096, 64) is None
