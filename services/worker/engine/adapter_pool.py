@@ -127,6 +127,7 @@ class AdapterPool:
         self._free = list(range(self.num_slots - 1, -1, -1))
         self.evictions = 0
         self.compactions = 0
+        self._side_stream: torch.cuda.Stream | None = None
 
     @property
     def byte_budget(self) -> int:
@@ -161,7 +162,21 @@ class AdapterPool:
             if pin:
                 self._pinned.add(key)
             return self.info(key)
-        adapter = parse_adapter(files, self.cfg, key)
+        return self.place(parse_adapter(files, self.cfg, key), pin=pin)
+
+    def place(self, adapter: LoraAdapter, *, pin: bool = False) -> AdapterSlotInfo:
+        """Put an already parsed, checked adapter (e.g. from a host-memory tier) into the
+        pool, evicting idle unpinned adapters (LRU) if its bytes do not fit.
+
+        On CUDA the copies run on a side stream and the compute stream waits for them, so
+        the engine thread only pays for queueing them.
+        """
+        key = adapter.digest
+        if key in self._by_digest:
+            self._by_digest.move_to_end(key)
+            if pin:
+                self._pinned.add(key)
+            return self.info(key)
         if adapter.rank > self.max_rank:
             raise AdapterError(f"adapter rank {adapter.rank} exceeds the pool's max_rank "
                                f"{self.max_rank}")
@@ -171,11 +186,24 @@ class AdapterPool:
                 f"adapter needs {need * self.element_size} bytes, the whole pool has "
                 f"{self.byte_budget}")
         slot, start = self._make_room(need)
-        self._write(slot, start, need, adapter)
+        if self.pool.device.type == "cuda":
+            if self._side_stream is None:
+                self._side_stream = torch.cuda.Stream(self.pool.device)
+            with torch.cuda.stream(self._side_stream):
+                self._write(slot, start, need, adapter)
+            torch.cuda.current_stream(self.pool.device).wait_stream(self._side_stream)
+        else:
+            self._write(slot, start, need, adapter)
         self._by_digest[key] = slot
         if pin:
             self._pinned.add(key)
         return self.info(key)
+
+    def fits(self, adapter: LoraAdapter) -> bool:
+        """Whether `place` would succeed now without evicting anything (compacting the
+        free space if it has to)."""
+        need = adapter_elements(self.cfg, adapter)
+        return bool(self._free) and self.capacity - self.used_elements >= need
 
     def unload(self, digest: AdapterDigest) -> None:
         """Free an adapter's extent and zero it (no stale weights stay in device memory).
@@ -347,9 +375,10 @@ class AdapterPool:
             b_off, cursor = cursor, cursor + _aligned(w.rank * fout)
             layout[(layer, module)] = (a_off, b_off, w.scale)
             base = start + a_off
-            self.pool[base:base + w.rank * fin].view(w.rank, fin).copy_(w.a)
+            self.pool[base:base + w.rank * fin].view(w.rank, fin).copy_(w.a, non_blocking=True)
             base = start + b_off
-            self.pool[base:base + w.rank * fout].view(w.rank, fout).copy_(w.b.T)
+            self.pool[base:base + w.rank * fout].view(w.rank, fout).copy_(w.b.T,
+                                                                          non_blocking=True)
         assert cursor == length
         res = _Resident(rank=adapter.rank, target_modules=adapter.target_modules,
                         num_parameters=adapter.num_parameters, start=start, length=length,

@@ -228,3 +228,16 @@ def test_fragmented_pool_compacts_and_outputs_stay_identical(tiny):
     del first["attn_r4"]
     first["attn_r4"] = eng.load_adapter(tiny.adapters["attn_r4"])
     assert outputs() == before
+
+
+def test_place_a_parsed_adapter_and_ask_whether_it_fits(tiny):
+    from services.worker.engine.adapter import parse_adapter
+
+    eng = make_engine(tiny, adapter_slots=1)
+    pool = eng.adapters
+    big = parse_adapter(AdapterFiles.from_dir(tiny.adapters["all_r16_rs"]), pool.cfg)
+    small = parse_adapter(AdapterFiles.from_dir(tiny.adapters["attn_r4"]), pool.cfg)
+    assert pool.fits(big)
+    info = pool.place(big)
+    assert pool.is_loaded(info.digest) and not pool.fits(small)  # the one slot is taken
+    assert pool.place(small).digest == small.digest and pool.evictions == 1
