@@ -10,10 +10,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 HERE = Path(__file__).parent
 ROOT = HERE.parents[1]
 
 
+@pytest.mark.timeout(1500)
 def test_triton_kernels_match_float64_reference_under_interpreter() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     env.pop("LORAPLANE_KERNELS_BACKEND", None)
