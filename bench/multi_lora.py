@@ -350,6 +350,8 @@ def dense_replay(eng: Engine, steps: list[tuple[int, int, bool, bool, float]]) -
                          "timed alone with torch F.linear, best of 2, in this process; "
                          "fraction = dense time / engine step time (LoRA, attention, norms, "
                          "sampling and Python are the overhead)")
+    out["clock"] = ("process CPU seconds (both threads): rates are per CPU-second"
+                    if CLOCK is time.process_time else "wall seconds")
     out["load_after"] = load()
     return out
 
