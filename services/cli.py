@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+from pathlib import Path
 
 import typer
 from rich.console import Console
@@ -192,6 +193,46 @@ def gate_report(
     else:
         console.print(render(gate))
     raise typer.Exit(0 if gate["may_get_traffic"] else 1)
+
+
+@serve_app.command("worker")
+def serve_worker() -> None:
+    """A worker: one base model (LORAPLANE_BASE_MODEL), its adapters, gRPC inference."""
+    from services.worker.app import run_worker
+
+    settings = _settings()
+    logging.basicConfig(level=settings.log_level,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if settings.base_model is None or not settings.kafka_bootstrap:
+        console.print("[red]set LORAPLANE_BASE_MODEL (a Hugging Face model directory) and "
+                      "LORAPLANE_KAFKA_BOOTSTRAP[/red]")
+        raise typer.Exit(2)
+    run_worker(settings)
+
+
+@app.command("base-digest")
+def base_digest(
+    model_dir: Path = typer.Argument(..., help="A Hugging Face model directory"),
+    name: str = typer.Option("", help="Name to register it under (default: the folder)"),
+    as_json: bool = typer.Option(False, "--json",
+                                 help="Print the body of POST /v1/base-models instead"),
+) -> None:
+    """The base digest a worker computes for a model directory, to register it."""
+    import json
+
+    from services.worker.engine import CheckpointError, checkpoint_digest
+
+    try:
+        digest = checkpoint_digest(model_dir)
+    except CheckpointError as exc:
+        console.print(f"[red]{model_dir}: {exc}[/red]")
+        raise typer.Exit(2) from None
+    if not as_json:
+        typer.echo(digest)
+        return
+    config = json.loads((model_dir / "config.json").read_text())
+    typer.echo(json.dumps({"name": name or model_dir.resolve().name.lower(), "digest": digest,
+                           "config": config}))
 
 
 @app.command()

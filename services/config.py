@@ -113,14 +113,51 @@ class Settings(BaseSettings):
         'stored hashed.',
     )
 
-    # --- worker / router / audit --------------------------------------------------------
-    worker_id: str | None = None
+    # --- worker ----------------------------------------------------------------------------
+    base_model: Path | None = Field(
+        None, description="The worker's base model: a Hugging Face directory (config.json, "
+        "safetensors, tokenizer.json). Its digest must be registered before the worker serves.")
+    worker_id: str | None = Field(
+        None, description="Stable name of this worker in events; default worker-HOST-PORT.")
     worker_host: str = "127.0.0.1"
     worker_port: int = 8781
-    stale_lease_threshold_s: float = Field(30.0, gt=0)
+    worker_address: str | None = Field(
+        None, description="host:port the router dials (default WORKER_HOST:WORKER_PORT).")
+    worker_token: str | None = Field(
+        None, description="Bearer token with the worker role, for the registry's blob store.")
+    worker_metrics_port: int = Field(8785, ge=0, description="Prometheus metrics; 0 = off.")
+    worker_device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="auto = CUDA when present, else CPU.")
+    worker_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="auto = bfloat16 on CUDA, float32 on CPU.")
+    worker_adapter_slots: int = Field(8, ge=1, description="Device tier: adapter slots.")
+    worker_max_lora_rank: int = Field(64, ge=1)
+    worker_kv_blocks: int = Field(2048, ge=1)
+    worker_block_size: int = Field(16, ge=1)
+    worker_max_running: int = Field(64, ge=1, description="Sequences batched at once.")
+    worker_max_tokens_per_step: int = Field(2048, ge=1)
+    worker_max_model_len: int | None = Field(
+        None, ge=1, description="Prompt + completion tokens per request (default: the "
+        "model's max_position_embeddings).")
+    worker_default_max_tokens: int = Field(256, ge=1, description="When a request says 0.")
+    worker_host_cache_bytes: int = Field(
+        4 * 1024**3, ge=0, description="Host tier: parsed adapters in memory (pinned on CUDA).")
+    worker_disk_cache_bytes: int = Field(
+        32 * 1024**3, ge=0, description="Disk tier under STATE_DIR/adapter-cache.")
+    worker_page_in_timeout_host_s: float = Field(
+        2.0, gt=0, description="How long a request waits for its adapter to page in from host.")
+    worker_page_in_timeout_disk_s: float = Field(10.0, gt=0)
+    worker_page_in_timeout_blob_s: float = Field(60.0, gt=0)
     heartbeat_interval_s: float = Field(
         1.0, gt=0, description="How often workers emit WorkerHeartbeat (the router's clock "
         "for liveness: a worker that misses `router_missed_heartbeats` of them leaves the ring).")
+    worker_trace_flush_s: float = Field(
+        0.5, gt=0, description="RequestServed batches: at most this old before they are sent.")
+    stale_lease_threshold_s: float = Field(
+        30.0, gt=0, description="Version wall: a worker whose last registry lease is older "
+        "refuses requests (UNAVAILABLE) rather than serve a possibly stale version.")
+
+    # --- router / audit -----------------------------------------------------------------
     router_host: str = "127.0.0.1"
     router_port: int = Field(8782, description="gRPC loraplane.v1.Inference (and health).")
     router_http_port: int = Field(
@@ -235,6 +272,20 @@ class Settings(BaseSettings):
     @property
     def blob_root(self) -> Path:
         return self.blob_dir or self.state_dir / "blobs"
+
+    @property
+    def worker_name(self) -> str:
+        import socket
+
+        return self.worker_id or f"worker-{socket.gethostname()}-{self.worker_port}"
+
+    @property
+    def worker_advertised(self) -> str:
+        return self.worker_address or f"{self.worker_host}:{self.worker_port}"
+
+    @property
+    def adapter_cache_dir(self) -> Path:
+        return self.state_dir / "adapter-cache"
 
     @property
     def snapshot_root(self) -> Path:

@@ -283,6 +283,10 @@ class AdapterLoadFailed(_WorkerPayload):
     adapter_id: AdapterId
     version: Version
     error: str = Field(max_length=4096)
+    retryable: bool = Field(
+        False, description="True when the load stopped without a verdict on the bytes (registry "
+                           "unreachable, slot pool full); false for a digest mismatch or an "
+                           "invalid adapter, after which the worker never serves the version.")
 
 
 class AdapterUnloaded(_WorkerPayload):

@@ -6,6 +6,7 @@ KV control) and reads `TokenEvent` / `GenerationResult` values back.
 
 from .adapter import AdapterDigest, AdapterFiles, LoraAdapter, parse_adapter
 from .adapter_pool import AdapterPool, AdapterSlotInfo
+from .checkpoint import checkpoint_digest
 from .compat import CacheScope, Decision, SharingPolicy, decide
 from .config import ModelConfig
 from .engine import Engine, EngineConfig, EngineStats
@@ -62,6 +63,7 @@ __all__ = [
     "SharingPolicy",
     "TokenEvent",
     "UnsupportedModelError",
+    "checkpoint_digest",
     "cpu_has_bf16",
     "decide",
     "parse_adapter",

@@ -7,6 +7,7 @@ instead of producing garbage tokens later.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from dataclasses import dataclass
@@ -123,10 +124,44 @@ def load_checkpoint(
     digest = hashlib.sha256()
     for name in sorted(tensors):
         t = tensors[name].contiguous()
-        digest.update(f"{name}|{t.dtype}|{list(t.shape)}\n".encode())
-        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        _digest_tensor(digest, name, t)
         tensors[name] = t.to(device=device, dtype=target)
     return Checkpoint(config=cfg, tensors=tensors, digest=digest.hexdigest())
+
+
+def _digest_tensor(digest: hashlib._Hash, name: str, t: torch.Tensor) -> None:
+    digest.update(f"{name}|{t.dtype}|{list(t.shape)}\n".encode())
+    digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+
+
+def checkpoint_digest(model_dir: str | Path) -> str:
+    """The base digest of a model directory without loading it for serving: what an admin
+    registers (`BaseModelRegistered.digest`) so that workers on this model become ready.
+
+    Same bytes and rule as `Checkpoint.digest`; one tensor is in memory at a time.
+    """
+    root = Path(model_dir)
+    if not root.is_dir():
+        raise CheckpointError("model directory does not exist")
+    cfg = ModelConfig.from_dir(root)
+    files = _shard_files(root)
+    shapes = expected_shapes(cfg)
+    digest = hashlib.sha256()
+    with contextlib.ExitStack() as stack:
+        handles = {}
+        for name in sorted(shapes):
+            if name not in files:
+                raise CheckpointError(
+                    f"missing tensor {name} (expected shape {list(shapes[name])})")
+            if files[name] not in handles:
+                handles[files[name]] = stack.enter_context(
+                    safe_open(str(files[name]), framework="pt"))
+            t = handles[files[name]].get_tensor(name)
+            if tuple(t.shape) != shapes[name]:
+                raise CheckpointError(
+                    f"tensor {name} has shape {list(t.shape)}, expected {list(shapes[name])}")
+            _digest_tensor(digest, name, t.contiguous())
+    return digest.hexdigest()
 
 
 def load_tokenizer(model_dir: str | Path):  # -> tokenizers.Tokenizer | None

@@ -201,6 +201,30 @@ class Engine:
         """Purge a tenant's KV: by default aborts its sequences, waiting ones included."""
         return self._invalidate(lambda s: s.tenant_key == tenant_key, hard, hard)
 
+    def purge_tenant(self, tenant_key: str) -> InvalidationResult:
+        """Hard tenant purge: abort its sequences, free its blocks and zero their K/V.
+
+        Every block the tenant's sequences held or its prefix cache published is zeroed
+        once no one references it (under the default policy no one else ever does).
+        """
+        touched = {bid for bid, info in enumerate(self.blocks.blocks)
+                   if info.scope is not None and info.scope.tenant_key == tenant_key}
+        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+            if seq.scope.tenant_key == tenant_key:
+                touched.update(seq.block_table)
+        result = self.invalidate_tenant(tenant_key, hard=True)
+        self.kv.zero_blocks([b for b in touched if self.blocks.blocks[b].ref_count == 0])
+        return result
+
+    def tenant_references(self, tenant_key: str) -> int:
+        """References the engine still holds for a tenant: its sequences and the refcounts
+        of blocks computed in its scope. Zero after a purge."""
+        seqs = [s for s in list(self.scheduler.running) + list(self.scheduler.waiting)
+                if s.scope.tenant_key == tenant_key]
+        held = sum(info.ref_count for info in self.blocks.blocks
+                   if info.scope is not None and info.scope.tenant_key == tenant_key)
+        return len(seqs) + held
+
     def _invalidate(self, match: Callable[[CacheScope], bool], hard: bool,
                     include_waiting: bool) -> InvalidationResult:
         free_before = len(self.blocks.free)

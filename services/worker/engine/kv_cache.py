@@ -59,6 +59,17 @@ class KVStorage:
         per_token = self.k.shape[1] * self.k.shape[3] * self.k.element_size() * 2 * self.k.shape[0]
         return per_token * self.block_size
 
+    def zero_blocks(self, block_ids: Sequence[int]) -> None:
+        """Overwrite blocks' K and V with zeros in every layer (a purged tenant's KV must
+        not stay readable in free blocks until they happen to be reused)."""
+        if not block_ids:
+            return
+        ids = torch.tensor(sorted(block_ids), dtype=torch.long)
+        slots = (ids[:, None] * self.block_size + torch.arange(self.block_size)).flatten()
+        slots = slots.to(self.k.device)
+        self.k.index_fill_(2, slots, 0)
+        self.v.index_fill_(2, slots, 0)
+
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new tokens' K/V [T, kv_heads, head_dim] at flat slots [T]."""
         self.k[layer].index_copy_(1, slots, k.transpose(0, 1))

@@ -1,0 +1,178 @@
+"""Wiring of one worker process: engine, tiers, loader, log follower, events, gRPC front.
+
+Threads: the engine loop (owns the engine), the log follower (replays, then follows the
+log and posts each folded batch to the engine loop), the adapter loader (fetches into the
+host tier), the events sender (acks, heartbeats, traces), and the asyncio thread that
+runs the grpc.aio server. Start order: load the base model and compute its digest, start
+the gRPC server (health NOT_SERVING), replay the log to a barrier of our own, restore
+this worker's adapter states, then serve once the base model is registered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import threading
+from datetime import UTC, datetime
+from pathlib import Path
+
+import torch
+
+from services.config import Settings
+from services.worker.chat import ChatTemplate
+from services.worker.engine import (
+    AdapterDigest,
+    AdapterFiles,
+    Engine,
+    EngineConfig,
+    LoraAdapter,
+    SchedulerLimits,
+    parse_adapter,
+)
+from services.worker.engine_loop import Deliver, EngineLoop, deliver_to_queues
+from services.worker.events import WorkerEvents
+from services.worker.follower import CatalogFollower
+from services.worker.intake import PromptRules
+from services.worker.metrics import WorkerMetrics
+from services.worker.pool.blobs import RegistryBlobs
+from services.worker.pool.disk import DiskCache
+from services.worker.pool.host import HostCache
+from services.worker.pool.loader import AdapterLoader
+from services.worker.server import Gate, WorkerServer, deliver_via
+from services.worker.wall import wall_reason
+
+log = logging.getLogger("loraplane.worker")
+
+
+def engine_config(settings: Settings) -> EngineConfig:
+    """CUDA when present (or asked for), else CPU; bf16 on CUDA, fp32 on CPU by default."""
+    device = settings.worker_device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = settings.worker_dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if device == "cuda" else "float32"
+    return EngineConfig(
+        dtype=dtype, device=device, block_size=settings.worker_block_size,
+        num_kv_blocks=settings.worker_kv_blocks, max_lora_rank=settings.worker_max_lora_rank,
+        adapter_slots=settings.worker_adapter_slots,
+        limits=SchedulerLimits(
+            max_running=settings.worker_max_running,
+            max_tokens_per_step=max(settings.worker_max_tokens_per_step,
+                                    settings.worker_max_running),
+            max_adapters_per_step=min(32, settings.worker_adapter_slots)))
+
+
+class WorkerRuntime:
+    """Everything but the gRPC server; usable in-process (tests, benches)."""
+
+    def __init__(self, settings: Settings, engine: Engine | None = None) -> None:
+        if settings.base_model is None and engine is None:
+            raise ValueError("LORAPLANE_BASE_MODEL is not set: name a Hugging Face model "
+                             "directory (config.json, safetensors, tokenizer.json)")
+        self.settings = settings
+        self.worker_id = settings.worker_name
+        self.model_dir = Path(settings.base_model) if settings.base_model else Path(".")
+        self.engine = engine or Engine.from_pretrained(self.model_dir, engine_config(settings))
+        cfg = self.engine.model.cfg
+        self.metrics = WorkerMetrics()
+        self.follower = CatalogFollower(settings, self.worker_id)
+        self.host = HostCache(settings.worker_host_cache_bytes,
+                              pin=self.engine.model.device.type == "cuda")
+        self.disk = DiskCache(settings.adapter_cache_dir, settings.worker_disk_cache_bytes)
+        self.blobs = RegistryBlobs(settings.registry_base_url, settings.worker_token)
+        self.loader = AdapterLoader(self.host, self.disk, self.blobs, self._parse,
+                                    on_done=lambda result: self.loop.fetched(result))
+        self.events = WorkerEvents(settings, self.worker_id,
+                                   heartbeat=lambda: self.loop.heartbeat())
+        self.loop = EngineLoop(settings, self.engine, self.follower, self.events, self.metrics,
+                               self.host, self.disk, self.loader, self.worker_id,
+                               model_dir=self.model_dir)
+        self.follower.on_batch = self.loop.on_catalog
+        capacity = self.engine.config.num_kv_blocks * self.engine.config.block_size
+        self.rules = PromptRules(
+            vocab_size=cfg.vocab_size,
+            max_model_len=min(settings.worker_max_model_len or cfg.max_position_embeddings,
+                              capacity),
+            default_max_tokens=settings.worker_default_max_tokens,
+            tokenizer=self.engine.tokenizer,
+            chat_template=ChatTemplate.from_model_dir(self.model_dir)
+            if settings.base_model else None)
+        self.gate = Gate(self.loop, self.wall)
+        self._stop = threading.Event()
+        self._follow: threading.Thread | None = None
+
+    def _parse(self, files: AdapterFiles, digest: AdapterDigest) -> LoraAdapter:
+        return parse_adapter(files, self.engine.model.cfg, digest)
+
+    def wall(self) -> str | None:
+        return wall_reason(self.follower.lease_at, datetime.now(UTC),
+                           self.settings.stale_lease_threshold_s)
+
+    def start(self, deliver: Deliver = deliver_to_queues) -> None:
+        self.loop.deliver = deliver
+        self.metrics.serve(self.settings.worker_metrics_port, self.settings.worker_host)
+        self.loader.start()
+        self.loop.start()
+        self._follow = threading.Thread(target=self._follow_log, name="log-follower",
+                                        daemon=True)
+        self._follow.start()
+
+    def _follow_log(self) -> None:
+        """Replay (retrying while the broker is away), restore, then follow."""
+        while not self._stop.is_set():
+            try:
+                count = self.follower.open()
+                break
+            except Exception as exc:
+                log.warning("worker %s cannot replay the log yet: %s", self.worker_id, exc)
+                self._stop.wait(1.0)
+        else:
+            return
+        log.info("worker %s replayed %d events", self.worker_id, count)
+        self.events.start(self.follower.own.last_seq)
+        self.loop.post(self.loop.initial_sync)
+        self.follower.run(self._stop)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._follow is not None:
+            self._follow.join(timeout=10)
+        self.loop.stop()
+        self.loader.stop()
+        self.events.stop()
+        self.blobs.close()
+
+
+async def serve(settings: Settings, stop: asyncio.Event,
+                runtime: WorkerRuntime | None = None) -> None:
+    """Run a worker until `stop` is set (the gRPC server on the running event loop)."""
+    runtime = runtime or WorkerRuntime(settings)
+    server = WorkerServer(runtime.loop, runtime.rules, runtime.gate, runtime.worker_id,
+                          f"{settings.worker_host}:{settings.worker_port}")
+    await server.start()
+    runtime.start(deliver_via(asyncio.get_running_loop()))
+    log.info("worker %s: gRPC on %s:%d, base model %s (digest %s), metrics on %s",
+             runtime.worker_id, settings.worker_host, server.port, runtime.model_dir,
+             runtime.engine.base_digest, settings.worker_metrics_port or "off")
+    try:
+        await server.watch_health(stop)
+    finally:
+        await server.stop()
+        await asyncio.to_thread(runtime.stop)
+
+
+def run_worker(settings: Settings) -> None:
+    """`loraplane serve worker`: serve until SIGINT / SIGTERM."""
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError):
+                loop.add_signal_handler(sig, stop.set)
+        await serve(settings, stop)
+
+    asyncio.run(main())

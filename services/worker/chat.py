@@ -1,0 +1,103 @@
+"""Chat prompts: role/content messages rendered with the base model's own chat template.
+
+Rendered the way transformers' `apply_chat_template(messages, add_generation_prompt=True)`
+does it, so the same conversation gives the same tokens here as in the model's reference
+stack: the template from the model directory (`chat_template` in `tokenizer_config.json`,
+or `chat_template.jinja`), a sandboxed Jinja environment with `trim_blocks` and
+`lstrip_blocks` and the loop-controls extension, the `raise_exception` and `strftime_now`
+globals and a `tojson` filter that does not escape HTML; the special tokens
+(`bos_token`, `eos_token`, …) as template variables; then tokenised without adding
+special tokens (the template writes them).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+                  "mask_token")
+
+
+class ChatTemplateError(ValueError):
+    """The model has no chat template, or the template refused the conversation."""
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+class ChatTemplate:
+    """A compiled chat template and the special tokens it may refer to."""
+
+    def __init__(self, source: str, special_tokens: dict[str, str]) -> None:
+        import jinja2
+        import jinja2.ext
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str) -> None:
+            raise jinja2.exceptions.TemplateError(message)
+
+        def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+                   separators: Any = None, sort_keys: bool = False) -> str:
+            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent,
+                              separators=separators, sort_keys=sort_keys)
+
+        def strftime_now(fmt: str) -> str:
+            return datetime.now().strftime(fmt)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=[jinja2.ext.loopcontrols])
+        env.filters["tojson"] = tojson
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = strftime_now
+        try:
+            self._template = env.from_string(source)
+        except jinja2.exceptions.TemplateError as exc:
+            raise ChatTemplateError(f"the model's chat template does not compile: {exc}") \
+                from exc
+        self.special_tokens = special_tokens
+        self._errors = jinja2.exceptions.TemplateError
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path) -> ChatTemplate | None:
+        """The directory's template, or None when the model has none."""
+        root = Path(model_dir)
+        config: dict[str, Any] = {}
+        config_file = root / "tokenizer_config.json"
+        if config_file.is_file():
+            config = json.loads(config_file.read_text())
+        specials: dict[str, str] = {}
+        legacy = root / "special_tokens_map.json"
+        sources = [json.loads(legacy.read_text())] if legacy.is_file() else []
+        for source in [*sources, config]:
+            for name in SPECIAL_TOKENS:
+                text = _token_text(source.get(name))
+                if text is not None:
+                    specials[name] = text
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: the "default" one
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default")
+        if not isinstance(template, str):
+            jinja_file = root / "chat_template.jinja"
+            template = jinja_file.read_text() if jinja_file.is_file() else None
+        if not template:
+            return None
+        return cls(template, specials)
+
+    def render(self, messages: Sequence[dict[str, str]]) -> str:
+        try:
+            return self._template.render(messages=[dict(m) for m in messages], tools=None,
+                                         documents=None, add_generation_prompt=True,
+                                         **self.special_tokens)
+        except self._errors as exc:
+            raise ChatTemplateError(f"the chat template refused these messages: {exc}") \
+                from exc

@@ -1,0 +1,161 @@
+"""Worker events: acks, heartbeats and request traces, sent by one thread of their own.
+
+Nothing that serves tokens waits on the broker: the engine loop and the gRPC front only
+append to an outbox; this thread numbers the events on the worker's stream
+(`worker/{id}`, gap-free `seq` continuing what the log already holds for it), writes them
+through the project's `EventProducer` in order, and retries with backoff while the broker
+is away (events are kept, in order, not dropped). Request traces are batched into one
+`RequestServed` every `worker_trace_flush_s` (or 200 traces), so the audit store's
+`served_by` answers "which digest served request R" without an event per request.
+A `WorkerHeartbeat` goes out every `heartbeat_interval_s`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+from services.config import Settings
+from services.contracts.events import (
+    Envelope,
+    Payload,
+    RequestServed,
+    ServedRequest,
+    TenantRef,
+    WorkerHeartbeat,
+)
+from services.eventlog import EventLogError, EventProducer
+from services.worker.follower import worker_stream
+
+log = logging.getLogger("loraplane.worker.events")
+
+MAX_TRACES_PER_EVENT = 200
+
+
+class WorkerEvents:
+    """The outbox and the thread that empties it."""
+
+    def __init__(self, settings: Settings, worker_id: str,
+                 heartbeat: Callable[[], WorkerHeartbeat | None],
+                 producer_factory: Callable[[], EventProducer] | None = None) -> None:
+        self.settings = settings
+        self.worker_id = worker_id
+        self.stream = worker_stream(worker_id)
+        self._heartbeat = heartbeat
+        self._factory = producer_factory or (lambda: EventProducer(
+            settings, client_id=f"{worker_id}-events", timeout_s=10.0))
+        self._producer: EventProducer | None = None
+        self._outbox: deque[tuple[Payload, TenantRef | None, str | None]] = deque()
+        self._traces: list[ServedRequest] = []
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._next_seq = 1
+        self._numbered: list[Envelope] = []
+        self.sent = 0
+        self.last_error: str | None = None
+
+    # --- producers of events (any thread) ------------------------------------------------
+
+    def emit(self, payload: Payload, *, tenant: TenantRef | None = None,
+             trace_id: str | None = None) -> None:
+        with self._lock:
+            self._outbox.append((payload, tenant, trace_id))
+        self._wake.set()
+
+    def trace(self, served: ServedRequest) -> None:
+        with self._lock:
+            self._traces.append(served)
+            full = len(self._traces) >= MAX_TRACES_PER_EVENT
+        if full:
+            self._wake.set()
+
+    @property
+    def unsent(self) -> int:
+        with self._lock:
+            return len(self._outbox) + len(self._traces) + len(self._numbered)
+
+    # --- the thread ----------------------------------------------------------------------
+
+    def start(self, last_seq: int) -> None:
+        """Begin sending; `last_seq` is the stream's last number already in the log."""
+        self._next_seq = last_seq + 1
+        self._thread = threading.Thread(target=self._run, name="worker-events", daemon=True)
+        self._thread.start()
+
+    def stop(self, flush_timeout_s: float = 10.0) -> None:
+        """Send what is queued (traces included), then stop."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=flush_timeout_s + 5)
+        if self._producer is not None:
+            try:
+                self._producer.close()
+            except EventLogError as exc:  # pragma: no cover - best effort at shutdown
+                log.warning("closing the event producer: %s", exc)
+
+    def _run(self) -> None:
+        interval = self.settings.heartbeat_interval_s
+        flush = self.settings.worker_trace_flush_s
+        next_beat = time.monotonic()
+        next_flush = time.monotonic() + flush
+        backoff = 0.2
+        while True:
+            now = time.monotonic()
+            stopping = self._stop.is_set()
+            if now >= next_beat and not stopping:
+                beat = self._heartbeat()
+                if beat is not None:
+                    self.emit(beat)
+                next_beat = now + interval
+            if now >= next_flush or stopping or len(self._traces) >= MAX_TRACES_PER_EVENT:
+                self._batch_traces()
+                next_flush = now + flush
+            try:
+                self._send()
+                backoff = 0.2
+            except EventLogError as exc:
+                self.last_error = str(exc)
+                log.warning("worker events not sent yet (%d waiting): %s", self.unsent, exc)
+                self._producer = None
+                if stopping:
+                    return
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 5.0)
+                continue
+            if stopping:
+                return
+            self._wake.wait(max(0.0, min(next_beat, next_flush) - time.monotonic()))
+            self._wake.clear()
+
+    def _batch_traces(self) -> None:
+        with self._lock:
+            traces, self._traces = self._traces, []
+        for start in range(0, len(traces), MAX_TRACES_PER_EVENT):
+            self.emit(RequestServed(worker_id=self.worker_id,
+                                    requests=traces[start:start + MAX_TRACES_PER_EVENT]))
+
+    def _send(self) -> None:
+        """Number what is queued, then write it; on failure the same envelopes (same
+        event ids, same seqs) are written again, so a retry can only duplicate what
+        readers drop by event id, never leave a gap."""
+        with self._lock:
+            items = list(self._outbox)
+            self._outbox.clear()
+        for payload, tenant, trace_id in items:
+            self._numbered.append(Envelope.new(payload, stream=self.stream, seq=self._next_seq,
+                                               actor=self.worker_id, tenant=tenant,
+                                               trace_id=trace_id))
+            self._next_seq += 1
+        if not self._numbered:
+            return
+        if self._producer is None:
+            self._producer = self._factory()
+        self._producer.publish_all([(e, None, None) for e in self._numbered])
+        self.sent += len(self._numbered)
+        self._numbered = []

@@ -1,0 +1,77 @@
+"""The blob tier: the registry's content-addressed store, `GET /v1/blobs/sha256/{digest}`.
+
+The worker authenticates with its own bearer token (role `worker`, which may read blobs
+and nothing else). Bytes are never trusted because of where they came from: the loader
+checks them against the published digest (`AdapterFiles.verify`) like bytes from any
+other tier. Transient failures (connection refused, 5xx, timeouts) are retried a few
+times with backoff and then reported as `BlobUnavailable`; a missing blob or a refused
+token is reported at once, because retrying cannot fix it.
+"""
+
+from __future__ import annotations
+
+import httpx
+from tenacity import (
+    retry,
+    retry_if_exception_type,
+    stop_after_attempt,
+    wait_exponential,
+)
+
+
+class BlobUnavailable(Exception):
+    """The registry could not hand out the blob now; a later try may work."""
+
+
+class BlobMissing(Exception):
+    """The registry has no such blob, or refuses this worker's token: retrying won't help."""
+
+
+class RegistryBlobs:
+    """A small client for the registry's blob route (thread-safe: httpx.Client is)."""
+
+    def __init__(self, base_url: str, token: str | None, *, timeout_s: float = 30.0,
+                 max_bytes: int = 1 << 31, attempts: int = 3) -> None:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.base_url = base_url.rstrip("/")
+        self.max_bytes = max_bytes
+        self._client = httpx.Client(base_url=self.base_url, headers=headers,
+                                    timeout=httpx.Timeout(timeout_s, connect=5.0))
+        self._retrying = retry(
+            retry=retry_if_exception_type(BlobUnavailable),
+            stop=stop_after_attempt(attempts),
+            wait=wait_exponential(multiplier=0.2, max=2.0),
+            reraise=True,
+        )(self._fetch_once)
+
+    def fetch(self, digest: str) -> bytes:
+        """The blob's bytes (unchecked: the caller verifies them against the digest)."""
+        return self._retrying(digest)
+
+    def _fetch_once(self, digest: str) -> bytes:
+        try:
+            with self._client.stream("GET", f"/v1/blobs/sha256/{digest}") as response:
+                if response.status_code in (401, 403):
+                    raise BlobMissing(f"registry refused the worker token for blob {digest} "
+                                      f"({response.status_code}): set LORAPLANE_WORKER_TOKEN "
+                                      "to a token with the worker role")
+                if response.status_code == 404:
+                    raise BlobMissing(f"registry has no blob {digest}")
+                if response.status_code != 200:
+                    raise BlobUnavailable(f"registry answered {response.status_code} for "
+                                          f"blob {digest}")
+                chunks = []
+                size = 0
+                for chunk in response.iter_bytes():
+                    size += len(chunk)
+                    if size > self.max_bytes:
+                        raise BlobMissing(f"blob {digest} is larger than {self.max_bytes} "
+                                          "bytes")
+                    chunks.append(chunk)
+                return b"".join(chunks)
+        except httpx.HTTPError as exc:
+            raise BlobUnavailable(f"cannot fetch blob {digest} from {self.base_url}: "
+                                  f"{exc.__class__.__name__}: {exc}") from exc
+
+    def close(self) -> None:
+        self._client.close()
