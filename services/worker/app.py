@@ -166,6 +166,7 @@ async def serve(settings: Settings, stop: asyncio.Event,
 
 def run_worker(settings: Settings) -> None:
     """`loraplane serve worker`: serve until SIGINT / SIGTERM."""
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per blob fetch is noise
 
     async def main() -> None:
         stop = asyncio.Event()
