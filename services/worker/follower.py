@@ -98,7 +98,7 @@ class CatalogFollower:
         consumer = EventConsumer(self.settings, list(self.settings.topics),
                                  reader_id=self.worker_id, on_rejected=self._rejected)
         try:
-            count = consumer.catch_up(lambda r: self._fold(r.envelope), timeout_s=timeout_s)
+            count = consumer.catch_up(lambda r: self.fold(r.envelope), timeout_s=timeout_s)
         except BaseException:
             consumer.close()
             raise
@@ -132,10 +132,10 @@ class CatalogFollower:
             self._consumer = None
 
     def _fold_record(self, record: Record) -> Envelope:
-        self._fold(record.envelope)
+        self.fold(record.envelope)
         return record.envelope
 
-    def _fold(self, envelope: Envelope) -> None:
+    def fold(self, envelope: Envelope) -> None:
         with self.lock:
             try:
                 self.state.apply(envelope)

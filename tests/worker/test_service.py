@@ -12,6 +12,7 @@ import copy
 import threading
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime
 
 import grpc
 import pytest
@@ -327,3 +328,43 @@ def test_purge_one_tenant_while_another_streams(
     cache = stack.workers["w1"].state_dir / "adapter-cache" / "sha256"
     rival_sha = stack.tail.of("AdapterVersionPublished", adapter_id="rival-bot")[0]
     assert not (cache / rival_sha.payload.sha256[:2] / rival_sha.payload.sha256).exists()
+
+
+def test_health_reflection_prefetch_hints_and_deadlines(stack: Stack) -> None:
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+        ProtoReflectionDescriptorDatabase,
+    )
+
+    from services.contracts.grpc import inference_pb2_grpc as pb_grpc
+
+    w1 = stack.workers["w1"]
+    with grpc.insecure_channel(w1.address) as ch:
+        services = set(ProtoReflectionDescriptorDatabase(ch).get_services())
+        assert {"loraplane.v1.Inference", "loraplane.v1.WorkerControl",
+                "grpc.health.v1.Health"} <= services
+        with stack.publisher() as pub:
+            hinted = publish_files(pub, "hinted", fresh_adapter(71), "v1", TENANT)
+        stack.tail.wait("AdapterVersionPublished", adapter_id="hinted")
+        reply = pb_grpc.WorkerControlStub(ch).Prefetch(pb.PrefetchRequest(
+            adapters=[pb.PinnedVersion(adapter_id="hinted", version=1),
+                      pb.PinnedVersion(adapter_id="nope", version=1)],
+            tier=pb.PREFETCH_TIER_HOST, reason="cold placement"), timeout=10)
+        assert [s.accepted for s in reply.adapters] == [True, False]
+        stack.tail.wait("AdapterLoaded", adapter_id="hinted", tier="host")
+        beat = stack.tail.wait("WorkerHeartbeat", where=lambda e: any(
+            a.adapter_id == "hinted" for a in e.payload.loaded))[-1]
+        assert {(a.adapter_id, a.tier, a.sha256) for a in beat.payload.loaded
+                if a.adapter_id == "hinted"} == {("hinted", "host", hinted["sha256"])}
+        # a deadline that passes mid-stream: the sequence is aborted and its KV freed
+        stub = pb_grpc.InferenceStub(ch)
+        with pytest.raises(grpc.RpcError) as caught:
+            generate(stub, ACME, ids=[30, 31, 32], max_tokens=900, timeout=0.5,
+                     request_id="req-deadline")
+        assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    traces = stack.tail.wait("RequestServed", where=lambda e: any(
+        r.request_id == "req-deadline" for r in e.payload.requests))
+    trace = next(r for e in traces for r in e.payload.requests if r.request_id == "req-deadline")
+    assert trace.status == "aborted" and trace.completion_tokens < 900
+    after = datetime.now(UTC)
+    idle = stack.tail.wait("WorkerHeartbeat", where=lambda e: e.occurred_at > after)[-1]
+    assert idle.payload.free_kv_blocks == 512, "every KV block is free (or cached) again"

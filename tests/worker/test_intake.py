@@ -1,0 +1,136 @@
+"""Request checks name the field; chat prompts render exactly as transformers renders them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer
+
+from services.contracts.grpc import inference_pb2 as pb
+from services.worker.chat import ChatTemplate
+from services.worker.intake import InvalidArgument, PromptRules, work_item
+from tests.worker.engine.tiny_llama import write_tokenizer
+
+TEMPLATE = """{% set ns = namespace(system='') %}
+{%- for m in messages %}
+  {%- if m['role'] == 'system' %}{% set ns.system = m['content'] %}{% continue %}{% endif %}
+  {%- if loop.first and ns.system %}w5 {{ ns.system }} w6 {% endif %}
+  {{ bos_token }} {{ m['role'] | upper }} {{ m['content'] | trim }}
+  {% if m['role'] == 'assistant' %} {{ eos_token }}{% endif %}
+{% endfor %}
+{%- if add_generation_prompt %} w3 {% endif %}"""
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("tok")
+    write_tokenizer(root)
+    tokenizer = Tokenizer.from_file(str(root / "tokenizer.json"))
+    tokenizer.add_special_tokens(["<s>", "</s>"])  # as real tokenizer.json files declare them
+    tokenizer.save(str(root / "tokenizer.json"))
+    (root / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": TEMPLATE, "bos_token": {"content": "<s>", "special": True},
+        "eos_token": "</s>"}))
+    return root
+
+
+@pytest.fixture(scope="module")
+def rules(model_dir: Path) -> PromptRules:
+    return PromptRules(vocab_size=98, max_model_len=64, default_max_tokens=16,
+                       tokenizer=Tokenizer.from_file(str(model_dir / "tokenizer.json")),
+                       chat_template=ChatTemplate.from_model_dir(model_dir))
+
+
+def request(**kw: object) -> pb.GenerateRequest:
+    base = pb.GenerateRequest(tenant=pb.TenantSignature(org_id="acme", team_id="t",
+                                                        project_id="p"))
+    for key, value in kw.items():
+        if key == "ids":
+            base.token_ids.ids.extend(value)  # type: ignore[arg-type]
+        elif key == "sampling":
+            base.sampling.CopyFrom(value)  # type: ignore[arg-type]
+        else:
+            setattr(base, key, value)
+    return base
+
+
+MESSAGES = [{"role": "system", "content": "w40 w41"}, {"role": "user", "content": " w7 w8 "},
+            {"role": "assistant", "content": "w9"}, {"role": "user", "content": "w10 w11"}]
+
+
+def test_chat_matches_transformers_apply_chat_template(model_dir: Path,
+                                                       rules: PromptRules) -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    reference = PreTrainedTokenizerFast(tokenizer_file=str(model_dir / "tokenizer.json"),
+                                        bos_token="<s>", eos_token="</s>")
+    reference.chat_template = TEMPLATE
+    text = reference.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    ids = reference.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True,
+                                        return_dict=False)
+    assert rules.chat_template is not None
+    assert rules.chat_template.render(MESSAGES) == text
+    chat = request()
+    for m in MESSAGES:
+        chat.chat.messages.add(role=m["role"], content=m["content"])
+    assert work_item(chat, rules).prompt_ids == list(ids)
+
+
+def test_a_model_without_a_template_refuses_chat(rules: PromptRules, tmp_path: Path) -> None:
+    assert ChatTemplate.from_model_dir(tmp_path) is None
+    plain = PromptRules(98, 64, 16, tokenizer=rules.tokenizer, chat_template=None)
+    chat = request()
+    chat.chat.messages.add(role="user", content="w4")
+    with pytest.raises(InvalidArgument) as caught:
+        work_item(chat, plain)
+    assert caught.value.field == "chat"
+
+
+@pytest.mark.parametrize(("kw", "field"), [
+    ({}, "prompt"),
+    ({"text": ""}, "prompt.text"),
+    ({"ids": [98]}, "prompt.token_ids"),
+    ({"ids": list(range(3, 70))}, "prompt"),
+    ({"ids": [4], "sampling": pb.SamplingParams(max_tokens=70)}, "sampling.max_tokens"),
+    ({"ids": [4], "sampling": pb.SamplingParams(max_tokens=4, min_tokens=5)},
+     "sampling.min_tokens"),
+    ({"ids": [4], "sampling": pb.SamplingParams(temperature=-1)}, "sampling.temperature"),
+    ({"ids": [4], "sampling": pb.SamplingParams(temperature=float("nan"))},
+     "sampling.temperature"),
+    ({"ids": [4], "sampling": pb.SamplingParams(top_p=1.01)}, "sampling.top_p"),
+    ({"ids": [4], "sampling": pb.SamplingParams(stop=[""])}, "sampling.stop"),
+    ({"ids": [4], "trace_id": "xyz"}, "trace_id"),
+    ({"ids": [4], "request_id": "has space"}, "request_id"),
+])
+def test_bad_requests_name_the_field(rules: PromptRules, kw: dict, field: str) -> None:
+    with pytest.raises(InvalidArgument) as caught:
+        work_item(request(**kw), rules)
+    assert caught.value.field == field, caught.value
+
+
+def test_tenant_and_adapter_fields(rules: PromptRules) -> None:
+    bad = request(ids=[4])
+    bad.tenant.team_id = ""
+    with pytest.raises(InvalidArgument, match=r"tenant\.team_id"):
+        work_item(bad, rules)
+    no_tenant = pb.GenerateRequest(text="w4")
+    with pytest.raises(InvalidArgument, match=r"^tenant"):
+        work_item(no_tenant, rules)
+    pin = request(ids=[4])
+    pin.adapter.pinned.adapter_id = "bot"
+    with pytest.raises(InvalidArgument, match=r"adapter\.pinned\.version"):
+        work_item(pin, rules)
+    pin.adapter.pinned.version = 3
+    assert work_item(pin, rules).adapter.pinned == ("bot", 3)  # type: ignore[union-attr]
+
+
+def test_defaults(rules: PromptRules) -> None:
+    item = work_item(request(text="w4 w5 w6"), rules)
+    assert item.prompt_ids == [4, 5, 6]
+    assert item.sampling.max_tokens == 16 and item.sampling.top_p == 1.0
+    assert item.sampling.greedy and item.qos_tier == "silver"
+    assert len(item.trace_id) == 32 and item.request_id and item.sharing_scope == "default"
+    near_end = work_item(request(ids=list(range(3, 60))), rules)
+    assert near_end.sampling.max_tokens == 64 - 57  # capped by the context, not refused
