@@ -49,7 +49,7 @@ def test_compose_commands_and_env_keys_are_real() -> None:
     fields = set(Settings.model_fields)
     ours = {name: svc for name, svc in compose["services"].items()
             if svc.get("image") == "loraplane:dev"}
-    assert {"migrate", "registry", "audit"} <= set(ours)
+    assert {"migrate", "registry", "audit", "worker"} <= set(ours)
     for name, service in ours.items():
         command = service["command"]
         assert command[0] == "loraplane", name

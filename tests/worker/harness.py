@@ -174,13 +174,14 @@ class EventTail:
 class Stack:
     """Registry + worker processes on one test module's own topics."""
 
-    def __init__(self, settings: Settings, root: Path, model_dir: Path) -> None:
-        self.settings = registry_settings(settings, root / "blobs", lease_interval_s=0.5,
-                                          lease_ttl_s=2.0)
+    def __init__(self, settings: Settings, root: Path, model_dir: Path, *, tail: bool = True,
+                 **registry_overrides: Any) -> None:
+        self.settings = registry_settings(settings, root / "blobs", **{
+            "lease_interval_s": 0.5, "lease_ttl_s": 2.0, **registry_overrides})
         self.root = root
         self.model_dir = model_dir
         self.registry = RunningRegistry(self.settings).start()
-        self.tail = EventTail(self.settings)
+        self.tail = EventTail(self.settings) if tail else None
         self.workers: dict[str, WorkerProcess] = {}
         self.base_digest = checkpoint_digest(model_dir)
 
@@ -217,7 +218,8 @@ class Stack:
     def close(self) -> None:
         for process in self.workers.values():
             process.kill(signal.SIGTERM)
-        self.tail.close()
+        if self.tail is not None:
+            self.tail.close()
         self.registry.stop()
 
 

@@ -1,0 +1,191 @@
+"""Serving overhead: gRPC streaming tokens/s of a worker process vs the bare engine.
+
+The same requests, in the same run, on the same model and adapters: the random Llama and
+workload of `bench/multi_lora.py` (hidden 1024, 8 layers, GQA, vocab 32000, fp32, CPU;
+prompts of 16-512 tokens, 8-128 output tokens each, greedy, `ignore_eos`), over
+`--adapters` PEFT adapters of ranks 8-64 published over REST.
+
+- worker: Apache Kafka (embedded), a registry, one `loraplane serve worker` process; the
+  bench opens one grpc.aio stream per request, all at once, and counts streamed tokens
+  from the first request sent to the last FinalUsage received.
+- engine: `Engine` in this process with the worker's engine settings, the same adapter
+  files loaded, the same requests submitted at once and run to completion.
+
+Each side is warmed up (adapters resident) and run `--repeats` times, alternating; the
+median of each is reported. Target: the worker at least 90% of the engine.
+
+Usage: python bench/serve.py [--requests 32] [--adapters 8] [--repeats 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import grpc
+
+from bench.multi_lora import ATTN, MLP, RANKS, build_base, make_workload, write_adapter
+from services.config import Settings
+from services.contracts.grpc import inference_pb2 as pb
+from services.contracts.grpc import inference_pb2_grpc as pb_grpc
+from services.stack.brokers import ApacheKafka
+from services.worker.app import engine_config
+from services.worker.engine import (
+    AdapterFiles,
+    Engine,
+    GenerationRequest,
+    SamplingParams,
+)
+from tests.conftest import CACHE, isolated_settings
+from tests.registry.conftest import TENANT
+from tests.worker.harness import Stack, peft_files, publish_files, switch
+
+WORKER = {"worker_adapter_slots": 8, "worker_max_lora_rank": 64, "worker_kv_blocks": 4096,
+          "worker_block_size": 16, "worker_max_running": 64,
+          "worker_max_tokens_per_step": 2048, "worker_device": "cpu",
+          "worker_dtype": "float32"}
+
+
+async def grpc_run(address: str, workload: list[dict], names: list[str]) -> tuple[int, float]:
+    tenant = pb.TenantSignature(org_id=TENANT["org"], team_id=TENANT["team"],
+                                project_id=TENANT["project"])
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.InferenceStub(channel)
+
+        async def one(r: dict) -> int:
+            request = pb.GenerateRequest(
+                tenant=tenant, adapter=pb.AdapterRef(alias=names[r["adapter"]]),
+                sampling=pb.SamplingParams(max_tokens=r["max_tokens"], ignore_eos=True))
+            request.token_ids.ids.extend(r["prompt"])
+            tokens = 0
+            async for response in stub.Generate(request, timeout=600):
+                if response.HasField("token"):
+                    tokens += 1
+            return tokens
+
+        started = time.perf_counter()
+        counts = await asyncio.gather(*(one(r) for r in workload))
+        return sum(counts), time.perf_counter() - started
+
+
+_ENGINE: dict[str, object] = {}
+
+
+def engine_open(model_dir: str, adapter_dirs: list[str]) -> None:
+    """In the engine's own process: load the model and adapters once."""
+    settings = Settings().model_copy(update=WORKER)
+    engine = Engine.from_pretrained(model_dir, engine_config(settings))
+    _ENGINE["engine"] = engine
+    _ENGINE["digests"] = [engine.load_adapter(AdapterFiles.from_dir(d)).digest
+                          for d in adapter_dirs]
+
+
+def engine_run(workload: list[dict]) -> tuple[int, float]:
+    """The bare engine on the same requests, all submitted at once, run to completion."""
+    engine: Engine = _ENGINE["engine"]  # type: ignore[assignment]
+    digests: list = _ENGINE["digests"]  # type: ignore[assignment]
+    requests = [GenerationRequest(prompt_token_ids=r["prompt"],
+                                  sampling=SamplingParams(max_tokens=r["max_tokens"],
+                                                          ignore_eos=True),
+                                  adapter_digest=digests[r["adapter"]])
+                for r in workload]
+    started = time.perf_counter()
+    results = engine.generate(requests)
+    return sum(len(r.token_ids) for r in results), time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--adapters", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "serve.json"))
+    args = parser.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="serve-"))
+    broker = ApacheKafka(Settings(cache_dir=CACHE, topic_partitions=3), root / "kafka")
+    broker.start()
+    stack = None
+    try:
+        settings = isolated_settings(broker.bootstrap, None, state_dir=root / "state")
+        base = build_base(root / "base", seed=7)
+        targets = (ATTN, MLP, ATTN + MLP, ("q_proj", "v_proj", "down_proj"))
+        dirs = []
+        for i in range(args.adapters):
+            write_adapter(root / f"a{i}", base.config, RANKS[i % len(RANKS)],
+                          targets[i % len(targets)], seed=100 + i)
+            dirs.append(root / f"a{i}")
+        del base
+        workload = make_workload(args.requests, args.adapters, 32000, seed=1234)
+        stack = Stack(settings, root, root / "base", tail=False,
+                      max_upload_bytes=256 * 1024 * 1024)
+        stack.register_base()
+        names = [f"bench-{i}" for i in range(args.adapters)]
+        with stack.publisher() as pub:
+            for name, folder in zip(names, dirs, strict=True):
+                publish_files(pub, name, peft_files(folder), "v1", TENANT)
+                switch(pub, name, 1)
+        worker = stack.worker("bench-w", heartbeat_interval_s=1.0,
+                              worker_trace_flush_s=0.5, log_level="WARNING", **WORKER)
+        worker.start().wait_serving(300)
+        warm = [{"prompt": [5, 6, 7], "max_tokens": 2, "adapter": i}
+                for i in range(args.adapters)]
+        asyncio.run(grpc_run(worker.address, warm, names))
+        # the bare engine in a process of its own, like the worker's: this one runs the
+        # registry and the gRPC client, whose threads would slow a Python loop here
+        bare = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=engine_open,
+                                   initargs=(str(root / "base"), [str(d) for d in dirs]))
+        bare.submit(engine_run, warm).result()
+        runs: dict[str, list[float]] = {"engine": [], "grpc": []}
+        loads: list[float] = []
+        tokens = 0
+        for _ in range(args.repeats):
+            tokens, seconds = bare.submit(engine_run, workload).result()
+            runs["engine"].append(tokens / seconds)
+            loads.append(os.getloadavg()[0])
+            streamed, seconds = asyncio.run(grpc_run(worker.address, workload, names))
+            assert streamed == tokens, (streamed, tokens)
+            runs["grpc"].append(streamed / seconds)
+            loads.append(os.getloadavg()[0])
+        engine_tok_s = statistics.median(runs["engine"])
+        grpc_tok_s = statistics.median(runs["grpc"])
+        report = {
+            "requests": args.requests, "adapters": args.adapters, "output_tokens": tokens,
+            "model": {"hidden": 1024, "layers": 8, "heads": 16, "kv_heads": 4,
+                      "intermediate": 2816, "vocab": 32000, "dtype": "float32",
+                      "device": "cpu"},
+            "worker_settings": WORKER, "threads": torch.get_num_threads(),
+            "engine_tok_s": round(engine_tok_s, 2), "grpc_tok_s": round(grpc_tok_s, 2),
+            "runs_tok_s": {k: [round(x, 2) for x in v] for k, v in runs.items()},
+            "grpc_vs_engine": round(grpc_tok_s / engine_tok_s, 4),
+            "target_ratio": 0.9,
+            "load_avg_after_runs": [round(x, 2) for x in loads],
+        }
+        report["meets_target"] = report["grpc_vs_engine"] >= 0.9
+        bare.shutdown()
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+        print(json.dumps(report, indent=2))
+    finally:
+        if stack is not None:
+            stack.close()
+        broker.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
