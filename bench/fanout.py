@@ -17,11 +17,8 @@ Usage: python bench/fanout.py [--workers 4] [--events 200] [--rate 20]
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -30,12 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.config import Settings
-from services.stack.brokers import ApacheKafka
-from tests.conftest import CACHE, isolated_settings
 from tests.registry.conftest import TENANT
 from tests.worker.engine.tiny_llama import build_model
-from tests.worker.harness import Stack, fresh_adapter, publish_files, switch
+from tests.worker.harness import bench_stack, fresh_adapter, publish_files, save_report, switch
 
 METRIC = "loraplane_worker_catalog_apply_seconds"
 
@@ -78,15 +72,8 @@ def main() -> None:
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" /
                                              "fanout.json"))
     args = parser.parse_args()
-    root = Path(tempfile.mkdtemp(prefix="fanout-"))
-    broker = ApacheKafka(Settings(cache_dir=CACHE, topic_partitions=3), root / "kafka")
-    broker.start()
-    stack = None
-    try:
-        settings = isolated_settings(broker.bootstrap, None, state_dir=root / "state")
-        build_model(root / "base", max_position_embeddings=256)
-        stack = Stack(settings, root, root / "base")
-        stack.register_base()
+    with bench_stack("fanout", lambda d: build_model(d, max_position_embeddings=256)) as (
+            _, stack):
         with stack.publisher() as pub:
             for version in (1, 2):
                 publish_files(pub, "bot", fresh_adapter(version), f"v{version}", TENANT)
@@ -110,38 +97,31 @@ def main() -> None:
         time.sleep(3.0)
         load_avg = os.getloadavg()
         after = [scrape(w.metrics_port) for w in workers]
-        per_worker = {}
-        merged: dict[float, float] = {}
-        for worker, b, a in zip(workers, before, after, strict=True):
-            delta = {edge: a.get(edge, 0.0) - b.get(edge, 0.0) for edge in a}
-            per_worker[worker.worker_id] = {
-                "events": int(delta[float("inf")]),
-                "p50_ms": round(quantile(0.5, delta) * 1e3, 2),
-                "p99_ms": round(quantile(0.99, delta) * 1e3, 2)}
-            for edge, count in delta.items():
-                merged[edge] = merged.get(edge, 0.0) + count
-        report = {
-            "workers": args.workers, "events_sent": args.events, "rate_per_s": args.rate,
-            "events_applied_total": int(merged[float("inf")]),
-            "p50_ms": round(quantile(0.5, merged) * 1e3, 2),
-            "p99_ms": round(quantile(0.99, merged) * 1e3, 2),
-            "target_p99_ms": 250.0,
-            "per_worker": per_worker,
-            "settings": {"broker": "Apache Kafka (KRaft, embedded), loopback",
-                         "partitions": 3, "consumer": "assign(), fetch.wait.max.ms=10",
-                         "producer": "transactional registry, linger.ms=0",
-                         "lease_interval_s": 0.5, "note": "lease events are counted too"},
-            "load_avg": [round(x, 2) for x in load_avg],
-        }
-        report["meets_target"] = report["p99_ms"] < 250.0
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-        print(json.dumps(report, indent=2))
-    finally:
-        if stack is not None:
-            stack.close()
-        broker.stop()
-        shutil.rmtree(root, ignore_errors=True)
+    per_worker = {}
+    merged: dict[float, float] = {}
+    for worker, b, a in zip(workers, before, after, strict=True):
+        delta = {edge: a.get(edge, 0.0) - b.get(edge, 0.0) for edge in a}
+        per_worker[worker.worker_id] = {
+            "events": int(delta[float("inf")]),
+            "p50_ms": round(quantile(0.5, delta) * 1e3, 2),
+            "p99_ms": round(quantile(0.99, delta) * 1e3, 2)}
+        for edge, count in delta.items():
+            merged[edge] = merged.get(edge, 0.0) + count
+    report = {
+        "workers": args.workers, "events_sent": args.events, "rate_per_s": args.rate,
+        "events_applied_total": int(merged[float("inf")]),
+        "p50_ms": round(quantile(0.5, merged) * 1e3, 2),
+        "p99_ms": round(quantile(0.99, merged) * 1e3, 2),
+        "target_p99_ms": 250.0,
+        "per_worker": per_worker,
+        "settings": {"broker": "Apache Kafka (KRaft, embedded), loopback",
+                     "partitions": 3, "consumer": "assign(), fetch.wait.max.ms=10",
+                     "producer": "transactional registry, linger.ms=0",
+                     "lease_interval_s": 0.5, "note": "lease events are counted too"},
+        "load_avg": [round(x, 2) for x in load_avg],
+    }
+    report["meets_target"] = report["p99_ms"] < 250.0
+    save_report(args.out, report)
 
 
 if __name__ == "__main__":

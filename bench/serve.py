@@ -21,13 +21,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import multiprocessing
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -42,7 +39,6 @@ from bench.multi_lora import ATTN, MLP, RANKS, build_base, make_workload, write_
 from services.config import Settings
 from services.contracts.grpc import inference_pb2 as pb
 from services.contracts.grpc import inference_pb2_grpc as pb_grpc
-from services.stack.brokers import ApacheKafka
 from services.worker.app import engine_config
 from services.worker.engine import (
     AdapterFiles,
@@ -50,9 +46,8 @@ from services.worker.engine import (
     GenerationRequest,
     SamplingParams,
 )
-from tests.conftest import CACHE, isolated_settings
 from tests.registry.conftest import TENANT
-from tests.worker.harness import Stack, peft_files, publish_files, switch
+from tests.worker.harness import bench_stack, peft_files, publish_files, save_report, switch
 
 WORKER = {"worker_adapter_slots": 8, "worker_max_lora_rank": 64, "worker_kv_blocks": 4096,
           "worker_block_size": 16, "worker_max_running": 64,
@@ -115,24 +110,17 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "serve.json"))
     args = parser.parse_args()
-    root = Path(tempfile.mkdtemp(prefix="serve-"))
-    broker = ApacheKafka(Settings(cache_dir=CACHE, topic_partitions=3), root / "kafka")
-    broker.start()
-    stack = None
-    try:
-        settings = isolated_settings(broker.bootstrap, None, state_dir=root / "state")
-        base = build_base(root / "base", seed=7)
+    bases: list = []
+    with bench_stack("serve", lambda d: bases.append(build_base(d, seed=7)), tail=False,
+                     max_upload_bytes=256 * 1024 * 1024) as (root, stack):
         targets = (ATTN, MLP, ATTN + MLP, ("q_proj", "v_proj", "down_proj"))
         dirs = []
         for i in range(args.adapters):
-            write_adapter(root / f"a{i}", base.config, RANKS[i % len(RANKS)],
+            write_adapter(root / f"a{i}", bases[0].config, RANKS[i % len(RANKS)],
                           targets[i % len(targets)], seed=100 + i)
             dirs.append(root / f"a{i}")
-        del base
+        bases.clear()
         workload = make_workload(args.requests, args.adapters, 32000, seed=1234)
-        stack = Stack(settings, root, root / "base", tail=False,
-                      max_upload_bytes=256 * 1024 * 1024)
-        stack.register_base()
         names = [f"bench-{i}" for i in range(args.adapters)]
         with stack.publisher() as pub:
             for name, folder in zip(names, dirs, strict=True):
@@ -161,30 +149,22 @@ def main() -> None:
             assert streamed == tokens, (streamed, tokens)
             runs["grpc"].append(streamed / seconds)
             loads.append(os.getloadavg()[0])
-        engine_tok_s = statistics.median(runs["engine"])
-        grpc_tok_s = statistics.median(runs["grpc"])
-        report = {
-            "requests": args.requests, "adapters": args.adapters, "output_tokens": tokens,
-            "model": {"hidden": 1024, "layers": 8, "heads": 16, "kv_heads": 4,
-                      "intermediate": 2816, "vocab": 32000, "dtype": "float32",
-                      "device": "cpu"},
-            "worker_settings": WORKER, "threads": torch.get_num_threads(),
-            "engine_tok_s": round(engine_tok_s, 2), "grpc_tok_s": round(grpc_tok_s, 2),
-            "runs_tok_s": {k: [round(x, 2) for x in v] for k, v in runs.items()},
-            "grpc_vs_engine": round(grpc_tok_s / engine_tok_s, 4),
-            "target_ratio": 0.9,
-            "load_avg_after_runs": [round(x, 2) for x in loads],
-        }
-        report["meets_target"] = report["grpc_vs_engine"] >= 0.9
         bare.shutdown()
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-        print(json.dumps(report, indent=2))
-    finally:
-        if stack is not None:
-            stack.close()
-        broker.stop()
-        shutil.rmtree(root, ignore_errors=True)
+    engine_tok_s = statistics.median(runs["engine"])
+    grpc_tok_s = statistics.median(runs["grpc"])
+    report = {
+        "requests": args.requests, "adapters": args.adapters, "output_tokens": tokens,
+        "model": {"hidden": 1024, "layers": 8, "heads": 16, "kv_heads": 4,
+                  "intermediate": 2816, "vocab": 32000, "dtype": "float32", "device": "cpu"},
+        "worker_settings": WORKER, "threads": torch.get_num_threads(),
+        "engine_tok_s": round(engine_tok_s, 2), "grpc_tok_s": round(grpc_tok_s, 2),
+        "runs_tok_s": {k: [round(x, 2) for x in v] for k, v in runs.items()},
+        "grpc_vs_engine": round(grpc_tok_s / engine_tok_s, 4),
+        "target_ratio": 0.9,
+        "load_avg_after_runs": [round(x, 2) for x in loads],
+    }
+    report["meets_target"] = report["grpc_vs_engine"] >= 0.9
+    save_report(args.out, report)
 
 
 if __name__ == "__main__":

@@ -292,3 +292,56 @@ def alias(name: str) -> pb.AdapterRef:
 def channel(address: str) -> Iterator[pb_grpc.InferenceStub]:
     with grpc.insecure_channel(address) as ch:
         yield pb_grpc.InferenceStub(ch)
+
+
+@contextlib.contextmanager
+def running_stack(settings: Settings, root: Path, model_dir: Path, database_url: str | None,
+                  **worker: object) -> Iterator[Stack]:
+    """A module's stack: its topics (and schema) already made; the base model registered
+    and worker "w1" serving (with `worker` settings); all of it removed afterwards."""
+    from tests.conftest import drop_isolation
+
+    stack = Stack(settings, root, model_dir)
+    try:
+        stack.register_base()
+        stack.worker("w1", **worker).start().wait_serving()
+        yield stack
+    finally:
+        stack.close()
+        drop_isolation(settings, database_url)
+
+
+@contextlib.contextmanager
+def bench_stack(prefix: str, model: Callable[[Path], object], **stack_kw: Any
+                ) -> Iterator[tuple[Path, Stack]]:
+    """For the benches: an embedded Apache Kafka in a scratch folder, topics of its own, a
+    base model written by `model(dir)`, a registry with it registered; all stopped after."""
+    import shutil
+    import tempfile
+
+    from services.stack.brokers import ApacheKafka
+    from tests.conftest import CACHE, isolated_settings
+
+    root = Path(tempfile.mkdtemp(prefix=f"{prefix}-"))
+    broker = ApacheKafka(Settings(cache_dir=CACHE, topic_partitions=3), root / "kafka")
+    broker.start()
+    stack = None
+    try:
+        settings = isolated_settings(broker.bootstrap, None, state_dir=root / "state")
+        model(root / "base")
+        stack = Stack(settings, root, root / "base", **stack_kw)
+        stack.register_base()
+        yield root, stack
+    finally:
+        if stack is not None:
+            stack.close()
+        broker.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def save_report(out: str | Path, report: dict[str, Any]) -> None:
+    """A bench's figures: written as JSON and printed."""
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report, indent=2))
+

@@ -4,6 +4,7 @@ cancel frees KV, an unreachable registry, soft purge, prefetch hints."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import queue
 import time
@@ -121,8 +122,9 @@ def wait_for(predicate: Any, timeout_s: float = 20.0) -> None:
         time.sleep(0.02)
 
 
-@pytest.fixture
-def rig(served_model: ServedModel, tmp_path: Path) -> Iterator[Rig]:
+@contextlib.contextmanager
+def make_rig(served_model: ServedModel, tmp_path: Path, *, register: bool = True
+             ) -> Iterator[Rig]:
     settings = Settings(state_dir=tmp_path, worker_id="w-test", worker_adapter_slots=2,
                         worker_kv_blocks=128, worker_block_size=4, worker_max_lora_rank=16,
                         worker_page_in_timeout_host_s=20.0, worker_page_in_timeout_blob_s=20.0)
@@ -143,15 +145,41 @@ def rig(served_model: ServedModel, tmp_path: Path) -> Iterator[Rig]:
     loader.start()
     loop.start()
     running = Rig(loop, follower, events, blobs, engine, itertools.count(1))
-    running.fold(BaseModelRegistered(name="tiny", digest=engine.base_digest, config={}),
-                 "base-model/tiny")
+    if register:
+        running.fold(BaseModelRegistered(name="tiny", digest=engine.base_digest, config={}),
+                     "base-model/tiny")
     running.fold(RegistryLease(registry_id="r", epoch=1,
                                expires_at=datetime(2999, 1, 1, tzinfo=UTC)), "registry/lease")
     running.call(loop.initial_sync)
-    assert loop.ready.is_set()
-    yield running
-    loop.stop()
-    loader.stop()
+    try:
+        yield running
+    finally:
+        loop.stop()
+        loader.stop()
+
+
+@pytest.fixture
+def rig(served_model: ServedModel, tmp_path: Path) -> Iterator[Rig]:
+    with make_rig(served_model, tmp_path) as running:
+        assert running.loop.ready.is_set()
+        yield running
+
+
+def test_not_ready_until_the_base_model_is_registered(served_model: ServedModel,
+                                                      tmp_path: Path) -> None:
+    with make_rig(served_model, tmp_path, register=False) as unregistered:
+        loop = unregistered.loop
+        assert not loop.ready.is_set()
+        assert "not registered" in loop.not_ready_reason
+        assert unregistered.engine.base_digest in loop.not_ready_reason
+        refused = end(unregistered.ask())
+        assert isinstance(refused, Refused) and refused.code == "UNAVAILABLE"
+        assert "not registered" in refused.message
+        unregistered.fold(BaseModelRegistered(name="tiny", digest=unregistered.engine.base_digest,
+                                              config={}), "base-model/tiny")
+        wait_for(loop.ready.is_set)
+        assert loop.base_model_name == "tiny"
+        assert isinstance(end(unregistered.ask()), Finished)
 
 
 def test_full_pool_bronze_refused_gold_evicts_platinum_stays(rig: Rig) -> None:
@@ -162,7 +190,7 @@ def test_full_pool_bronze_refused_gold_evicts_platinum_stays(rig: Rig) -> None:
     rig.switch("b1", 1)
     rig.publish("b2", 1, 3, "bronze")
     rig.switch("b2", 1)
-    busy = rig.ask("b1", max_tokens=150)
+    busy = rig.ask("b1", max_tokens=400)
     first_token(busy)
     refused = end(rig.ask("b2"))  # slots: platinum (pinned) + b1 (busy)
     assert isinstance(refused, Refused) and refused.code == "RESOURCE_EXHAUSTED"
@@ -171,6 +199,9 @@ def test_full_pool_bronze_refused_gold_evicts_platinum_stays(rig: Rig) -> None:
     rig.publish("gold", 1, 4, "gold")
     rig.switch("gold", 1)  # ahead of traffic it takes no busy or more important slot
     gold = rig.ask("gold")  # waits for b1's slot, never takes platinum's
+    time.sleep(0.5)
+    assert gold.sink.empty() and rig.state("gold", 1) is AdapterState.LOADING
+    rig.loop.cancel(busy)  # b1 goes idle: now gold may take its slot
     assert isinstance(end(busy), Finished)
     done = end(gold)
     assert isinstance(done, Finished) and done.choice is not None and done.choice.version == 1

@@ -86,22 +86,18 @@ def test_random_walks_take_only_listed_edges(walk: list[Transition]) -> None:
         assert (state, T.PURGE) in TABLE
 
 
-def test_every_state_is_reachable_and_every_slot_holder_can_leave() -> None:
-    reachable = {S.UNLOADED}
-    frontier = [S.UNLOADED]
-    while frontier:
-        here = frontier.pop()
+def reachable_from(start: AdapterState) -> set[AdapterState]:
+    seen, todo = {start}, [start]
+    while todo:
+        here = todo.pop()
         for (s, _), after in TABLE.items():
-            if s is here and after not in reachable:
-                reachable.add(after)
-                frontier.append(after)
-    assert reachable == set(S)
-    for state in HOLDS_SLOT:  # from every slot-holding state UNLOADED is reachable
-        seen, todo = {state}, [state]
-        while todo:
-            here = todo.pop()
-            for (s, _), after in TABLE.items():
-                if s is here and after not in seen:
-                    seen.add(after)
-                    todo.append(after)
-        assert S.UNLOADED in seen, state
+            if s is here and after not in seen:
+                seen.add(after)
+                todo.append(after)
+    return seen
+
+
+def test_every_state_is_reachable_and_every_slot_holder_can_leave() -> None:
+    assert reachable_from(S.UNLOADED) == set(S)
+    for state in HOLDS_SLOT:
+        assert S.UNLOADED in reachable_from(state), state

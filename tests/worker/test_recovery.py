@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from services.contracts.events import Envelope
-from tests.conftest import drop_isolation, isolated_settings
+from tests.conftest import isolated_settings
 from tests.registry.conftest import TENANT, RunningRegistry
 from tests.worker.conftest import ServedModel
 from tests.worker.harness import (
@@ -23,6 +23,7 @@ from tests.worker.harness import (
     generate,
     pinned,
     publish_files,
+    running_stack,
     signature,
     switch,
 )
@@ -35,15 +36,10 @@ ACME = signature("acme", "search", "prod")
 @pytest.fixture(scope="module")
 def stack(kafka_bootstrap: str, served_model: ServedModel,
           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    settings = isolated_settings(kafka_bootstrap, None)
-    running = Stack(settings, tmp_path_factory.mktemp("recovery"), served_model.path)
-    try:
-        running.register_base()
-        running.worker("w1", stale_lease_threshold_s=3).start().wait_serving()
+    with running_stack(isolated_settings(kafka_bootstrap, None),
+                       tmp_path_factory.mktemp("recovery"), served_model.path, None,
+                       stale_lease_threshold_s=3) as running:
         yield running
-    finally:
-        running.close()
-        drop_isolation(settings, None)
 
 
 def device_set(beat: Envelope) -> set[tuple[str, int, str]]:

@@ -22,7 +22,7 @@ from sqlalchemy import Engine, text
 from services.audit.db import make_engine, upgrade
 from services.audit.projector import AuditProjector
 from services.contracts.grpc import inference_pb2 as pb
-from tests.conftest import drop_isolation, isolated_settings
+from tests.conftest import isolated_settings
 from tests.registry.conftest import TENANT
 from tests.worker.conftest import ServedModel
 from tests.worker.harness import (
@@ -34,6 +34,7 @@ from tests.worker.harness import (
     peft_files,
     pinned,
     publish_files,
+    running_stack,
     signature,
     switch,
 )
@@ -47,18 +48,12 @@ RIVAL = {"org": "rival", "team": "x", "project": "y"}
 @pytest.fixture(scope="module")
 def stack(kafka_bootstrap: str, database_url: str, served_model: ServedModel,
           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    settings = isolated_settings(kafka_bootstrap, database_url,
-                                 audit_signing_key="22" * 32)
+    settings = isolated_settings(kafka_bootstrap, database_url, audit_signing_key="22" * 32)
     assert settings.database_url
     upgrade(settings.database_url)
-    running = Stack(settings, tmp_path_factory.mktemp("service"), served_model.path)
-    try:
-        running.register_base()
-        running.worker("w1", worker_adapter_slots=6).start().wait_serving()
+    with running_stack(settings, tmp_path_factory.mktemp("service"), served_model.path,
+                       database_url, worker_adapter_slots=6) as running:
         yield running
-    finally:
-        running.close()
-        drop_isolation(settings, database_url)
 
 
 @pytest.fixture(scope="module")
