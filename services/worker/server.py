@@ -10,7 +10,8 @@ the ticket: the engine aborts the sequence and frees its KV.
 
 Errors: INVALID_ARGUMENT names the field; the serving rule's refusals map to NOT_FOUND,
 PERMISSION_DENIED and FAILED_PRECONDITION; the version wall and not-ready are
-UNAVAILABLE; a full adapter pool is RESOURCE_EXHAUSTED with a `retry-after-ms` trailer.
+UNAVAILABLE; a full adapter pool is RESOURCE_EXHAUSTED with `retry-after` (seconds) and
+`retry-after-ms` trailers, as the router sends them.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -117,8 +119,9 @@ class InferenceService(pb_grpc.InferenceServicer):
     @staticmethod
     async def _refuse(context: grpc.aio.ServicerContext, refused: Refused) -> None:
         trailers: tuple[tuple[str, str], ...] = ()
-        if refused.retry_after_s is not None:
-            trailers = (("retry-after-ms", str(int(refused.retry_after_s * 1000))),)
+        if refused.retry_after_s is not None:  # the router's convention: both forms
+            trailers = (("retry-after", str(max(1, math.ceil(refused.retry_after_s)))),
+                        ("retry-after-ms", str(max(1, round(refused.retry_after_s * 1000)))))
         await context.abort(grpc.StatusCode[refused.code], refused.message,
                             trailing_metadata=trailers)
 
