@@ -224,12 +224,13 @@ class Residency:
                 retryable: bool) -> None:
         for key in keys:
             known = self._versions[key]
-            if not retryable:
-                if self.states.get(key) is S.UNLOADED:
+            state = self.states.get(key)
+            if not retryable and state in (S.UNLOADED, S.LOADING):
+                if state is S.UNLOADED:  # a prefetch found the bytes bad: the load failed
                     self.states.fire(key, T.LOAD)
-                if self.states.fire(key, T.FAIL) is not None:
-                    known.failure = error
-            elif self.states.get(key) is S.LOADING:
+                self.states.fire(key, T.FAIL)
+                known.failure = error
+            elif state is S.LOADING:
                 self.states.fire(key, T.ABANDON)
             self.events.emit(AdapterLoadFailed(worker_id=self.worker_id, adapter_id=key[0],
                                                version=key[1], error=error[:4096],

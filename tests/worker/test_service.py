@@ -121,6 +121,29 @@ def test_publish_then_served_with_its_digest(stack: Stack,
     assert "loraplane_worker_time_to_first_token_seconds_count" in metrics
 
 
+def test_client_router_worker(stack: Stack) -> None:
+    """The whole inference path: a client's token at the router, the router's placement on
+    the worker's heartbeats, the worker's tokens back through the router."""
+    from tests.router.conftest import RunningRouter, bearer, router_settings
+
+    router = RunningRouter(router_settings(stack.settings, heartbeat_interval_s=0.5)).start()
+    try:
+        router.wait_ring({"w1"})
+        request = pb.GenerateRequest(tenant=ACME, adapter=alias("support"),
+                                     sampling=pb.SamplingParams(max_tokens=5, ignore_eos=True))
+        request.token_ids.ids.extend([5, 6, 7, 8])
+        answers = list(router.stub().Generate(request, metadata=bearer("acme"), timeout=60))
+        final = answers[-1].final
+        assert len(answers) == 6 and final.completion_tokens == 5
+        assert (final.worker_id, final.served_adapter.adapter_id,
+                final.served_adapter.version) == ("w1", "support", 1)
+        with pytest.raises(grpc.RpcError) as caught:
+            list(router.stub().Generate(request, metadata=bearer("rival"), timeout=30))
+        assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    finally:
+        router.stop()
+
+
 def test_peft_adapters_give_pefts_greedy_tokens(stack: Stack, served_model: ServedModel) -> None:
     """PEFT adapters (ranks 2-16, attention and MLP, rsLoRA, layers_to_transform) published
     over REST, served concurrently in one batch, token for token what PEFT generates."""
