@@ -2,10 +2,12 @@
 
 Threads: the engine loop (owns the engine), the log follower (replays, then follows the
 log and posts each folded batch to the engine loop), the adapter loader (fetches into the
-host tier), the events sender (acks, heartbeats, traces), and the asyncio thread that
-runs the grpc.aio server. Start order: load the base model and compute its digest, start
-the gRPC server (health NOT_SERVING), replay the log to a barrier of our own, restore
-this worker's adapter states, then serve once the base model is registered.
+host tier), the gate thread (quality gates assigned to this worker, run through the
+engine loop), the events sender (acks, heartbeats, traces, gate results), and the
+asyncio thread that runs the grpc.aio server. Start order: load the base model and
+compute its digest, start the gRPC server (health NOT_SERVING), replay the log to a
+barrier of our own, restore this worker's adapter states, then serve once the base model
+is registered.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 import torch
 
 from services.config import Settings
+from services.contracts.events import Envelope
 from services.worker.chat import ChatTemplate
 from services.worker.engine import (
     AdapterDigest,
@@ -34,6 +37,7 @@ from services.worker.engine import (
 from services.worker.engine_loop import Deliver, EngineLoop, deliver_to_queues
 from services.worker.events import WorkerEvents
 from services.worker.follower import CatalogFollower
+from services.worker.gates import GateWork
 from services.worker.intake import PromptRules
 from services.worker.metrics import WorkerMetrics
 from services.worker.pool.blobs import RegistryBlobs
@@ -90,7 +94,9 @@ class WorkerRuntime:
         self.loop = EngineLoop(settings, self.engine, self.follower, self.events, self.metrics,
                                self.host, self.disk, self.loader, self.worker_id,
                                model_dir=self.model_dir)
-        self.follower.on_batch = self.loop.on_catalog
+        self.gates = GateWork(self.engine, self.worker_id, self.follower, self.loader,
+                              self.blobs, self.events.emit, self.loop.start_gate)
+        self.follower.on_batch = self._on_batch
         capacity = self.engine.config.num_kv_blocks * self.engine.config.block_size
         self.rules = PromptRules(
             vocab_size=cfg.vocab_size,
@@ -103,6 +109,10 @@ class WorkerRuntime:
         self.gate = Gate(self.loop, self.wall)
         self._stop = threading.Event()
         self._follow: threading.Thread | None = None
+
+    def _on_batch(self, batch: list[Envelope]) -> None:
+        self.loop.on_catalog(batch)
+        self.gates.poke()
 
     def _parse(self, files: AdapterFiles, digest: AdapterDigest) -> LoraAdapter:
         return parse_adapter(files, self.engine.model.cfg, digest)
@@ -134,12 +144,14 @@ class WorkerRuntime:
         log.info("worker %s replayed %d events", self.worker_id, count)
         self.events.start(self.follower.own.last_seq)
         self.loop.post(self.loop.initial_sync)
+        self.gates.start()
         self.follower.run(self._stop)
 
     def stop(self) -> None:
         self._stop.set()
         if self._follow is not None:
             self._follow.join(timeout=10)
+        self.gates.stop()
         self.loop.stop()
         self.loader.stop()
         self.events.stop()

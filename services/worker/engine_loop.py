@@ -37,17 +37,21 @@ from services.contracts.events import (
     AdapterVersionPublished,
     AdapterVersionSwitched,
     Envelope,
+    QualityGateCompleted,
     ServedRequest,
     TenantPurgeRequested,
     TrafficSplitChanged,
     WorkerHeartbeat,
 )
+from services.release.gate_runner import GateRun
 from services.worker.engine import (
     AdapterDigest,
     AdapterNotLoadedError,
     Engine,
+    EngineError,
     GenerationRequest,
     GenerationResult,
+    LoraAdapter,
     QosTier,
     RequestError,
     TokenEvent,
@@ -143,6 +147,19 @@ class Ticket:
 Deliver = Callable[[list[tuple[Ticket, list[Output]]]], None]
 
 
+@dataclass
+class GateInFlight:
+    """A quality-gate run inside the engine: its requests, their results, its slots."""
+
+    run: GateRun
+    adapters: dict[AdapterDigest, LoraAdapter]
+    done: Callable[[QualityGateCompleted], None]
+    results: dict[str, GenerationResult] = field(default_factory=dict)
+    pending: set[str] = field(default_factory=set)
+    placed: list[AdapterDigest] = field(default_factory=list)
+    held: list[AdapterDigest] = field(default_factory=list)
+
+
 def deliver_to_queues(batch: list[tuple[Ticket, list[Output]]]) -> None:
     """Default `deliver`: each ticket's sink is a thread-safe queue (tests, benches)."""
     for ticket, outputs in batch:
@@ -172,6 +189,10 @@ class EngineLoop:
         self._parked: dict[AdapterDigest, list[Ticket]] = {}
         self._draining: dict[str, Purge] = {}
         self._out: dict[int, tuple[Ticket, list[Output]]] = {}
+        self._gates: dict[str, GateInFlight] = {}
+        self._gate_requests: dict[str, str] = {}
+        self._gates_waiting: list[GateInFlight] = []
+        self._gates_tried = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.synced = False
@@ -536,6 +557,11 @@ class EngineLoop:
             if not tickets:
                 self._parked.pop(digest, None)
         self.residency.retry_slot_waits(self.settings.worker_page_in_timeout_blob_s)
+        if self._gates_waiting and now - self._gates_tried > 1.0:
+            self._gates_tried = now
+            waiting, self._gates_waiting = self._gates_waiting, []
+            for gate in waiting:
+                self._start_gate(gate)
         self.residency.finish_switches()
         if self._draining:
             self._soft_purges()
@@ -546,6 +572,10 @@ class EngineLoop:
             result = self.engine.pop_result(rid)
             if result is not None:
                 self._finish(ticket, result)
+        for rid in list(self._gate_requests):
+            result = self.engine.pop_result(rid)
+            if result is not None:
+                self._gate_result(rid, result)
 
     def _step(self) -> None:
         started = time.monotonic()
@@ -569,6 +599,10 @@ class EngineLoop:
         for event in events:
             ticket = self._running.get(event.request_id)
             if ticket is None:
+                if event.finished and event.request_id in self._gate_requests:
+                    result = self.engine.pop_result(event.request_id)
+                    if result is not None:
+                        self._gate_result(event.request_id, result)
                 continue
             if event.token_id is not None:
                 tokens += 1
@@ -618,6 +652,71 @@ class EngineLoop:
             base_model_digest=self.base_digest, prompt_tokens=prompt,
             completion_tokens=completion, started_at=ticket.started_at,
             finished_at=datetime.now(UTC), status=status))  # type: ignore[arg-type]
+
+    # --- quality gates (runs handed over by services.worker.gates) -----------------------
+
+    def start_gate(self, run: GateRun, adapters: dict[AdapterDigest, LoraAdapter],
+                   done: Callable[[QualityGateCompleted], None]) -> None:
+        """Run a gate among the serving traffic (any thread); `done` gets the result."""
+        self.post(lambda: self._start_gate(GateInFlight(run, adapters, done)))
+
+    def _start_gate(self, gate: GateInFlight) -> None:
+        pools = self.engine.adapters
+        for digest, adapter in gate.adapters.items():
+            if not pools.is_loaded(digest):
+                if not pools.free_slots and not self.residency.make_room_for_gate():
+                    self._release_gate(gate)  # no slot it may take now: try again later
+                    self._gates_waiting.append(gate)
+                    return
+                try:
+                    pools.place(adapter)
+                except EngineError as exc:
+                    self._release_gate(gate)
+                    gate.done(gate.run.failed(f"{type(exc).__name__}: {exc}"))
+                    return
+                gate.placed.append(digest)
+            self.residency.hold(digest)
+            gate.held.append(digest)
+        try:
+            for request in gate.run.requests():
+                self.engine.submit(request)
+                gate.pending.add(request.request_id)
+                self._gate_requests[request.request_id] = gate.run.job.gate_id
+        except EngineError as exc:
+            for rid in gate.pending:
+                self.engine.abort(rid)
+                self.engine.pop_result(rid)
+                self._gate_requests.pop(rid, None)
+            self._release_gate(gate)
+            gate.done(gate.run.failed(f"{type(exc).__name__}: {exc}"))
+            return
+        self._gates[gate.run.job.gate_id] = gate
+
+    def _gate_result(self, rid: str, result: GenerationResult) -> None:
+        gate = self._gates.get(self._gate_requests.pop(rid, ""))
+        if gate is None:
+            return
+        gate.pending.discard(rid)
+        gate.results[rid] = result
+        if gate.pending:
+            return
+        del self._gates[gate.run.job.gate_id]
+        self._release_gate(gate)
+        try:
+            answer = gate.run.result(gate.results)
+        except Exception as exc:  # a check that cannot be evaluated fails the gate
+            log.exception("gate %s", gate.run.job.gate_id)
+            answer = gate.run.failed(f"{type(exc).__name__}: {exc}")
+        gate.done(answer)
+
+    def _release_gate(self, gate: GateInFlight) -> None:
+        """Let go of the gate's slots; unload those it placed that nothing else holds."""
+        for digest in gate.held:
+            self.residency.release(digest)
+        gate.held = []
+        for digest in gate.placed:
+            self.residency.drop_if_unheld(digest)
+        gate.placed = []
 
     # --- router hints ----------------------------------------------------------------------
 

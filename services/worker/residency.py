@@ -124,6 +124,7 @@ class Residency:
         self._leaving: dict[VersionKey, Transition] = {}
         self._history: dict[AdapterDigest, AccessHistory] = {}
         self._handled_purges: set[str] = set()
+        self._gate_holds: dict[AdapterDigest, int] = {}
 
     # --- queries ---------------------------------------------------------------------------
 
@@ -321,7 +322,8 @@ class Residency:
             if not holders or not pools.is_loaded(digest):
                 continue
             info = pools.info(digest)
-            if info.pinned or info.active_sequences or self.waiters.has_waiters(digest):
+            if (info.pinned or info.active_sequences or self.waiters.has_waiters(digest)
+                    or self._gate_holds.get(digest)):
                 continue
             if any(self.states.get(k) is not S.LOADED for k in holders):
                 continue
@@ -360,6 +362,36 @@ class Residency:
                                              reason=reason),
                              tenant=self._versions[key].choice.tenant)
         return freed
+
+    # --- slots lent to quality-gate runs ------------------------------------------------
+
+    def hold(self, digest: AdapterDigest) -> None:
+        """A gate run uses this slot: it is not evicted until `release`."""
+        self._gate_holds[digest] = self._gate_holds.get(digest, 0) + 1
+
+    def release(self, digest: AdapterDigest) -> None:
+        left = self._gate_holds.get(digest, 0) - 1
+        if left > 0:
+            self._gate_holds[digest] = left
+        else:
+            self._gate_holds.pop(digest, None)
+
+    def drop_if_unheld(self, digest: AdapterDigest) -> None:
+        """Unload (and zero) a slot a gate placed, unless a version or a gate holds it."""
+        pools = self.engine.adapters
+        if (self._holders.get(digest) or self._gate_holds.get(digest)
+                or not pools.is_loaded(digest) or pools.info(digest).active_sequences):
+            return
+        result = self.engine.invalidate_adapter(digest)
+        pools.unload(digest)
+        if result.blocks_freed:
+            self.events.emit(KVInvalidated(worker_id=self.worker_id, reason="unload",
+                                           adapter_sha256=digest.sha256,
+                                           blocks_freed=result.blocks_freed))
+
+    def make_room_for_gate(self) -> bool:
+        """A gate runs at the lowest tier: it may take only an idle bronze adapter's slot."""
+        return self._make_room("bronze")
 
     # --- following the catalog -------------------------------------------------------------
 

@@ -215,6 +215,14 @@ class Stack:
         self.workers[worker_id] = process
         return process
 
+    def wait_live(self, worker_id: str, timeout_s: float = 30.0) -> None:
+        """Until the registry has folded a heartbeat of the worker (purges and quality
+        gates are decided on the workers the registry sees live)."""
+        deadline = time.monotonic() + timeout_s
+        while worker_id not in self.registry.node.state.heartbeats:
+            assert time.monotonic() < deadline, f"the registry never saw {worker_id} live"
+            time.sleep(0.05)
+
     def close(self) -> None:
         for process in self.workers.values():
             process.kill(signal.SIGTERM)
@@ -305,6 +313,7 @@ def running_stack(settings: Settings, root: Path, model_dir: Path, database_url:
     try:
         stack.register_base()
         stack.worker("w1", **worker).start().wait_serving()
+        stack.wait_live("w1")
         yield stack
     finally:
         stack.close()

@@ -386,3 +386,46 @@ def test_health_reflection_prefetch_hints_and_deadlines(stack: Stack) -> None:
     after = datetime.now(UTC)
     idle = stack.tail.wait("WorkerHeartbeat", where=lambda e: e.occurred_at > after)[-1]
     assert idle.payload.free_kv_blocks == 512, "every KV block is free (or cached) again"
+
+
+def test_quality_gates_run_on_the_worker(stack: Stack) -> None:
+    """A version published with a regression set is gated by the live worker on its base:
+    the worker runs base, previous and new through its engine among the traffic and writes
+    the result; a passed gate lets the version serve, a failed one keeps it off."""
+    import json
+
+    def case(pattern: str) -> bytes:
+        return (json.dumps({"id": "c1", "prompt_token_ids": [5, 6, 7], "max_tokens": 4,
+                            "checks": [{"type": "regex", "pattern": pattern}]}) + "\n").encode()
+
+    def publish_gated(label: str, seed: int, pattern: str) -> int:
+        files = fresh_adapter(seed)
+        with stack.publisher() as pub:
+            response = pub.post("/v1/adapters/gated/versions", data={
+                **TENANT, "owner": "alice@acme", "base_model": "tiny-llama", "label": label},
+                files={"adapter_config": ("adapter_config.json", files.config),
+                       "adapter_model": ("adapter_model.safetensors", files.weights),
+                       "regression_set": ("set.jsonl", case(pattern))})
+        assert response.status_code == 201, response.text
+        return int(response.json()["version"])
+
+    good = publish_gated("good", 81, r"^w\d+( w\d+)*$")  # any output of the tiny vocabulary
+    done = stack.tail.wait("QualityGateCompleted", version=good, timeout_s=60)[0].payload
+    assert done.worker_id == "w1" and done.passed and done.error is None
+    assert [o.role for o in done.cases[0].outputs] == ["base", "new"]
+    with stack.publisher() as pub:
+        switch(pub, "gated", good)
+    with channel(stack.workers["w1"].address) as stub:
+        _, final = generate(stub, ACME, adapter=alias("gated"), ids=[5, 6, 7], max_tokens=4)
+    assert final.served_adapter.version == good
+    bad = publish_gated("bad", 82, r"^never$")
+    failed = stack.tail.wait("QualityGateCompleted", version=bad, timeout_s=60)[0].payload
+    assert not failed.passed and failed.baseline_version == good
+    assert [o.role for o in failed.cases[0].outputs] == ["base", "previous", "new"]
+    with stack.publisher() as pub:
+        refused = pub.put("/v1/adapters/gated/active", json={"version": bad})
+    assert refused.status_code == 409 and "quality gate" in refused.text
+    with channel(stack.workers["w1"].address) as stub, pytest.raises(grpc.RpcError) as caught:
+        generate(stub, ACME, adapter=pinned("gated", bad), ids=[5, 6, 7])
+    assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
