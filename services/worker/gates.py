@@ -8,7 +8,7 @@ A gate thread (nothing here blocks the engine loop or the log follower for long)
    into the host tier through the worker's own loader, so their bytes are checked against
    the published digests like any other fetch;
 3. hands the run to the engine loop (`EngineLoop.start_gate`), which places the adapters
-   in slots that no serving request is using (never evicting anything but an idle bronze
+   in slots that no serving request is using (evicting at most an idle silver or bronze
    adapter, and holding the slots until the run ends), submits the run's requests at the
    lowest QoS tier under the adapter's tenant key, and returns the result when the last
    one finishes;

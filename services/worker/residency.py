@@ -390,8 +390,9 @@ class Residency:
                                            blocks_freed=result.blocks_freed))
 
     def make_room_for_gate(self) -> bool:
-        """A gate runs at the lowest tier: it may take only an idle bronze adapter's slot."""
-        return self._make_room("bronze")
+        """A gate is a short batch job: it may take the slot of an idle silver or bronze
+        adapter (reloaded from the host tier when next asked for), never gold or platinum."""
+        return self._make_room("silver")
 
     # --- following the catalog -------------------------------------------------------------
 
