@@ -30,7 +30,7 @@ from services.contracts.events import Envelope
 from services.contracts.grpc import inference_pb2 as pb
 from services.contracts.grpc import inference_pb2_grpc as pb_grpc
 from services.eventlog import EventConsumer
-from services.stack.process import free_port
+from services.stack.process import ChildProcess, free_port
 from services.worker.engine import checkpoint_digest
 from tests.conftest import REPO
 from tests.registry.artifacts import AdapterFiles, build_adapter
@@ -71,17 +71,19 @@ class WorkerProcess:
     state_dir: Path
     env: dict[str, str]
     proc: subprocess.Popen[bytes] | None = None
+    child: ChildProcess | None = None
     log_path: Path = field(init=False)
 
     def __post_init__(self) -> None:
         self.log_path = self.state_dir / f"{self.worker_id}.log"
 
     def start(self) -> WorkerProcess:
+        """Start the process; it dies with this one (parent-death signal), even on kill -9."""
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "services.cli", "serve", "worker"], cwd=REPO,
-                env=self.env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.child = ChildProcess(self.worker_id,
+                                  [sys.executable, "-m", "services.cli", "serve", "worker"],
+                                  self.log_path, env=self.env, cwd=REPO)
+        self.proc = self.child.proc
         return self
 
     @property
@@ -113,13 +115,8 @@ class WorkerProcess:
         raise AssertionError(f"worker {self.worker_id} never served:\n{self.log_tail()}")
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        if self.child is not None:
+            self.child.stop(sig, timeout=30)
 
     def metrics(self) -> str:
         return httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).text
