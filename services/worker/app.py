@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import logging
 import signal
-import threading
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -82,7 +81,7 @@ class WorkerRuntime:
         self.engine = engine or Engine.from_pretrained(self.model_dir, engine_config(settings))
         cfg = self.engine.model.cfg
         self.metrics = WorkerMetrics()
-        self.follower = CatalogFollower(settings, self.worker_id)
+        self.follower = CatalogFollower(settings, self.worker_id, on_ready=self._caught_up)
         self.host = HostCache(settings.worker_host_cache_bytes,
                               pin=self.engine.model.device.type == "cuda")
         self.disk = DiskCache(settings.adapter_cache_dir, settings.worker_disk_cache_bytes)
@@ -107,8 +106,6 @@ class WorkerRuntime:
             chat_template=ChatTemplate.from_model_dir(self.model_dir)
             if settings.base_model else None)
         self.gate = Gate(self.loop, self.wall)
-        self._stop = threading.Event()
-        self._follow: threading.Thread | None = None
 
     def _on_batch(self, batch: list[Envelope]) -> None:
         self.loop.on_catalog(batch)
@@ -126,31 +123,18 @@ class WorkerRuntime:
         self.metrics.serve(self.settings.worker_metrics_port, self.settings.worker_host)
         self.loader.start()
         self.loop.start()
-        self._follow = threading.Thread(target=self._follow_log, name="log-follower",
-                                        daemon=True)
-        self._follow.start()
+        self.follower.start()  # replays (from its snapshot), then `_caught_up`
 
-    def _follow_log(self) -> None:
-        """Replay (retrying while the broker is away), restore, then follow."""
-        while not self._stop.is_set():
-            try:
-                count = self.follower.open()
-                break
-            except Exception as exc:
-                log.warning("worker %s cannot replay the log yet: %s", self.worker_id, exc)
-                self._stop.wait(1.0)
-        else:
-            return
-        log.info("worker %s replayed %d events", self.worker_id, count)
-        self.events.start(self.follower.own.last_seq)
+    def _caught_up(self) -> None:
+        """Replayed (the follower's thread): number new events after what the log holds,
+        restore this worker's adapter states, take gates."""
+        log.info("worker %s replayed the log", self.worker_id)
+        self.events.start(dict(self.follower.own.last_seq))
         self.loop.post(self.loop.initial_sync)
         self.gates.start()
-        self.follower.run(self._stop)
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._follow is not None:
-            self._follow.join(timeout=10)
+        self.follower.stop()
         self.gates.stop()
         self.loop.stop()
         self.loader.stop()

@@ -1,8 +1,9 @@
 """Worker events: acks, heartbeats and request traces, sent by one thread of their own.
 
 Nothing that serves tokens waits on the broker: the engine loop and the gRPC front only
-append to an outbox; this thread numbers the events on the worker's stream
-(`worker/{id}`, gap-free `seq` continuing what the log already holds for it), writes them
+append to an outbox; this thread numbers the events on the worker's streams (`worker/{id}`
+on worker-events; heartbeats on `heartbeat/{id}` on the liveness topic; gap-free `seq`
+continuing what the log already holds for each), writes them
 through the project's `EventProducer` in order, and retries with backoff while the broker
 is away (events are kept, in order, not dropped). Request traces are batched into one
 `RequestServed` every `worker_trace_flush_s` (or 200 traces), so the audit store's
@@ -18,6 +19,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+from services.catalog.state import heartbeat_stream
 from services.config import Settings
 from services.contracts.events import (
     Envelope,
@@ -44,6 +46,7 @@ class WorkerEvents:
         self.settings = settings
         self.worker_id = worker_id
         self.stream = worker_stream(worker_id)
+        self.beats = heartbeat_stream(worker_id)
         self._heartbeat = heartbeat
         self._factory = producer_factory or (lambda: EventProducer(
             settings, client_id=f"{worker_id}-events", timeout_s=10.0))
@@ -54,7 +57,7 @@ class WorkerEvents:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._next_seq = 1
+        self._next_seq: dict[str, int] = {}
         self._numbered: list[Envelope] = []
         self.sent = 0
         self.last_error: str | None = None
@@ -81,9 +84,10 @@ class WorkerEvents:
 
     # --- the thread ----------------------------------------------------------------------
 
-    def start(self, last_seq: int) -> None:
-        """Begin sending; `last_seq` is the stream's last number already in the log."""
-        self._next_seq = last_seq + 1
+    def start(self, last_seq: dict[str, int]) -> None:
+        """Begin sending; `last_seq` is each stream's last number already in the log."""
+        self._next_seq = {stream: last_seq.get(stream, 0) + 1
+                          for stream in (self.stream, self.beats)}
         self._thread = threading.Thread(target=self._run, name="worker-events", daemon=True)
         self._thread.start()
 
@@ -148,10 +152,12 @@ class WorkerEvents:
             items = list(self._outbox)
             self._outbox.clear()
         for payload, tenant, trace_id in items:
-            self._numbered.append(Envelope.new(payload, stream=self.stream, seq=self._next_seq,
+            stream = self.beats if isinstance(payload, WorkerHeartbeat) else self.stream
+            self._numbered.append(Envelope.new(payload, stream=stream,
+                                               seq=self._next_seq[stream],
                                                actor=self.worker_id, tenant=tenant,
                                                trace_id=trace_id))
-            self._next_seq += 1
+            self._next_seq[stream] += 1
         if not self._numbered:
             return
         if self._producer is None:

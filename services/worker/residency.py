@@ -209,7 +209,7 @@ class Residency:
         hosted = self._prefetching.pop(digest, set()) - keys
         if result.adapter is None:
             self._failed(digest, keys | hosted, result.error or "load failed",
-                         retryable=result.retryable)
+                         retryable=result.retryable, refusal=result.refusal)
             return
         for key in hosted:
             known = self._versions[key]
@@ -222,7 +222,7 @@ class Residency:
             self._place(digest, result.adapter, result.source)
 
     def _failed(self, digest: AdapterDigest, keys: Iterable[VersionKey], error: str, *,
-                retryable: bool) -> None:
+                retryable: bool, refusal: str | None = None) -> None:
         for key in keys:
             known = self._versions[key]
             state = self.states.get(key)
@@ -238,8 +238,10 @@ class Residency:
                                                retryable=retryable),
                              tenant=known.choice.tenant)
         if retryable:
-            self.waiters.adapter_unavailable(digest, "UNAVAILABLE",
-                                             f"adapter could not be loaded: {error}", 1.0)
+            code = refusal or "UNAVAILABLE"
+            self.waiters.adapter_unavailable(digest, code,
+                                             f"adapter could not be loaded: {error}",
+                                             1.0 if code == "UNAVAILABLE" else None)
         else:
             self.waiters.adapter_unavailable(
                 digest, "FAILED_PRECONDITION",

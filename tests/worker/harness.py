@@ -53,7 +53,7 @@ def worker_env(settings: Settings, **values: object) -> dict[str, str]:
     """The process environment a worker gets: only LORAPLANE_* settings."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("LORAPLANE_")}
     fields = {"kafka_bootstrap", "adapter_events_topic", "worker_events_topic",
-              "dead_letter_topic", "topic_partitions", "cache_dir"}
+              "dead_letter_topic", "liveness_topic", "topic_partitions", "cache_dir"}
     for name in fields:
         env[f"LORAPLANE_{name.upper()}"] = str(getattr(settings, name))
     for name, value in values.items():

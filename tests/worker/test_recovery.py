@@ -61,13 +61,11 @@ def test_kill_9_and_restart_replays_to_the_same_adapter_states(stack: Stack) -> 
         publish_files(pub, "moved", fresh_adapter(63), "v1", TENANT)
         switch(pub, "moved", 1)
         moved2 = publish_files(pub, "moved", fresh_adapter(64), "v2", TENANT)
-        bad = publish_files(pub, "bad", fresh_adapter(65), "v1", TENANT)
+        # valid for the registry (rank <= 128), beyond this worker's slots (rank <= 16):
+        # it fails to load here for good
+        publish_files(pub, "bad", fresh_adapter(65, rank=32), "v1", TENANT)
         switch(pub, "bad", 1)
     stack.tail.wait("AdapterVersionSwitched", adapter_id="bad")
-    blob = stack.settings.blob_root / "sha256" / bad["sha256"][:2] / bad["sha256"]
-    data = bytearray(blob.read_bytes())
-    data[-1] ^= 0xFF  # same size, last byte changed
-    blob.write_bytes(bytes(data))
     w1 = stack.workers["w1"]
     with channel(w1.address) as stub:
         generate(stub, ACME, adapter=alias("served"), ids=[4, 5, 6])

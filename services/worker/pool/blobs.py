@@ -4,11 +4,14 @@ The worker authenticates with its own bearer token (role `worker`, which may rea
 and nothing else). Bytes are never trusted because of where they came from: the loader
 checks them against the published digest (`AdapterFiles.verify`) like bytes from any
 other tier. Transient failures (connection refused, 5xx, timeouts) are retried a few
-times with backoff and then reported as `BlobUnavailable`; a missing blob or a refused
-token is reported at once, because retrying cannot fix it.
+times with backoff and then reported as `BlobUnavailable`; a missing blob, a refused token
+or a copy the registry found corrupted (RFC 9457 problem `blob_corrupted`) is reported at
+once, because retrying cannot fix it.
 """
 
 from __future__ import annotations
+
+import json
 
 import httpx
 from tenacity import (
@@ -25,6 +28,11 @@ class BlobUnavailable(Exception):
 
 class BlobMissing(Exception):
     """The registry has no such blob, or refuses this worker's token: retrying won't help."""
+
+
+class BlobCorrupted(Exception):
+    """The registry's stored copy no longer hashes to its name, so it sends nothing (500
+    `blob_corrupted`). Retrying won't help until the adapter is published again."""
 
 
 class RegistryBlobs:
@@ -58,8 +66,12 @@ class RegistryBlobs:
                 if response.status_code == 404:
                     raise BlobMissing(f"registry has no blob {digest}")
                 if response.status_code != 200:
+                    problem = _problem(response)
+                    if problem.get("code") == "blob_corrupted":
+                        raise BlobCorrupted(problem.get("detail") or f"blob {digest} is "
+                                            "corrupted in the registry's store")
                     raise BlobUnavailable(f"registry answered {response.status_code} for "
-                                          f"blob {digest}")
+                                          f"blob {digest}: {problem.get('detail', '')}")
                 chunks = []
                 size = 0
                 for chunk in response.iter_bytes():
@@ -75,3 +87,13 @@ class RegistryBlobs:
 
     def close(self) -> None:
         self._client.close()
+
+
+def _problem(response: httpx.Response) -> dict[str, object]:
+    """The RFC 9457 problem of an error answer, or {} when it has none."""
+    try:
+        body = json.loads(response.read() or b"{}")
+    except ValueError:
+        return {}
+    return body if isinstance(body, dict) else {}
+

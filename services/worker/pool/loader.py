@@ -30,7 +30,12 @@ from services.worker.engine import (
     AdapterFiles,
     LoraAdapter,
 )
-from services.worker.pool.blobs import BlobMissing, BlobUnavailable, RegistryBlobs
+from services.worker.pool.blobs import (
+    BlobCorrupted,
+    BlobMissing,
+    BlobUnavailable,
+    RegistryBlobs,
+)
 from services.worker.pool.disk import DiskCache
 from services.worker.pool.host import HostCache
 from services.worker.pool.tiers import QOS_RANK, Tier
@@ -52,6 +57,8 @@ class FetchResult:
     error: str | None = None
     retryable: bool = False
     """False for a digest mismatch or an invalid adapter: the version is FAILED for good."""
+    refusal: str | None = None
+    """The status a waiting request gets, when not the default for `retryable`."""
 
 
 class AdapterLoader:
@@ -144,6 +151,10 @@ class AdapterLoader:
             except (BlobUnavailable, BlobMissing) as exc:  # no verdict on the bytes
                 return FetchResult(digest, None, source, time.perf_counter() - started,
                                    str(exc), retryable=True)
+            except BlobCorrupted as exc:  # not FAILED: publishing the bytes again repairs it
+                return FetchResult(digest, None, source, time.perf_counter() - started,
+                                   f"the registry's copy is corrupted: {exc}", retryable=True,
+                                   refusal="FAILED_PRECONDITION")
         try:
             if source is Tier.BLOB:
                 files.verify(digest)
