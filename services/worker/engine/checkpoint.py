@@ -10,8 +10,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -98,40 +100,15 @@ def load_checkpoint(
     model_dir: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu"
 ) -> Checkpoint:
     """Load and validate `config.json` and the safetensors weights of a model directory."""
-    root = Path(model_dir)
-    if not root.is_dir():
-        raise CheckpointError("model directory does not exist")
+    root = _model_root(model_dir)
     cfg = ModelConfig.from_dir(root)
     target = parse_dtype(dtype)
-    files = _shard_files(root)
-    shapes = expected_shapes(cfg)
-    for name, shape in shapes.items():
-        if name not in files:
-            raise CheckpointError(f"missing tensor {name} (expected shape {list(shape)})")
-    by_file: dict[Path, list[str]] = {}
-    for name in sorted(shapes):
-        by_file.setdefault(files[name], []).append(name)
-    tensors: dict[str, torch.Tensor] = {}
-    for file, names in by_file.items():
-        with safe_open(str(file), framework="pt") as f:
-            for name in names:
-                t = f.get_tensor(name)
-                if tuple(t.shape) != shapes[name]:
-                    raise CheckpointError(
-                        f"tensor {name} has shape {list(t.shape)}, expected {list(shapes[name])}"
-                    )
-                tensors[name] = t
     digest = hashlib.sha256()
-    for name in sorted(tensors):
-        t = tensors[name].contiguous()
+    tensors: dict[str, torch.Tensor] = {}
+    for name, t in _checked_tensors(root, cfg):
         _digest_tensor(digest, name, t)
         tensors[name] = t.to(device=device, dtype=target)
     return Checkpoint(config=cfg, tensors=tensors, digest=digest.hexdigest())
-
-
-def _digest_tensor(digest: hashlib._Hash, name: str, t: torch.Tensor) -> None:
-    digest.update(f"{name}|{t.dtype}|{list(t.shape)}\n".encode())
-    digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
 
 
 def checkpoint_digest(model_dir: str | Path) -> str:
@@ -140,19 +117,31 @@ def checkpoint_digest(model_dir: str | Path) -> str:
 
     Same bytes and rule as `Checkpoint.digest`; one tensor is in memory at a time.
     """
+    root = _model_root(model_dir)
+    digest = hashlib.sha256()
+    for name, t in _checked_tensors(root, ModelConfig.from_dir(root)):
+        _digest_tensor(digest, name, t)
+    return digest.hexdigest()
+
+
+def _model_root(model_dir: str | Path) -> Path:
     root = Path(model_dir)
     if not root.is_dir():
         raise CheckpointError("model directory does not exist")
-    cfg = ModelConfig.from_dir(root)
+    return root
+
+
+def _checked_tensors(root: Path, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor the config implies, in name order (the digest's order), shape-checked;
+    a missing one is refused before anything is read."""
     files = _shard_files(root)
     shapes = expected_shapes(cfg)
-    digest = hashlib.sha256()
+    for name, shape in shapes.items():
+        if name not in files:
+            raise CheckpointError(f"missing tensor {name} (expected shape {list(shape)})")
     with contextlib.ExitStack() as stack:
-        handles = {}
+        handles: dict[Path, Any] = {}
         for name in sorted(shapes):
-            if name not in files:
-                raise CheckpointError(
-                    f"missing tensor {name} (expected shape {list(shapes[name])})")
             if files[name] not in handles:
                 handles[files[name]] = stack.enter_context(
                     safe_open(str(files[name]), framework="pt"))
@@ -160,8 +149,12 @@ def checkpoint_digest(model_dir: str | Path) -> str:
             if tuple(t.shape) != shapes[name]:
                 raise CheckpointError(
                     f"tensor {name} has shape {list(t.shape)}, expected {list(shapes[name])}")
-            _digest_tensor(digest, name, t.contiguous())
-    return digest.hexdigest()
+            yield name, t.contiguous()
+
+
+def _digest_tensor(digest: hashlib._Hash, name: str, t: torch.Tensor) -> None:
+    digest.update(f"{name}|{t.dtype}|{list(t.shape)}\n".encode())
+    digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
 
 
 def load_tokenizer(model_dir: str | Path):  # -> tokenizers.Tokenizer | None
