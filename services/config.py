@@ -129,7 +129,8 @@ class Settings(BaseSettings):
     worker_device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="auto = CUDA when present, else CPU.")
     worker_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="auto = bfloat16 on CUDA, float32 on CPU.")
+        "auto", description="auto = bf16 where the hardware runs it natively (CUDA, CPUs with "
+        "AVX512-BF16 or AMX), else float32 (the engine's serving_dtype).")
     worker_adapter_slots: int = Field(8, ge=1, description="Device tier: adapter slots.")
     worker_max_lora_rank: int = Field(64, ge=1)
     worker_kv_blocks: int = Field(2048, ge=1)

@@ -50,15 +50,13 @@ log = logging.getLogger("loraplane.worker")
 
 
 def engine_config(settings: Settings) -> EngineConfig:
-    """CUDA when present (or asked for), else CPU; bf16 on CUDA, fp32 on CPU by default."""
+    """CUDA when present (or asked for), else CPU; the dtype "auto" is the engine's own
+    rule (`precision.serving_dtype`: bf16 where the hardware runs it natively)."""
     device = settings.worker_device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = settings.worker_dtype
-    if dtype == "auto":
-        dtype = "bfloat16" if device == "cuda" else "float32"
     return EngineConfig(
-        dtype=dtype, device=device, block_size=settings.worker_block_size,
+        dtype=settings.worker_dtype, device=device, block_size=settings.worker_block_size,
         num_kv_blocks=settings.worker_kv_blocks, max_lora_rank=settings.worker_max_lora_rank,
         adapter_slots=settings.worker_adapter_slots,
         limits=SchedulerLimits(

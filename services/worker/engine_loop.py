@@ -664,8 +664,8 @@ class EngineLoop:
         pools = self.engine.adapters
         for digest, adapter in gate.adapters.items():
             if not pools.is_loaded(digest):
-                if not pools.free_slots and not self.residency.make_room_for_gate():
-                    self._release_gate(gate)  # no slot it may take now: try again later
+                if not self.residency.room_for_gate(adapter):
+                    self._release_gate(gate)  # no room it may take now: try again later
                     self._gates_waiting.append(gate)
                     return
                 try:

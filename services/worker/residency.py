@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Protocol
@@ -32,7 +32,13 @@ from services.contracts.events import (
     TenantPurged,
     TenantRef,
 )
-from services.worker.engine import AdapterDigest, AdapterError, Engine, LoraAdapter
+from services.worker.engine import (
+    AdapterDigest,
+    AdapterError,
+    AdapterPoolFullError,
+    Engine,
+    LoraAdapter,
+)
 from services.worker.events import WorkerEvents
 from services.worker.lifecycle import (
     HOLDS_SLOT,
@@ -256,8 +262,8 @@ class Residency:
         best = min(tiers, key=lambda t: QOS_RANK.get(t, 3))
         pools = self.engine.adapters
         urgent = self.waiters.has_waiters(digest)
-        if (pools.free_slots == 0 and not pools.is_loaded(digest)
-                and not self._make_room(best, background=not urgent)):
+        if not pools.is_loaded(digest) and not self.room_for(
+                adapter, lambda: self._make_room(best, background=not urgent)):
             if not urgent:  # ahead of traffic: only a free or a less important slot
                 self._loading.pop(digest, None)
                 for key in keys:
@@ -273,13 +279,14 @@ class Residency:
                 self.states.fire(key, T.ABANDON)
             self.waiters.adapter_unavailable(
                 digest, "RESOURCE_EXHAUSTED",
-                f"all {pools.num_slots} adapter slots are busy with adapters this "
-                f"{best}-tier request may not evict; retry shortly", 1.0)
+                f"the adapter pool ({pools.byte_budget} bytes) is held by adapters in use, "
+                f"pinned, or more important than this {best}-tier request may evict; "
+                "retry shortly", 1.0)
             return
         self._slot_wait.pop(digest, None)
         try:
             pools.place(adapter, pin=any(t == "platinum" for t in tiers))
-        except AdapterError as exc:
+        except (AdapterError, AdapterPoolFullError) as exc:
             self._loading.pop(digest, None)
             self._failed(digest, keys, f"invalid adapter: {exc}", retryable=False)
             return
@@ -306,7 +313,7 @@ class Residency:
         """Gold/platinum loads waiting for a slot: place them once one can be made."""
         for digest, (adapter, source, since) in list(self._slot_wait.items()):
             waited = time.monotonic() - since
-            if self.engine.adapters.free_slots or self._make_room("gold"):
+            if self.room_for(adapter, lambda: self._make_room("gold")):
                 self._place(digest, adapter, source)
             elif waited > deadline_s and not self.waiters.has_waiters(digest):
                 self._slot_wait.pop(digest, None)
@@ -315,6 +322,17 @@ class Residency:
                     self.states.fire(key, T.ABANDON)
                 log.warning("gave up loading %s: no adapter slot came free in %.0f s",
                             digest, waited)
+
+    def room_for(self, adapter: LoraAdapter, evict_one: Callable[[], bool]) -> bool:
+        """Evict (by this policy, one victim at a time) until the adapter fits the pool.
+
+        The engine's pool evicts by plain LRU when an adapter does not fit; placing only
+        what fits keeps every eviction a decision of the state machine."""
+        pools = self.engine.adapters
+        while not pools.fits(adapter):
+            if not evict_one():
+                return False
+        return True
 
     def _make_room(self, requester_tier: str, *, background: bool = False) -> bool:
         """Evict the best idle, unpinned victim this tier may evict; False if none."""
@@ -391,10 +409,10 @@ class Residency:
                                            adapter_sha256=digest.sha256,
                                            blocks_freed=result.blocks_freed))
 
-    def make_room_for_gate(self) -> bool:
-        """A gate is a short batch job: it may take the slot of an idle silver or bronze
-        adapter (reloaded from the host tier when next asked for), never gold or platinum."""
-        return self._make_room("silver")
+    def room_for_gate(self, adapter: LoraAdapter) -> bool:
+        """A gate is a short batch job: it may take the room of idle silver or bronze
+        adapters (reloaded from the host tier when next asked for), never gold or platinum."""
+        return self.room_for(adapter, lambda: self._make_room("silver"))
 
     # --- following the catalog -------------------------------------------------------------
 
