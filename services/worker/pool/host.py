@@ -1,8 +1,9 @@
 """The host tier: parsed, validated adapters in memory (pinned on CUDA), by digest.
 
 What the loader puts here has already passed `AdapterFiles.verify` and `parse_adapter`,
-so moving it to a device slot is one copy per projection (the host tier's target is under
-20 ms for a 30 MB adapter). A byte budget bounds it; LRU-K weighted by QoS tier picks
+and is laid out as the engine's pool stores it, so moving it to a device slot is one
+contiguous copy per projection (the host tier's target is under 20 ms for a 30 MB
+adapter). A byte budget bounds it; LRU-K weighted by QoS tier picks
 what leaves. Removing an entry for a purge zeroes its tensors first, so the weights do
 not stay readable in freed memory.
 """
@@ -24,11 +25,18 @@ def adapter_bytes(adapter: LoraAdapter) -> int:
                for w in adapter.weights.values())
 
 
-def pin_adapter(adapter: LoraAdapter) -> LoraAdapter:
-    """Page-locked copies of the tensors, so device copies can run asynchronously."""
+def slot_ready(adapter: LoraAdapter, *, pin: bool = False) -> LoraAdapter:
+    """The same adapter laid out the way the engine's pool stores it, so moving it to a
+    slot is a plain memory copy: A as is, B [out, r] kept as the transpose of a contiguous
+    [r, out] (the pool stores B transposed; copying from a strided view is several times
+    slower). `pin`: page-locked memory, so the device copies can run asynchronously."""
     from dataclasses import replace
 
-    weights = {k: replace(w, a=w.a.pin_memory(), b=w.b.pin_memory())
+    def ready(t: torch.Tensor) -> torch.Tensor:
+        t = t.contiguous()
+        return t.pin_memory() if pin else t
+
+    weights = {k: replace(w, a=ready(w.a), b=ready(w.b.T).T)
                for k, w in adapter.weights.items()}
     return replace(adapter, weights=weights)
 
@@ -82,7 +90,7 @@ class HostCache:
     def put(self, adapter: LoraAdapter, qos_tier: str = "silver") -> LoraAdapter:
         """Keep an adapter (pinned when configured); evicts to the budget. Returns the
         copy held, which is what the device tier should copy from."""
-        held = pin_adapter(adapter) if self.pin else adapter
+        held = slot_ready(adapter, pin=self.pin)
         size = adapter_bytes(held)
         with self._lock:
             entry = self._entries.get(adapter.digest)
