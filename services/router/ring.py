@@ -29,7 +29,6 @@ that failed before its first token is retried.
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -62,17 +61,33 @@ class Ring:
     def _reindex(self) -> None:
         self._points = [name for _, name in self._hash.get_points()]
         self._members = frozenset(self._hash.get_nodes())
-        self._starts: dict[str, int] = {}
+        self._around = self._points + self._points  # the ring unrolled twice: no modulo
+        self._orders: dict[str, tuple[str, ...]] = {}
+        self._by_position: dict[int, tuple[str, ...]] = {}
 
-    def _start(self, key: str) -> int:
-        """The key's position on the continuum, remembered until the ring changes: the same
-        tenants ask again and again, and hashing is most of a short walk's cost."""
-        start = self._starts.get(key)
-        if start is None:
-            if len(self._starts) >= 262_144:
-                self._starts.clear()
-            start = self._starts[key] = self._hash.get_node_pos(key)
-        return start
+    def order(self, key: str) -> tuple[str, ...]:
+        """Every worker once, in ring order from `key`'s position. Remembered per key and per
+        position until the ring changes: the same tenants ask again and again, and hashing
+        plus de-duplicating the walk is most of a placement's cost. Memory stays bounded by
+        the ring's points (one tuple per position), the key map by a cap."""
+        order = self._orders.get(key)
+        if order is None:
+            if len(self._orders) >= 262_144:
+                self._orders.clear()
+            order = self._orders[key] = self._order_at(self._hash.get_node_pos(key))
+        return order
+
+    def _order_at(self, start: int) -> tuple[str, ...]:
+        order = self._by_position.get(start)
+        if order is None:
+            total, count = len(self._members), len(self._points)
+            # Seeing every one of n workers takes about n ln n points of the walk: look at a
+            # short stretch first (de-duplicated in C by dict.fromkeys), the whole ring if not.
+            distinct = dict.fromkeys(self._around[start:start + 16 * total])
+            if len(distinct) < total:
+                distinct = dict.fromkeys(self._around[start:start + count])
+            order = self._by_position[start] = tuple(distinct)
+        return order
 
     @property
     def members(self) -> frozenset[str]:
@@ -98,22 +113,9 @@ class Ring:
         return Ring(self.members, vnodes=self.vnodes)
 
     def walk(self, key: str) -> Iterator[str]:
-        """Distinct workers in ring order from `key`'s position (lazily: most callers stop
-        after a few, and a full walk of 64 workers visits about 300 points)."""
-        points = self._points
-        if not points:
-            return
-        total = len(self._members)
-        start = self._start(key)
-        seen: set[str] = set()
-        count = len(points)
-        for step in range(count):
-            name = points[(start + step) % count]
-            if name not in seen:
-                seen.add(name)
-                yield name
-                if len(seen) == total:
-                    return
+        """Distinct workers in ring order from `key`'s position."""
+        if self._points:
+            yield from self.order(key)
 
     def home(self, key: str) -> str | None:
         """The key's owner when load is ignored (what a ring change moves)."""
@@ -164,15 +166,16 @@ def place(ring: Ring, key: str, *, eligible: Callable[[str], bool],
     if eligible_count == 0:
         return None
     bound = load_bound(total_in_flight, eligible_count, epsilon)
-    walk = ring.walk(key)
-    seen: list[str] = []  # eligible workers visited so far, in ring order
-    under: list[str] = []
+    order = ring.order(key) if ring.members else ()
+    first: str | None = None  # the first eligible worker of the walk
+    under: list[str] = []  # eligible workers under the bound, in ring order
     home_tier: Tier | None = None
     best: tuple[int, str, Tier] | None = None
-    for worker in walk:
+    for worker in order:
         if not eligible(worker):
             continue
-        seen.append(worker)
+        if first is None:
+            first = worker
         if loads.get(worker, 0) >= bound:
             continue
         under.append(worker)
@@ -187,27 +190,25 @@ def place(ring: Ring, key: str, *, eligible: Callable[[str], bool],
                 best = (rank, worker, tier)  # type: ignore[arg-type]
             if rank == 0 or len(under) >= window:
                 break
-    if not seen:  # the caller's counts include workers the ring does not have
+    if first is None:  # the caller's counts include workers the ring does not have
         return None
     if not under:  # unreachable while loads are counted over the same workers
-        under = seen[:1]
-        home_tier = holding(under[0])
+        under = [first]
+        home_tier = holding(first)
     home = under[0]
     if home_tier in WARM or best is None:
         worker, tier = home, home_tier
     else:
         worker, tier = best[1], best[2]
-    return Placement(worker, tier, home, _fallback(worker, seen, walk, eligible, loads, bound))
+    return Placement(worker, tier, home, _fallback(worker, order, eligible, loads, bound))
 
 
-def _fallback(chosen: str, seen: list[str], rest: Iterator[str],
-              eligible: Callable[[str], bool], loads: Mapping[str, int], bound: int
-              ) -> str | None:
-    """The first other eligible worker of the walk under the bound, else any other one.
-    `seen` is the walk so far; `rest` the same walk, continued."""
+def _fallback(chosen: str, order: tuple[str, ...], eligible: Callable[[str], bool],
+              loads: Mapping[str, int], bound: int) -> str | None:
+    """The first other eligible worker of the walk under the bound, else any other one."""
     spare = None
-    for worker in itertools.chain(seen, (w for w in rest if eligible(w))):
-        if worker == chosen:
+    for worker in order:
+        if worker == chosen or not eligible(worker):
             continue
         if loads.get(worker, 0) < bound:
             return worker
