@@ -140,7 +140,13 @@ class Asked:
 
 def authorize(principal: Principal, signature: pb.TenantSignature) -> TenantRef:
     """The tenant a request runs as: the token's scope, filled in (where `*`) by the request."""
-    asked = (signature.org_id, signature.team_id, signature.project_id)
+    return _authorize(principal, signature.org_id, signature.team_id, signature.project_id)
+
+
+@functools.lru_cache(maxsize=65536)
+def _authorize(principal: Principal, *asked: str) -> TenantRef:
+    """Cached per token and asked tenant: the same callers ask again and again, and a refusal
+    (an exception) is never cached."""
     names = ("org", "team", "project")
     if principal.role == "admin":
         if not all(asked):
