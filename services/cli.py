@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import signal
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from services.audit.cli import audit_app
 from services.config import Settings
+
+if TYPE_CHECKING:
+    from services.client import RegistryClient
 
 app = typer.Typer(help="loraplane: multi-tenant LoRA adapter platform", no_args_is_help=True,
                   pretty_exceptions_show_locals=False)
@@ -22,6 +29,7 @@ app.add_typer(audit_app, name="audit")
 gate_app = typer.Typer(help="Quality gates of adapter versions.", no_args_is_help=True)
 app.add_typer(gate_app, name="gate")
 console = Console()
+err = Console(stderr=True)
 
 
 def _settings() -> Settings:
@@ -39,31 +47,98 @@ def _stop_on_signals() -> threading.Event:
     return stop
 
 
+def _clear_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A failed request is one red line and exit 1, never a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from sqlalchemy.exc import OperationalError
+
+        from services.client import ClientError
+
+        try:
+            return fn(*args, **kwargs)
+        except ClientError as exc:
+            err.print(f"[red]error:[/red] {escape(str(exc))}")
+            raise typer.Exit(1) from None
+        except OperationalError as exc:
+            first = str(exc.orig or exc).strip().splitlines()[0]
+            err.print(f"[red]error:[/red] no database: {escape(first)}; is `loraplane up` "
+                      "running? (or set LORAPLANE_DATABASE_URL)")
+            raise typer.Exit(1) from None
+        except (typer.Exit, typer.Abort, KeyboardInterrupt):
+            raise
+        except Exception as exc:  # a bug or an unforeseen failure: still one line
+            logging.getLogger("loraplane.cli").debug("command failed", exc_info=True)
+            err.print(f"[red]error:[/red] {type(exc).__name__}: {escape(str(exc))}")
+            raise typer.Exit(1) from None
+
+    return wrapper
+
+
+@app.callback()
+def _find_stack(ctx: typer.Context) -> None:
+    """Client commands find a running `loraplane up` in the state folder (its endpoints
+    file) unless LORAPLANE_* variables name the services."""
+    if ctx.invoked_subcommand not in SELF_CONFIGURED:
+        from services.client import adopt_stack_env
+
+        adopt_stack_env()
+
+
+SELF_CONFIGURED = {"up", "serve", "demo", "fetch-kafka", "base-digest"}
+
+
 @app.command()
-def up() -> None:
-    """Start broker, PostgreSQL, migrations, topics and services; Ctrl-C stops them all."""
+def up(
+    base_model: Path | None = typer.Option(
+        None, "--base-model", exists=True, file_okay=False,
+        help="A Hugging Face Llama directory (default: SmolLM2-135M-Instruct, converted "
+             "once into the cache)"),
+    workers: int = typer.Option(1, "--workers", min=0, max=64, help="Worker processes"),
+) -> None:
+    """Start broker, PostgreSQL, migrations, topics, registry, audit projector, router,
+    canary controller and workers; restart what dies; Ctrl-C stops them all."""
     from services.stack.stack import Stack, StackAlreadyRunning
 
+    settings = _settings()
+    _log_to(settings.state_dir.resolve() / "logs" / "up.log", settings.log_level)
     stop = _stop_on_signals()
-    stack = Stack(_settings())
+    stack = Stack(settings, workers=workers, base_model=base_model)
     try:
+        console.print(f"starting loraplane in {stack.root} …")
         stack.start()
     except StackAlreadyRunning as exc:
-        console.print(f"[yellow]{exc}[/yellow]")
+        err.print(f"[yellow]{escape(str(exc))}[/yellow]")
+        raise typer.Exit(1) from None
+    except Exception as exc:  # a failed start already stopped what it started
+        logging.getLogger("loraplane.up").exception("start failed")
+        err.print(f"[red]loraplane up failed:[/red] {escape(str(exc))} "
+                  f"(details in {stack.root / 'logs' / 'up.log'})")
         raise typer.Exit(1) from None
     try:
         for e in stack.endpoints:
-            console.print(f"[bold]{e.name:10}[/bold] {e.where}  [dim]{e.detail}[/dim]")
-        console.print("[green]loraplane is up[/green]; Ctrl-C stops everything it started")
+            console.print(f"[bold]{e.name:11}[/bold] {escape(e.where)}  "
+                          f"[dim]{escape(e.detail)}[/dim]")
+        console.print(f"[green]loraplane is up[/green]; logs in {stack.root / 'logs'}; "
+                      "Ctrl-C stops everything it started")
         while not stop.wait(0.5):
-            problem = stack.check_children()
-            if problem:
-                console.print(f"[red]{problem}[/red]")
-                raise typer.Exit(1)
+            for line in stack.supervise():
+                console.print(f"[yellow]{escape(line)}[/yellow]")
     finally:
         console.print("stopping…")
         stack.stop()
         console.print("stopped")
+
+
+def _log_to(path: Path, level: str) -> None:
+    """`up` logs what it does (restarts above all) to the terminal and to logs/up.log."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logger = logging.getLogger("loraplane")
+    logger.addHandler(handler)
+    logger.setLevel(level)
 
 
 @app.command()
@@ -151,14 +226,6 @@ def serve_canary() -> None:
     serve(settings)
 
 
-def _api_token(settings: Settings) -> str | None:
-    """LORAPLANE_API_TOKEN, else the admin token a local `loraplane up` wrote."""
-    if settings.api_token:
-        return settings.api_token
-    written = settings.state_dir / "admin.token"
-    return written.read_text().strip() if written.exists() else None
-
-
 @gate_app.command("report")
 def gate_report(
     adapter: str = typer.Argument(..., help="Adapter id"),
@@ -173,10 +240,11 @@ def gate_report(
 
     import httpx
 
+    from services.client import api_token
     from services.release.report import gate_report as render
 
     settings = _settings()
-    token = _api_token(settings)
+    token = api_token(settings)
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
         response = httpx.get(f"{settings.registry_base_url}/v1/adapters/{adapter}/versions/"
@@ -235,18 +303,330 @@ def base_digest(
                            "config": config}))
 
 
+# --- operator commands: the registry, inference, status ------------------------------------
+
+
+def _registry() -> RegistryClient:
+    from services.client import RegistryClient
+
+    return RegistryClient(_settings())
+
+
+def _version_line(answer: dict[str, Any]) -> str:
+    return f"{answer.get('adapter_id')} v{answer.get('version')}"
+
+
+TenantOption = typer.Option(..., "--tenant", help="org/team/project")
+
+
 @app.command()
+@_clear_errors
+def publish(
+    adapter_dir: Path = typer.Argument(..., help="A PEFT adapter folder (adapter_config.json "
+                                                 "+ adapter_model.safetensors)"),
+    tenant: str = TenantOption,
+    adapter: str = typer.Option(..., "--adapter", help="Adapter id"),
+    label: str = typer.Option("", "--label", help="Version label (default: the folder name)"),
+    owner: str = typer.Option("cli", "--owner", help="Who answers for this version"),
+    qos_tier: str = typer.Option("silver", "--qos-tier",
+                                 help="platinum, gold, silver or bronze"),
+    base_model: str | None = typer.Option(None, "--base-model",
+                                          help="Registered base model (default: the only one)"),
+    regression_set: Path | None = typer.Option(
+        None, "--regression-set", help="JSONL regression set: the version gets traffic once "
+                                       "it passes its quality gate"),
+    activate: bool = typer.Option(False, "--activate",
+                                  help="Switch the adapter to the new version"),
+) -> None:
+    """Upload an adapter version (validated, stored by digest) with a progress bar."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
+    with _registry() as registry, Progress(
+            "[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+            TransferSpeedColumn(), console=err, transient=True) as bar:
+        task = bar.add_task(f"uploading {adapter_dir.name}", total=None)
+        answer = registry.publish(
+            adapter_dir, tenant=tenant, adapter_id=adapter,
+            label=label or adapter_dir.resolve().name, owner=owner, base_model=base_model,
+            qos_tier=qos_tier, regression_set=regression_set,
+            progress=lambda sent, total: bar.update(task, completed=sent, total=total))
+        bar.update(task, visible=False)
+    console.print(f"published [bold]{_version_line(answer)}[/bold] ({answer['label']}) for "
+                  f"{tenant}: rank {answer['rank']}, {answer['size_bytes']:,} bytes, "
+                  f"sha256 {answer['sha256'][:16]}…")
+    for warning in answer.get("warnings", []):
+        console.print(f"[yellow]warning:[/yellow] {escape(warning)}")
+    if activate:
+        with _registry() as registry:
+            registry.switch(adapter, int(answer["version"]))
+        console.print(f"{adapter}: active version is now v{answer['version']}")
+
+
+@app.command()
+@_clear_errors
+def split(
+    alias: str = typer.Argument(..., help="The alias (an adapter id names its own)"),
+    weights: list[str] = typer.Argument(..., help="vN=PERCENT entries, or ADAPTER:vN=PERCENT"),
+    adapter: str | None = typer.Option(None, "--adapter",
+                                       help="Adapter of bare vN entries (default: ALIAS)"),
+) -> None:
+    """Split an alias's traffic between versions: `split acme-chat v2=95 v3=5`."""
+    from services.client import ClientError
+
+    entries = []
+    for item in weights:
+        name, _, rest = item.rpartition(":")
+        version, sep, weight = rest.partition("=")
+        if not sep or not version.lstrip("v").isdigit() or not weight.isdigit():
+            raise ClientError(f"{item!r} is not vN=PERCENT")
+        entries.append((name or adapter or alias, int(version.lstrip("v")), int(weight)))
+    if sum(w for *_, w in entries) != 100:
+        raise ClientError(f"weights add up to {sum(w for *_, w in entries)}, not 100")
+    with _registry() as registry:
+        registry.split(alias, entries)
+    shares = ", ".join(f"{a} v{v} {w}%" for a, v, w in entries)
+    console.print(f"alias [bold]{alias}[/bold]: {shares}")
+
+
+@app.command()
+@_clear_errors
+def switch(adapter: str = typer.Argument(..., help="Adapter id"),
+           version: int = typer.Argument(..., min=1, help="Version to make active")) -> None:
+    """Make a version the adapter's active one."""
+    with _registry() as registry:
+        registry.switch(adapter, version)
+    console.print(f"{adapter}: active version is now v{version}")
+
+
+@app.command()
+@_clear_errors
+def rollback(
+    adapter: str = typer.Argument(..., help="Adapter id"),
+    to: int | None = typer.Option(None, "--to", min=1,
+                                  help="Target version (default: the previous stable one)"),
+    reason: str = typer.Option("rolled back from the CLI", "--reason"),
+) -> None:
+    """Roll the adapter back (to the previous stable version unless --to says)."""
+    with _registry() as registry:
+        answer = registry.rollback(adapter, reason, to)
+    console.print(f"{adapter}: rolled back to v{answer.get('version', to)}")
+
+
+@app.command()
+@_clear_errors
+def disable(adapter: str = typer.Argument(...), version: int = typer.Argument(..., min=1),
+            reason: str = typer.Option("disabled from the CLI", "--reason")) -> None:
+    """Stop serving one version at once (workers unload it)."""
+    with _registry() as registry:
+        registry.disable(adapter, version, reason)
+    console.print(f"{adapter} v{version} disabled")
+
+
+@app.command()
+@_clear_errors
+def enable(adapter: str = typer.Argument(...), version: int = typer.Argument(..., min=1),
+           reason: str = typer.Option("enabled from the CLI", "--reason")) -> None:
+    """Allow a disabled version again."""
+    with _registry() as registry:
+        registry.enable(adapter, version, reason)
+    console.print(f"{adapter} v{version} enabled")
+
+
+@app.command()
+@_clear_errors
+def override(adapter: str = typer.Argument(...), version: int = typer.Argument(..., min=1),
+             reason: str = typer.Option(..., "--reason", help="Recorded in the audit log")) -> None:
+    """Admin: let a version get traffic without a passed quality gate (recorded)."""
+    with _registry() as registry:
+        registry.override_gate(adapter, version, reason)
+    console.print(f"{adapter} v{version} may get traffic (override recorded)")
+
+
+@app.command()
+@_clear_errors
+def purge(
+    tenant: str = typer.Argument(..., help="org/team/project"),
+    deadline: float = typer.Option(60.0, "--deadline", help="Seconds the workers have"),
+    wait: bool = typer.Option(True, "--wait/--no-wait", help="Wait until met or missed"),
+) -> None:
+    """End a tenant's contract: KV and adapters freed on every worker, blobs erased, the
+    tenant's key destroyed; waits for the purge's outcome (exit 1 if missed)."""
+    import time
+
+    with _registry() as registry:
+        answer = registry.purge_tenant(tenant, deadline)
+        purge_id = answer["purge_id"]
+        console.print(f"purge {purge_id} of {tenant} requested; expected workers: "
+                      f"{', '.join(answer.get('expected_workers', [])) or 'none'}")
+        status = answer.get("status")
+        while wait and status == "pending":
+            time.sleep(0.5)
+            answer = registry.purge(purge_id)
+            status = answer.get("status")
+    acks = ", ".join(a.get("worker_id", "?") for a in answer.get("acks", []))
+    colour = {"met": "green", "missed": "red"}.get(str(status), "yellow")
+    console.print(f"purge {purge_id}: [{colour}]{status}[/{colour}]"
+                  + (f" (acked by {acks})" if acks else "")
+                  + f"; proof: loraplane audit sql \"select * from purge_proofs "
+                    f"where purge_id = '{purge_id}'\"")
+    if status == "missed":
+        raise typer.Exit(1)
+
+
+@app.command()
+@_clear_errors
+def generate(
+    prompt: str = typer.Argument(..., help="The prompt (sent through the chat template "
+                                           "unless --raw)"),
+    tenant: str = TenantOption,
+    adapter: str | None = typer.Option(None, "--adapter",
+                                       help="Alias or adapter id, or ADAPTER@N (default: base)"),
+    max_tokens: int = typer.Option(128, "--max-tokens", min=1),
+    temperature: float = typer.Option(0.0, "--temperature", min=0.0),
+    raw: bool = typer.Option(False, "--raw", help="Send the prompt as plain text"),
+    user: str = typer.Option("cli", "--user", help="End user (sealed in the audit store)"),
+) -> None:
+    """Stream a completion through the router (gRPC), token by token."""
+    from services.client import InferenceClient
+    from services.contracts.grpc import inference_pb2 as pb
+
+    with InferenceClient(_settings()) as client:
+        final = None
+        for item in client.stream(tenant, adapter=adapter, user=user, max_tokens=max_tokens,
+                                  temperature=temperature,
+                                  **({"text": prompt} if raw else
+                                     {"chat": [("user", prompt)]})):
+            if isinstance(item, pb.TokenChunk):
+                console.print(item.text, end="", markup=False, highlight=False, soft_wrap=True)
+            else:
+                final = item
+        console.print()
+    if final is not None:
+        err.print(f"[dim]{_usage_line(final)}[/dim]")
+
+
+def _usage_line(final: Any) -> str:
+    served = (f"{final.served_adapter.adapter_id} v{final.served_adapter.version}"
+              if final.HasField("served_adapter") else "base model")
+    reason = type(final).DESCRIPTOR.fields_by_name["finish_reason"].enum_type \
+        .values_by_number[final.finish_reason].name.removeprefix("FINISH_REASON_").lower()
+    return (f"{served} on {final.worker_id}: {final.prompt_tokens} prompt "
+            f"({final.cached_prompt_tokens} cached) + {final.completion_tokens} tokens, "
+            f"TTFT {final.time_to_first_token_ms:.0f} ms, total {final.total_ms:.0f} ms, "
+            f"{reason}; trace {final.trace_id}")
+
+
+@app.command()
+@_clear_errors
+def chat(
+    tenant: str = TenantOption,
+    adapter: str | None = typer.Option(None, "--adapter",
+                                       help="Alias or adapter id, or ADAPTER@N (default: base)"),
+    system: str | None = typer.Option(None, "--system", help="A system message"),
+    max_tokens: int = typer.Option(256, "--max-tokens", min=1),
+) -> None:
+    """Talk to an adapter: each turn streams through the router; empty line or Ctrl-D ends."""
+    from services.client import InferenceClient
+    from services.contracts.grpc import inference_pb2 as pb
+
+    messages: list[tuple[str, str]] = [("system", system)] if system else []
+    with InferenceClient(_settings()) as client:
+        while True:
+            try:
+                line = console.input("[bold cyan]you>[/bold cyan] ")
+            except (EOFError, KeyboardInterrupt):
+                console.print()
+                return
+            if not line.strip():
+                return
+            messages.append(("user", line))
+            console.print("[bold green]model>[/bold green] ", end="")
+            parts = []
+            for item in client.stream(tenant, adapter=adapter, chat=messages,
+                                      max_tokens=max_tokens):
+                if isinstance(item, pb.TokenChunk):
+                    parts.append(item.text)
+                    console.print(item.text, end="", markup=False, highlight=False,
+                                  soft_wrap=True)
+                else:
+                    console.print()
+                    err.print(f"[dim]{_usage_line(item)}[/dim]")
+            messages.append(("assistant", "".join(parts)))
+
+
+@app.command()
+@_clear_errors
 def status() -> None:
-    """Show what a running `loraplane up` started, and whether each part answers."""
-    import json
+    """Services and their readiness, workers with adapters per tier, lag, lease age."""
+    from rich.table import Table
+    from sqlalchemy import func, select
+
+    from services.audit.db import make_engine
+    from services.audit.tables import worker_adapters, workers
+    from services.client import ClientError, RegistryClient, lease_age_s, scrape, stack_document
 
     settings = _settings()
-    where = settings.state_dir / "endpoints.json"
-    if not where.exists():
-        console.print("no loraplane up is running here")
-        raise typer.Exit(1)
-    for e in json.loads(where.read_text()):
-        console.print(f"[bold]{e['name']:10}[/bold] {e['where']}  [dim]{e['detail']}[/dim]")
+    document = stack_document(settings.state_dir) or {}
+    services = Table(title="services")
+    for col in ("service", "where", "state"):
+        services.add_column(col)
+    for e in document.get("endpoints", []):
+        services.add_row(e["name"], escape(e["where"]), escape(e["detail"]))
+    with RegistryClient(settings, timeout_s=5) as registry:
+        try:
+            ready = registry.ready()
+            services.add_row("registry", settings.registry_base_url,
+                             "[green]ready[/green]" if ready.get("ready") else
+                             f"[red]{escape(str(ready.get('reason')))}[/red]")
+        except ClientError as exc:
+            services.add_row("registry", settings.registry_base_url, f"[red]{exc}[/red]")
+    host = "127.0.0.1" if settings.router_host in ("0.0.0.0", "") else settings.router_host
+    router_ready = scrape(f"http://{host}:{settings.router_http_port}/metrics") \
+        .get("loraplane_router_ready")
+    services.add_row("router", f"{host}:{settings.router_port}",
+                     "[green]ready[/green]" if router_ready == 1 else
+                     "[red]not answering[/red]" if router_ready is None else "[yellow]"
+                     "replaying[/yellow]")
+    audit = scrape(f"http://127.0.0.1:{settings.audit_metrics_port}/metrics")
+    lag = sum(v for k, v in audit.items() if k.startswith("loraplane_audit_lag_records"))
+    services.add_row("audit", f"127.0.0.1:{settings.audit_metrics_port}",
+                     f"[green]running[/green], lag {lag:.0f} records" if audit else
+                     "[red]not answering[/red]")
+    console.print(services)
+    if not settings.database_url:
+        raise ClientError("LORAPLANE_DATABASE_URL is not set and no `loraplane up` runs here")
+    engine = make_engine(settings.database_url)
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(select(workers).order_by(workers.c.worker_id)).all()
+            tiers = conn.execute(select(worker_adapters.c.worker_id, worker_adapters.c.tier,
+                                        func.count()).group_by(worker_adapters.c.worker_id,
+                                                               worker_adapters.c.tier)).all()
+    finally:
+        engine.dispose()
+    held: dict[str, dict[str, int]] = {}
+    for worker_id, tier, count in tiers:
+        held.setdefault(worker_id, {})[tier or "?"] = count
+    table = Table(title="workers (from the audit store)")
+    for col in ("worker", "address", "last heartbeat", "device", "host", "disk",
+                "free slots", "free KV blocks"):
+        table.add_column(col)
+    from datetime import UTC, datetime
+
+    now = datetime.now(UTC)
+    for r in rows:
+        age = (now - r.last_heartbeat_at).total_seconds() if r.last_heartbeat_at else None
+        beat = "never" if age is None else (f"[green]{age:.1f}s ago[/green]" if age < 5
+                                            else f"[red]{age:.0f}s ago[/red]")
+        tier = held.get(r.worker_id, {})
+        table.add_row(r.worker_id, r.address or "", beat, str(tier.get("device", 0)),
+                      str(tier.get("host", 0)), str(tier.get("disk", 0)),
+                      str(r.free_slots), str(r.free_kv_blocks))
+    console.print(table)
+    age = lease_age_s(settings)
+    console.print("registry lease: " + ("none seen" if age is None else
+                                        f"{age:.1f}s old (stale past "
+                                        f"{settings.stale_lease_threshold_s:.0f}s)"))
 
 
 def main() -> None:  # pragma: no cover - console entry point alias

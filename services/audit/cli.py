@@ -321,3 +321,51 @@ def replay_to_kafka_command(
     for topic, count in sorted(report.produced.items()):
         print(f"replayed {count} events into {topic}")
     print(f"replayed {report.total} events")
+
+
+@audit_app.command()
+def sql(
+    query: str = typer.Argument(..., help='A query, e.g. "select * from purge_proofs"'),
+    limit: int = typer.Option(200, "--limit", min=1, max=100_000, help="Rows shown at most"),
+    as_json: bool = typer.Option(False, "--json", help="Rows as JSON lines"),
+) -> None:
+    """Ask the audit store in SQL, read-only (views: adapter_lineage, served_by,
+    purge_proofs, rollback_candidates, release_decisions, events_json)."""
+    from sqlalchemy import text
+    from sqlalchemy.exc import DBAPIError, OperationalError
+
+    engine = _engine()
+    try:
+        with engine.connect() as conn:
+            conn.execute(text("SET TRANSACTION READ ONLY"))
+            result = conn.execute(text(query))
+            if not result.returns_rows:
+                console.print("(no rows)")
+                return
+            columns = list(result.keys())
+            rows = result.fetchmany(limit)
+            more = result.fetchone() is not None
+    except OperationalError as exc:
+        err.print(f"[red]no database: {_first_line(exc)}[/red]")
+        raise typer.Exit(2) from None
+    except DBAPIError as exc:
+        err.print(f"[red]{_first_line(exc)}[/red]")
+        raise typer.Exit(2) from None
+    finally:
+        engine.dispose()
+    if as_json:
+        for row in rows:
+            print(json.dumps(dict(zip(columns, row, strict=True)), default=str))
+        return
+    table = Table()
+    for column in columns:
+        table.add_column(column, overflow="fold")
+    for row in rows:
+        table.add_row(*("" if v is None else str(v) for v in row))
+    console.print(table)
+    console.print(f"{len(rows)} row(s)" + (f", more not shown (--limit {limit})" if more else ""))
+
+
+def _first_line(exc: Exception) -> str:
+    orig = getattr(exc, "orig", None) or exc
+    return str(orig).strip().splitlines()[0] if str(orig).strip() else type(exc).__name__

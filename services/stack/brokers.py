@@ -43,6 +43,8 @@ class BrokerError(RuntimeError):
 
 class EmbeddedBroker(Protocol):
     kind: str
+    durable: bool
+    """Whether the broker's log survives its restart (Tansu keeps it in memory)."""
 
     @property
     def bootstrap(self) -> str: ...
@@ -50,6 +52,12 @@ class EmbeddedBroker(Protocol):
     def start(self) -> None: ...
 
     def stop(self) -> None: ...
+
+    def alive(self) -> bool: ...
+
+    @property
+    def pid(self) -> int | None: ...
+
 
 
 def wait_for_metadata(bootstrap: str, child: ChildProcess, timeout_s: float) -> None:
@@ -188,6 +196,15 @@ class ApacheKafka:
             self._child.stop(timeout=30)
             self._child = None
 
+    def alive(self) -> bool:
+        return self._child is not None and self._child.alive()
+
+    @property
+    def pid(self) -> int | None:
+        return self._child.pid if self._child is not None else None
+
+    durable = True
+
 
 # --- Tansu ------------------------------------------------------------------------------------
 
@@ -229,6 +246,15 @@ class Tansu:
         if self._child is not None:
             self._child.stop()
             self._child = None
+
+    def alive(self) -> bool:
+        return self._child is not None and self._child.alive()
+
+    @property
+    def pid(self) -> int | None:
+        return self._child.pid if self._child is not None else None
+
+    durable = False
 
 
 def embedded_broker(settings: Settings, data_dir: Path) -> EmbeddedBroker:

@@ -215,3 +215,10 @@ class LocalPostgres:
         if self._child is not None:
             self._child.stop(signal.SIGINT, timeout=30)  # "fast" shutdown
             self._child = None
+
+    def alive(self) -> bool:
+        return self._child is not None and self._child.alive()
+
+    @property
+    def pid(self) -> int | None:
+        return self._child.pid if self._child is not None else None

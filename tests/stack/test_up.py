@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import signal
@@ -10,6 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -79,39 +81,156 @@ def _all_gone(processes: list[psutil.Process], timeout: float = 40.0) -> list[ps
     return alive
 
 
-@pytest.mark.parametrize("broker", ["apache", "tansu"])
-def test_up_runs_refuses_a_second_and_stops_everything(scratch: Path, broker: str) -> None:
-    env = _env(scratch / "state", LORAPLANE_KAFKA_BROKER=broker)
-    up = subprocess.Popen(_cli("up"), cwd=REPO, env=env, stdout=subprocess.PIPE,
+@dataclass
+class Models:
+    base: Path
+    adapter: Path
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> Models:
+    """A tiny random Llama (tokenizer and chat template included) and one PEFT adapter."""
+    from tests.worker.engine.tiny_llama import ADAPTERS, build_adapter, build_model
+    from tests.worker.harness import add_chat_template
+
+    root = tmp_path_factory.mktemp("up-models")
+    root.chmod(0o755)
+    hf = build_model(root / "base", max_position_embeddings=512)
+    add_chat_template(root / "base")
+    build_adapter(hf, ADAPTERS[0], root / "support-v1", seed=7)
+    return Models(root / "base", root / "support-v1")
+
+
+def _stack_env(state: Path, broker: str) -> dict[str, str]:
+    return _env(state, LORAPLANE_KAFKA_BROKER=broker, LORAPLANE_ROUTER_PORT=str(free_port()),
+                LORAPLANE_ROUTER_HTTP_PORT=str(free_port()),
+                LORAPLANE_WORKER_PORT=str(free_port()),
+                LORAPLANE_WORKER_METRICS_PORT=str(free_port()))
+
+
+def _run(env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(_cli(*args), cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _one_line_error(answer: subprocess.CompletedProcess[str], needle: str) -> None:
+    assert answer.returncode == 1, answer
+    assert "Traceback" not in answer.stderr + answer.stdout
+    assert needle in answer.stderr, answer.stderr
+
+
+def _stop(up: subprocess.Popen[str], children: list[psutil.Process]) -> str:
+    up.send_signal(signal.SIGINT)
+    out = _wait_for_line(up, "stopped", timeout=120)
+    assert up.wait(30) == 0
+    assert _all_gone(children) == [], "Ctrl-C left processes running"
+    return out
+
+
+def test_up_serves_supervises_and_keeps_everything_across_a_restart(
+        scratch: Path, models: Models) -> None:
+    """Two workers behind the router on a given base model; the CLI publishes, switches
+    and generates through them; a killed worker is restarted; Ctrl-C stops all of it; a
+    second `up` on the same state folder still has the adapter and serves it."""
+    env = _stack_env(scratch / "state", "apache")
+    args = ("up", "--workers", "2", "--base-model", str(models.base))
+    up = subprocess.Popen(_cli(*args), cwd=REPO, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)
     try:
-        out = _wait_for_line(up, "loraplane is up", timeout=120)
-        assert "kafka" in out and "postgres" in out and "audit" in out
+        out = _wait_for_line(up, "loraplane is up", timeout=240)
+        for part in ("kafka", "postgres", "base model", "registry", "router", "canary",
+                     "worker-1", "worker-2", "admin.token"):
+            assert part in out, out
         children = _descendants(up.pid)
-        names = " ".join(" ".join(p.cmdline()) for p in children)
-        assert ("kafka.Kafka" in names) == (broker == "apache")
-        assert "postgres" in names
 
-        second = subprocess.run(_cli("up"), cwd=REPO, env=env, capture_output=True, text=True,
-                                timeout=60)
-        assert second.returncode == 1
-        assert "already running" in second.stdout
+        second = _run(env, "up")
+        assert second.returncode == 1 and "already running" in second.stderr
 
-        status = subprocess.run(_cli("status"), cwd=REPO, env=env, capture_output=True,
-                                text=True, timeout=60)
-        assert status.returncode == 0 and "kafka" in status.stdout
+        published = _run(env, "publish", str(models.adapter), "--tenant", "acme/support/chat",
+                         "--adapter", "acme-support")
+        assert published.returncode == 0, published.stderr
+        assert "published acme-support v1" in published.stdout
+        assert _run(env, "override", "acme-support", "1", "--reason", "test").returncode == 0
+        assert _run(env, "switch", "acme-support", "1").returncode == 0
+        _one_line_error(_run(env, "split", "acme-support", "v1=90", "v2=5"),
+                        "not 100")
+        _one_line_error(_run(env, "switch", "acme-support", "7"), "409")
 
-        up.send_signal(signal.SIGINT)
-        assert up.wait(90) == 0
-        assert _all_gone(children) == [], "Ctrl-C left processes running"
+        answer = _run(env, "generate", "--tenant", "acme/support/chat", "--adapter",
+                      "acme-support", "--max-tokens", "4", "w5 w6 w7")
+        assert answer.returncode == 0, answer.stderr
+        assert "acme-support v1 on worker-" in answer.stderr
+
+        document = json.loads((scratch / "state" / "endpoints.json").read_text())
+        worker = next(s for s in document["services"] if s["name"] == "worker-1")
+        os.kill(worker["pid"], signal.SIGKILL)
+        _wait_for_line(up, "restarted worker-1", timeout=60)
+
+        status = _run(env, "status")
+        assert status.returncode == 0, status.stderr
+        assert "worker-2" in status.stdout and "ready" in status.stdout
+        _stop(up, children + _descendants(up.pid))
+
+        up = subprocess.Popen(_cli(*args), cwd=REPO, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+        _wait_for_line(up, "loraplane is up", timeout=240)
+        children = _descendants(up.pid)
+        again = _run(env, "generate", "--tenant", "acme/support/chat", "--adapter",
+                     "acme-support", "--max-tokens", "2", "w5 w6")
+        assert again.returncode == 0, again.stderr
+        assert "acme-support v1" in again.stderr
+        _stop(up, children)
     finally:
         if up.poll() is None:
             up.kill()
 
 
+def test_tansu_restart_is_refilled_from_the_audit_store(scratch: Path, models: Models) -> None:
+    """Tansu keeps nothing: the second `up` republishes the audit store before the services
+    start, so the registry still knows the adapter and its version."""
+    env = _stack_env(scratch / "state", "tansu")
+    args = ("up", "--workers", "0", "--base-model", str(models.base))
+    up = subprocess.Popen(_cli(*args), cwd=REPO, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_for_line(up, "loraplane is up", timeout=180)
+        children = _descendants(up.pid)
+        published = _run(env, "publish", str(models.adapter), "--tenant", "acme/support/chat",
+                         "--adapter", "acme-support", "--label", "first")
+        assert published.returncode == 0, published.stderr
+        time.sleep(3)  # the projector stores it (lag 0 well before this)
+        _stop(up, children)
+
+        up = subprocess.Popen(_cli(*args), cwd=REPO, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+        out = _wait_for_line(up, "loraplane is up", timeout=180)
+        assert "refill" in out, out
+        children = _descendants(up.pid)
+        listed = _run(env, "audit", "sql", "select adapter_id, version, label from "
+                      "adapter_lineage", "--json")
+        assert listed.returncode == 0, listed.stderr
+        assert '"first"' in listed.stdout
+        second = _run(env, "publish", str(models.adapter), "--tenant", "acme/support/chat",
+                      "--adapter", "acme-support", "--label", "second")
+        assert second.returncode == 0, second.stderr
+        assert "acme-support v2" in second.stdout  # the registry saw v1 in the refilled log
+        _stop(up, children)
+    finally:
+        if up.poll() is None:
+            up.kill()
+
+
+def test_client_commands_without_a_stack_say_so_in_one_line(scratch: Path) -> None:
+    env = _env(scratch / "nothing")
+    _one_line_error(_run(env, "switch", "acme", "1"), "is `loraplane up` running?")
+    _one_line_error(_run(env, "generate", "--tenant", "a/b/c", "hi"),
+                    "is `loraplane up` running?")
+    _one_line_error(_run(env, "generate", "--tenant", "nope", "hi"), "org/team/project")
+
+
 def test_killed_up_leaves_nothing_running(scratch: Path) -> None:
     env = _env(scratch / "state", LORAPLANE_KAFKA_BROKER="tansu")
-    up = subprocess.Popen(_cli("up"), cwd=REPO, env=env, stdout=subprocess.PIPE,
+    up = subprocess.Popen(_cli("up", "--workers", "0"), cwd=REPO, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)
     try:
         _wait_for_line(up, "loraplane is up", timeout=120)
