@@ -306,6 +306,26 @@ def base_digest(
 # --- operator commands: the registry, inference, status ------------------------------------
 
 
+@app.command("register-base")
+@_clear_errors
+def register_base(
+    model_dir: Path | None = typer.Argument(
+        None, help="A Hugging Face Llama directory (default: LORAPLANE_BASE_MODEL)"),
+    name: str | None = typer.Option(None, "--name", help="Default: the folder's name"),
+) -> None:
+    """Register a base model with the registry (its digest as workers compute it), so
+    workers serving it become ready; `loraplane up` does this itself."""
+    from services.client import ClientError
+
+    model_dir = model_dir or _settings().base_model
+    if model_dir is None:
+        raise ClientError("name the model directory (or set LORAPLANE_BASE_MODEL)")
+    with _registry() as registry:
+        registered, digest, new = registry.register_base_model(model_dir, name)
+    state = "registered" if new else "already registered"
+    console.print(f"base model [bold]{registered}[/bold] {state}: digest {digest}")
+
+
 def _registry() -> RegistryClient:
     from services.client import RegistryClient
 

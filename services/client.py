@@ -236,6 +236,33 @@ class RegistryClient:
             for handle in handles.values():
                 handle.close()
 
+    def register_base_model(self, model_dir: Path, name: str | None = None
+                            ) -> tuple[str, str, bool]:
+        """Register a Hugging Face model directory under the digest workers compute for it
+        (idempotent: a digest already registered keeps its name). Returns (name, digest,
+        whether it was new). The name defaults to the folder's, made a registry id."""
+        import re
+
+        from services.worker.engine import CheckpointError, checkpoint_digest
+
+        try:
+            digest = checkpoint_digest(model_dir)
+            config = json.loads((model_dir / "config.json").read_text())
+        except (CheckpointError, OSError, ValueError) as exc:
+            raise ClientError(f"{model_dir}: {exc}") from None
+        known = self.base_models()
+        for model in known:
+            if model["digest"] == digest:
+                return str(model["name"]), digest, False
+        if name is None:
+            name = re.sub(r"[^a-z0-9._-]+", "-", model_dir.resolve().name.lower()).strip("-._")
+            name = (name or "base-model")[:100]
+            if name in {m["name"] for m in known}:  # another model under this folder name
+                name = f"{name[:87]}-{digest[:12]}"
+        self.request("POST", "/v1/base-models", ok=(201,),
+                     json={"name": name, "digest": digest, "config": config})
+        return name, digest, True
+
     def split(self, alias: str, weights: list[tuple[str, int, int]]) -> dict[str, Any]:
         body = {"split": [{"adapter_id": a, "version": v, "weight": w} for a, v, w in weights]}
         return dict(self.request("PUT", f"/v1/aliases/{alias}", json=body))

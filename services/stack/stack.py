@@ -27,7 +27,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import secrets
 import sys
 import time
@@ -119,12 +118,6 @@ class WorkerPlace:
     port: int
     metrics_port: int
     state_dir: Path
-
-
-def model_name(model_dir: Path) -> str:
-    """A registry name (ID_PATTERN) for a model directory: its folder name, lowercased."""
-    name = re.sub(r"[^a-z0-9._-]+", "-", model_dir.resolve().name.lower()).strip("-._")
-    return (name or "base-model")[:100]
 
 
 @dataclass
@@ -299,40 +292,19 @@ class Stack:
             self.endpoints.append(self._endpoint(service, settings))
 
     def _register_base_model(self, settings: Settings) -> None:
-        """Register the workers' base model (idempotent across restarts): the digest the
-        workers compute, under the folder's name (or the name it already has)."""
+        """Register the workers' base model (idempotent across restarts), as the CLI's
+        `register-base` does: the digest the workers compute, under the folder's name."""
+        from services.client import RegistryClient, api_token
         from services.stack.models import ensure_smollm2
-        from services.worker.engine import checkpoint_digest
 
         model_dir = Path(self.base_model) if self.base_model else \
             ensure_smollm2(settings.cache_dir)
         self.base_model = model_dir.resolve()
-        digest = checkpoint_digest(self.base_model)
-        token = (self.root / "admin.token").read_text().strip() \
-            if (self.root / "admin.token").exists() else settings.api_token
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        with httpx.Client(base_url=settings.registry_base_url, headers=headers,
-                          timeout=30) as client:
-            known = client.get("/v1/base-models")
-            known.raise_for_status()
-            for model in known.json():
-                if model["digest"] == digest:
-                    self.base_model_name = model["name"]
-                    break
-            else:
-                names = {m["name"] for m in known.json()}
-                name = model_name(self.base_model)
-                if name in names:  # another model under this folder name
-                    name = f"{name[:100]}-{digest[:12]}"
-                config = json.loads((self.base_model / "config.json").read_text())
-                answer = client.post("/v1/base-models", json={
-                    "name": name, "digest": digest, "config": config})
-                if answer.status_code != 201:
-                    raise StackError(f"registering base model {name}: {answer.status_code} "
-                                     f"{answer.text}")
-                self.base_model_name = name
+        with RegistryClient(settings, token=api_token(settings)) as registry:
+            name, digest, _ = registry.register_base_model(self.base_model)
+        self.base_model_name = name
         self.endpoints.append(Endpoint("base model", str(self.base_model), True,
-                                       f"{self.base_model_name}, digest {digest[:16]}…"))
+                                       f"{name}, digest {digest[:16]}…"))
 
     def _start_workers(self, settings: Settings, logs: Path) -> None:
         for i in range(1, self.workers + 1):

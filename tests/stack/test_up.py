@@ -154,7 +154,7 @@ def test_up_serves_supervises_and_keeps_everything_across_a_restart(
         assert _run(env, "switch", "acme-support", "1").returncode == 0
         _one_line_error(_run(env, "split", "acme-support", "v1=90", "v2=5"),
                         "not 100")
-        _one_line_error(_run(env, "switch", "acme-support", "7"), "409")
+        _one_line_error(_run(env, "switch", "acme-support", "7"), "no version 7")
 
         answer = _run(env, "generate", "--tenant", "acme/support/chat", "--adapter",
                       "acme-support", "--max-tokens", "4", "w5 w6 w7")
@@ -171,7 +171,8 @@ def test_up_serves_supervises_and_keeps_everything_across_a_restart(
         assert "worker-2" in status.stdout and "ready" in status.stdout
         _stop(up, children + _descendants(up.pid))
 
-        up = subprocess.Popen(_cli(*args), cwd=REPO, env=env, stdout=subprocess.PIPE,
+        up = subprocess.Popen(_cli("up", "--workers", "1", "--base-model", str(models.base)),
+                              cwd=REPO, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
         _wait_for_line(up, "loraplane is up", timeout=240)
         children = _descendants(up.pid)
