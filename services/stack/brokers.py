@@ -21,7 +21,7 @@ from typing import Protocol
 from confluent_kafka.admin import AdminClient
 
 from services.config import Settings
-from services.stack.process import ChildProcess, free_port
+from services.stack.process import ChildOwner, ChildProcess, free_port
 
 POM = Path(__file__).with_name("kafka-pom.xml")
 
@@ -118,7 +118,7 @@ def kafka_jars(settings: Settings) -> Path:
     return target
 
 
-class ApacheKafka:
+class ApacheKafka(ChildOwner):
     """One combined broker+controller KRaft node on loopback."""
 
     kind = "apache"
@@ -196,13 +196,6 @@ class ApacheKafka:
             self._child.stop(timeout=30)
             self._child = None
 
-    def alive(self) -> bool:
-        return self._child is not None and self._child.alive()
-
-    @property
-    def pid(self) -> int | None:
-        return self._child.pid if self._child is not None else None
-
     durable = True
 
 
@@ -220,7 +213,7 @@ def tansu_binary() -> Path:
     return path
 
 
-class Tansu:
+class Tansu(ChildOwner):
     """The in-memory Tansu broker: starts in milliseconds, loses everything on stop."""
 
     kind = "tansu"
@@ -246,13 +239,6 @@ class Tansu:
         if self._child is not None:
             self._child.stop()
             self._child = None
-
-    def alive(self) -> bool:
-        return self._child is not None and self._child.alive()
-
-    @property
-    def pid(self) -> int | None:
-        return self._child.pid if self._child is not None else None
 
     durable = False
 

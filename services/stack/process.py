@@ -88,3 +88,16 @@ class ChildProcess:
                 self.proc.kill()
                 self.proc.wait(5)
         self._log.close()
+
+
+class ChildOwner:
+    """What `up` asks of a broker or PostgreSQL it supervises: is it running, which pid."""
+
+    _child: ChildProcess | None
+
+    def alive(self) -> bool:
+        return self._child is not None and self._child.alive()
+
+    @property
+    def pid(self) -> int | None:
+        return self._child.pid if self._child is not None else None
