@@ -583,7 +583,14 @@ def status() -> None:
 
     from services.audit.db import make_engine
     from services.audit.tables import worker_adapters, workers
-    from services.client import ClientError, RegistryClient, lease_age_s, scrape, stack_document
+    from services.client import (
+        ClientError,
+        RegistryClient,
+        grpc_serving,
+        lease_age_s,
+        scrape,
+        stack_document,
+    )
 
     settings = _settings()
     document = stack_document(settings.state_dir) or {}
@@ -612,6 +619,10 @@ def status() -> None:
     services.add_row("audit", f"127.0.0.1:{settings.audit_metrics_port}",
                      f"[green]running[/green], lag {lag:.0f} records" if audit else
                      "[red]not answering[/red]")
+    for worker in document.get("workers", []):
+        services.add_row(worker["worker_id"], worker["address"],
+                         "[green]serving[/green]" if grpc_serving(worker["address"]) else
+                         "[red]not serving[/red]")
     console.print(services)
     if not settings.database_url:
         raise ClientError("LORAPLANE_DATABASE_URL is not set and no `loraplane up` runs here")

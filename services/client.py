@@ -387,6 +387,19 @@ class InferenceClient:
         return Completion("".join(parts), final)
 
 
+def grpc_serving(address: str) -> bool:
+    """Whether the gRPC health service at `address` says SERVING (a worker's readiness)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        try:
+            answer = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+        except grpc.RpcError:
+            return False
+        return bool(answer.status == health_pb2.HealthCheckResponse.SERVING)
+
+
 # --- status --------------------------------------------------------------------------------
 
 

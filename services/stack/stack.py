@@ -35,11 +35,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-import grpc
 import httpx
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.client import ENDPOINTS_FILE
+from services.client import ENDPOINTS_FILE, grpc_serving
 from services.config import Settings
 from services.eventlog.topics import ensure_topics
 from services.stack.brokers import EmbeddedBroker, embedded_broker
@@ -325,7 +323,7 @@ class Stack:
             address = f"{_loopback(settings.worker_host)}:{place.port}"
             service = Service(place.worker_id, "worker", env,
                               logs / f"{place.worker_id}.log",
-                              lambda address=address: _grpc_serving(address))  # type: ignore[misc]
+                              lambda address=address: grpc_serving(address))  # type: ignore[misc]
             service.start()
             self._running.append(service)
 
@@ -491,16 +489,6 @@ def _http_ok(url: str) -> bool:
         return httpx.get(url, timeout=1).is_success
     except httpx.HTTPError:
         return False
-
-
-def _grpc_serving(address: str) -> bool:
-    with grpc.insecure_channel(address) as channel:
-        try:
-            answer = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=""), timeout=1.0)
-        except grpc.RpcError:
-            return False
-        return bool(answer.status == health_pb2.HealthCheckResponse.SERVING)
 
 
 def _redact(url: str) -> str:

@@ -108,9 +108,10 @@ def _stack_env(state: Path, broker: str) -> dict[str, str]:
                 LORAPLANE_WORKER_METRICS_PORT=str(free_port()))
 
 
-def _run(env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def _run(env: dict[str, str], *args: str, timeout: float = 120,
+         stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(_cli(*args), cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, input=stdin)
 
 
 def _one_line_error(answer: subprocess.CompletedProcess[str], needle: str) -> None:
@@ -160,6 +161,10 @@ def test_up_serves_supervises_and_keeps_everything_across_a_restart(
                       "acme-support", "--max-tokens", "4", "w5 w6 w7")
         assert answer.returncode == 0, answer.stderr
         assert "acme-support v1 on worker-" in answer.stderr
+        talk = _run(env, "chat", "--tenant", "acme/support/chat", "--adapter", "acme-support",
+                    "--max-tokens", "3", stdin="w5 w6\nw7\n\n")
+        assert talk.returncode == 0, talk.stderr
+        assert talk.stdout.count("model>") == 2 and talk.stderr.count("acme-support v1") == 2
 
         document = json.loads((scratch / "state" / "endpoints.json").read_text())
         worker = next(s for s in document["services"] if s["name"] == "worker-1")
@@ -169,6 +174,7 @@ def test_up_serves_supervises_and_keeps_everything_across_a_restart(
         status = _run(env, "status")
         assert status.returncode == 0, status.stderr
         assert "worker-2" in status.stdout and "ready" in status.stdout
+        assert "serving" in status.stdout
         _stop(up, children + _descendants(up.pid))
 
         up = subprocess.Popen(_cli("up", "--workers", "1", "--base-model", str(models.base)),
