@@ -13,6 +13,7 @@ refcounts zero, a met purge proof in SQL), a corrupted blob on the worker's disk
 from __future__ import annotations
 
 import shutil
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -144,3 +145,33 @@ def test_a_failing_blob_store_is_a_clear_error_and_the_worker_recovers(stack: St
         tokens, final = generate(stub, ACME, adapter=alias("blobless"), ids=[5, 6],
                                  max_tokens=4, timeout=90)
     assert final.served_adapter.sha256 == sha and len(tokens) == 4
+
+
+def test_a_slow_blob_store_times_the_page_in_out_and_the_load_goes_on(stack: Stack) -> None:
+    """A worker whose blob page-in budget (1 ms) no fetch can meet: the request is refused
+    at once with UNAVAILABLE, the tier and "retry" in its details (the router retries it
+    elsewhere); the fetch goes on, so a retry a moment later is served."""
+    slow = stack.worker("w2", worker_page_in_timeout_blob_s=0.001).start()
+    slow.wait_serving()
+    with stack.publisher() as pub:
+        publish_files(pub, "slowblob", fresh_adapter(340), "v1", TENANT)
+        switch(pub, "slowblob", 1)
+    stack.tail.wait("AdapterVersionSwitched", adapter_id="slowblob")
+    with channel(slow.address) as stub:
+        with pytest.raises(grpc.RpcError) as late:
+            generate(stub, ACME, adapter=alias("slowblob"), ids=[5, 6], max_tokens=4,
+                     timeout=60)
+        assert late.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "blob tier in time; retry" in (late.value.details() or "")
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                _, final = generate(stub, ACME, adapter=alias("slowblob"), ids=[5, 6],
+                                    max_tokens=4, timeout=60)
+                break
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.UNAVAILABLE and \
+                    time.monotonic() < deadline, exc.details()
+                time.sleep(0.2)
+    assert final.worker_id == "w2" and final.completion_tokens == 4
+    slow.kill(signal.SIGTERM)
