@@ -25,7 +25,7 @@ def test_each_committed_adapter_answers_in_its_style_and_the_base_model_does_not
     adapters = demo_adapters(model_dir, tmp_path, base_digest=digest)
     assert all(a.committed for a in adapters)  # nothing was trained
 
-    answers = greedy_answers(model_dir, adapters, DEMO_QUESTIONS, max_tokens=64)
+    answers = greedy_answers(model_dir, adapters, DEMO_QUESTIONS, max_tokens=48)
     styles = {a.adapter_id: a.style for a in adapters}
     for answer in answers:
         if answer.model == BASE:
