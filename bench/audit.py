@@ -31,6 +31,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `python bench/audit.py` measures this checkout's code
@@ -135,6 +136,9 @@ def project_once(settings: Settings, produced: int, kept: int, server_pid: int |
 
     projector.on_batch = counted
     profiler = cProfile.Profile() if profile else None
+    preparer_profiler = cProfile.Profile() if profile else None
+    spent = {"poll": 0.0, "prepare": 0.0, "write": 0.0}
+    _account(projector, spent, preparer_profiler)
     load_before = os.getloadavg()
     cpu0, server0, t0 = time.process_time(), _server_cpu_s(server_pid), time.perf_counter()
     if profiler:
@@ -142,10 +146,13 @@ def project_once(settings: Settings, produced: int, kept: int, server_pid: int |
     projector.run(stop)  # what `loraplane serve audit` runs: reader thread + writer
     project_s = time.perf_counter() - t0
     cpu, server1 = time.process_time() - cpu0, _server_cpu_s(server_pid)
-    if profiler:
+    if profiler and preparer_profiler:
         profiler.disable()
-        pstats.Stats(profiler).sort_stats("cumulative").print_stats(45)
-        profiler.dump_stats(str(RESULTS.with_suffix(".prof")))
+        print("--- writer thread ---")
+        pstats.Stats(profiler).sort_stats("cumulative").print_stats(30)
+        print("--- preparer thread (poll, decode, prepare) ---")
+        pstats.Stats(preparer_profiler).sort_stats("tottime").print_stats(40)
+        preparer_profiler.dump_stats(str(RESULTS.with_suffix(".prof")))
     projector.close()
     with engine.connect() as conn:
         assert conn.execute(select(func.count()).select_from(events)).scalar_one() == kept
@@ -159,9 +166,35 @@ def project_once(settings: Settings, produced: int, kept: int, server_pid: int |
         "postgres_cpu_us_per_event": (round((server1 - server0) / produced * 1e6)
                                       if server0 is not None and server1 is not None
                                       else None),
+        "cpu_us_per_event_by_step": {
+            step: round(seconds / produced * 1e6) for step, seconds in
+            {**spent, "other (librdkafka threads, garbage collector, thread hand-off)":
+             cpu - sum(spent.values())}.items()},
         "load_average_before": [round(x, 2) for x in load_before],
         "load_average_after": [round(x, 2) for x in os.getloadavg()],
     }
+
+
+def _account(projector: AuditProjector, spent: dict[str, float],
+             profiler: cProfile.Profile | None) -> None:
+    """Add each step's thread CPU time to `spent` (poll: consume and decode; prepare: the
+    rest of the Python work; write: the transaction), profiling the preparer's steps."""
+    def timed(step: str, method: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if profiler is not None and step != "write":
+                profiler.enable()
+            started = time.thread_time()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                spent[step] += time.thread_time() - started
+                if profiler is not None and step != "write":
+                    profiler.disable()
+        return run
+
+    projector.poll_batch = timed("poll", projector.poll_batch)  # type: ignore[method-assign]
+    projector._prepare = timed("prepare", projector._prepare)  # type: ignore[method-assign]
+    projector.write_batch = timed("write", projector.write_batch)  # type: ignore[method-assign]
 
 
 def main() -> None:
