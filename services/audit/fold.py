@@ -133,6 +133,11 @@ class FoldState:
     a reload, and then corrected by the worker's next heartbeat."""
     purged_at: dict[tuple[str, str, str], datetime] = field(default_factory=dict)
     """Tenant → its latest purge request (loaded once with the projector's state)."""
+    heartbeat_lists: dict[str, tuple[Any, datetime]] = field(default_factory=dict)
+    """worker_id → the list of held adapters of its newest heartbeat and when it was sent,
+    not yet folded into `worker_adapters`. A worker sends many heartbeats between two
+    acks, and each replaces the whole set, so only the last of a run is ever built into
+    rows: when an ack reads the set, or when `take_changes` hands it over (`held`)."""
 
     def missing(self, keys: TouchedKeys) -> TouchedKeys:
         """The touched keys not loaded yet."""
@@ -147,6 +152,8 @@ class FoldState:
 
     def take_changes(self) -> Changes:
         """Everything changed since the last call, in key order; resets the change log."""
+        for worker_id in list(self.heartbeat_lists):
+            self.held(worker_id)
         changes = Changes(
             adapters=[dict(self.adapters[k]) for k in sorted(self.dirty_adapters)],
             versions=[dict(self.versions[k]) for k in sorted(self.dirty_versions)],
@@ -166,6 +173,16 @@ class FoldState:
         self.worker_acks, self.purges, self.request_traces = [], [], []
         self.purge_blobs, self.erasures = [], []
         return changes
+
+    def held(self, worker_id: str) -> dict[VersionKey, Row]:
+        """The worker's current `worker_adapters` rows, its newest heartbeat folded in;
+        the caller may change them."""
+        self.dirty_worker_adapters.add(worker_id)
+        rows = self.worker_adapters.setdefault(worker_id, {})
+        pending = self.heartbeat_lists.pop(worker_id, None)
+        if pending is not None:
+            _replace_held(self, worker_id, rows, *pending)
+        return rows
 
     # --- erasure ----------------------------------------------------------------------
 
@@ -403,11 +420,6 @@ def _on_blobs_deleted(state: FoldState, e: Envelope) -> None:
                               "blobs_event_id": e.event_id})
 
 
-def _worker_set(state: FoldState, worker_id: str) -> dict[VersionKey, Row]:
-    state.dirty_worker_adapters.add(worker_id)
-    return state.worker_adapters.setdefault(worker_id, {})
-
-
 def _newer_than_heartbeat(state: FoldState, worker_id: str, e: Envelope) -> bool:
     last = state.workers[worker_id]["last_heartbeat_at"]
     return last is None or e.occurred_at > last
@@ -430,19 +442,28 @@ def _on_heartbeat(state: FoldState, e: Envelope) -> None:
                 "base_model_digest": _get(p, "base_model_digest"),
                 "free_slots": _get(p, "free_slots"), "free_kv_blocks": _get(p, "free_kv_blocks"),
                 "lease_epoch": _get(p, "lease_epoch"), "last_heartbeat_at": at})
-    # A heartbeat is the worker's own full list: it replaces what older acks implied. Each
-    # row's `since` is the time of the fact it comes from (this heartbeat, or a load acked
-    # after it): "first seen" would depend on which topic a reader happened to read first.
-    held = _worker_set(state, worker_id)
+    # Built when the set is next read (`FoldState.held`): a newer heartbeat replaces this
+    # one first. Nothing else changes the set or `unloaded` in between, so the rows come
+    # out as if each heartbeat had been folded in turn.
+    state.dirty_worker_adapters.add(worker_id)
+    state.heartbeat_lists[worker_id] = (_get(p, "loaded") or (), at)
+
+
+def _replace_held(state: FoldState, worker_id: str, held: dict[VersionKey, Row],
+                  loaded: Iterable[Any], at: datetime) -> None:
+    """Fold one heartbeat's list into the worker's set. A heartbeat is the worker's own
+    full list: it replaces what older acks implied. Each row's `since` is the time of the
+    fact it comes from (this heartbeat, or a load acked after it): "first seen" would
+    depend on which topic a reader happened to read first."""
     unloaded = state.unloaded.get(worker_id, {})
     snapshot: dict[VersionKey, Row] = {}
-    for loaded in _get(p, "loaded") or ():  # the hottest loop: getattr without a call
-        key = (getattr(loaded, "adapter_id", None), getattr(loaded, "version", None))
+    for entry in loaded:  # the hottest loop: getattr without a call
+        key = (getattr(entry, "adapter_id", None), getattr(entry, "version", None))
         if key in unloaded and unloaded[key] > at:
             continue
         snapshot[key] = {"worker_id": worker_id, "adapter_id": key[0], "version": key[1],
-                         "sha256": getattr(loaded, "sha256", None),
-                         "tier": getattr(loaded, "tier", None), "since": at,
+                         "sha256": getattr(entry, "sha256", None),
+                         "tier": getattr(entry, "tier", None), "since": at,
                          "source": "heartbeat"}
     for key, before in held.items():  # loaded after this heartbeat was sent
         if before["source"] == "loaded" and before["since"] > at:
@@ -471,8 +492,9 @@ def _on_loaded(state: FoldState, e: Envelope) -> None:
          load_ms=_get(p, "load_ms"))
     if not _newer_than_heartbeat(state, worker_id, e):
         return  # the newest heartbeat, sent after this, says what the worker holds
+    held = state.held(worker_id)
     state.unloaded.get(worker_id, {}).pop(key, None)
-    _worker_set(state, worker_id)[key] = {
+    held[key] = {
         "worker_id": worker_id, "adapter_id": key[0], "version": key[1],
         "sha256": _get(p, "sha256"), "tier": _get(p, "tier"), "since": e.occurred_at,
         "source": "loaded"}
@@ -491,8 +513,9 @@ def _on_unloaded(state: FoldState, e: Envelope) -> None:
          reason=_get(p, "reason"))
     if not _newer_than_heartbeat(state, worker_id, e):
         return
+    held = state.held(worker_id)
     state.unloaded.setdefault(worker_id, {})[key] = e.occurred_at
-    _worker_set(state, worker_id).pop(key, None)
+    held.pop(key, None)
 
 
 def _on_kv_invalidated(state: FoldState, e: Envelope) -> None:
