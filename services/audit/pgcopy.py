@@ -18,9 +18,10 @@ from typing import Any
 
 from psycopg import postgres
 from psycopg._copy_base import format_row_binary  # the C formatter behind Copy.write_row
-from psycopg.adapt import Transformer
+from psycopg.adapt import AdaptersMap, Transformer
 from psycopg.pq import Format
 from psycopg.types.json import Jsonb
+from psycopg.types.string import BytesBinaryDumper
 from sqlalchemy import (
     BigInteger,
     Boolean,
@@ -46,6 +47,12 @@ _PG_TYPES: tuple[tuple[type, str], ...] = (
 )
 
 
+_ADAPTERS = AdaptersMap(postgres.adapters)
+# bytea from plain bytes by the C dumper: the default one for the bytea oid also unwraps
+# DB-API `Binary` objects, in Python, for every value (four per event row).
+_ADAPTERS.register_dumper(bytes, BytesBinaryDumper)
+
+
 def pg_type_oid(column_type: Any) -> int:
     for kind, name in _PG_TYPES:
         if isinstance(column_type, kind):
@@ -68,7 +75,7 @@ class CopyFormat:
         types = [table.c[n].type if n in table.c else BigInteger() for n in self.names]
         # psycopg's own (C) binary row formatter, set up once with the column types: no
         # connection is needed, so rows are encoded ahead of the transaction.
-        self._transformer = Transformer()
+        self._transformer = Transformer(_ADAPTERS)
         self._transformer.set_dumper_types([pg_type_oid(t) for t in types], Format.BINARY)
         self._times = [i for i, t in enumerate(types) if isinstance(t, DateTime)]
         self._get = operator.itemgetter(*self.names) if len(self.names) > 1 else (
