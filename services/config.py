@@ -200,7 +200,7 @@ class Settings(BaseSettings):
         "(0: any free port).")
     audit_batch_size: int = Field(
         4000, ge=1, description="Most events per projector transaction; 4000 measured best "
-        "(bench/audit.py: 5,000+ events/s on 2 cores; 2000 and 8000 were slower)."
+        "(bench/audit.py on 2 cores: 2000 and 8000 were slower)."
     )
     audit_signing_key: str | None = Field(
         None, description="Ed25519 private key (32-byte seed, hex) that signs Merkle checkpoints."
