@@ -14,6 +14,8 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from services.contracts.events import MERGE_PATTERN
+
 BrokerKind = Literal["auto", "apache", "tansu"]
 TierName = Literal["platinum", "gold", "silver", "bronze"]
 
@@ -149,6 +151,12 @@ class Settings(BaseSettings):
         2.0, gt=0, description="How long a request waits for its adapter to page in from host.")
     worker_page_in_timeout_disk_s: float = Field(10.0, gt=0)
     worker_page_in_timeout_blob_s: float = Field(60.0, gt=0)
+    worker_merge: str | None = Field(
+        None, pattern=MERGE_PATTERN, description="Merged mode (`serve worker --merge`): "
+        "ADAPTER_ID@VERSION serves that version merged into the base weights while it is "
+        "servable; ADAPTER_ID follows the adapter's active version (a switch or rollback "
+        "re-merges). The worker then serves only that adapter and refuses every other "
+        "request with FAILED_PRECONDITION.")
     heartbeat_interval_s: float = Field(
         1.0, gt=0, description="How often workers emit WorkerHeartbeat (the router's clock "
         "for liveness: a worker that misses `router_missed_heartbeats` of them leaves the ring).")

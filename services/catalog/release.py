@@ -93,8 +93,11 @@ class GateSpec:
 
 
 def gate_workers(state: CatalogState, base_digest: str, now: datetime) -> list[str]:
-    """Live workers (fresh heartbeat) on this base model: who may run its gates."""
-    return [w for w in state.live_workers(now) if state.worker_bases.get(w) == base_digest]
+    """Live workers (fresh heartbeat) on this base model: who may run its gates. Not a
+    worker in merged mode: its weights hold an adapter, so it cannot run the base model
+    or another version."""
+    return [w for w in state.live_workers(now) if state.worker_bases.get(w) == base_digest
+            and w not in state.merged_workers]
 
 
 def gate_request(state: CatalogState, spec: GateSpec, base_digest: str,

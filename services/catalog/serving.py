@@ -19,17 +19,23 @@ Refusals use `Refusal.kind`: `not_found` (no such adapter, alias or version),
 `forbidden` (it belongs to another tenant: never served, whatever the version), and
 `precondition` (exists but may not be served now: disabled, rolled back, not active or
 in a split, built for another base model).
+
+Merged mode (`serve worker --merge`) has its rule here too, `merge_target`: which version
+a worker dedicated to one adapter serves merged into its base weights. The worker and
+the router both apply it, so the router sends that adapter's requests to the worker the
+moment its own fold says the worker serves them, without waiting for a heartbeat.
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from services.catalog.release import release_refusal
 from services.catalog.state import Adapter, AdapterVersion, CatalogState, Refusal
-from services.contracts.events import SplitEntry, TenantRef
+from services.contracts.events import MERGE_PATTERN, SplitEntry, TenantRef
 
 POINTS = 10_000
 """Resolution of the assignment line: weights are whole percents, so 100 points each."""
@@ -166,3 +172,47 @@ def resolve_reference(state: CatalogState, tenant: TenantRef, name: str, user_id
         _check_base(choice, version, base_digest)
         return choice
     raise Refusal("precondition", f"alias {name!r} has no servable version ({'; '.join(reasons)})")
+
+
+@dataclass(frozen=True)
+class MergeSpec:
+    """What a worker in merged mode was started for: an adapter, and the version it pins
+    (None: the adapter's active version, followed through switches and rollbacks)."""
+
+    adapter_id: str
+    version: int | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> MergeSpec:
+        """`ADAPTER_ID` or `ADAPTER_ID@VERSION`; raises ValueError saying what is wrong."""
+        if not re.match(MERGE_PATTERN, text):
+            raise ValueError(f"{text!r}: give ADAPTER_ID or ADAPTER_ID@VERSION (an adapter id "
+                             "of lowercase letters, digits, '.', '_', '-'; a version >= 1)")
+        adapter_id, _, version = text.partition("@")
+        return cls(adapter_id, int(version) if version else None)
+
+    def __str__(self) -> str:
+        return self.adapter_id if self.version is None else f"{self.adapter_id}@{self.version}"
+
+
+def merge_target(state: CatalogState, spec: MergeSpec, *,
+                 base_digest: str | None = None) -> ServingChoice:
+    """The version a worker in merged mode serves now, as its own tenant would be served
+    it: the pinned version while `resolve_pinned` allows it, else the active version.
+    Raises Refusal saying why none may be (no such adapter yet, no active version,
+    disabled, rolled back away from, switched away from a pinned version, gated, built
+    for another base model); the worker then holds nothing merged."""
+    adapter = state.adapter(spec.adapter_id)
+    number = spec.version if spec.version is not None else adapter.active_version
+    if number is None:
+        raise Refusal("precondition", f"adapter {spec.adapter_id!r} has no active version")
+    return resolve_as_owner(state, spec.adapter_id, number, base_digest=base_digest)
+
+
+def resolve_as_owner(state: CatalogState, adapter_id: str, number: int, *,
+                     base_digest: str | None = None) -> ServingChoice:
+    """`resolve_pinned` for the adapter's own tenant: may this version be served at all
+    now? (What a worker asks of a version it holds, whoever's request comes next.)"""
+    adapter = state.adapter(adapter_id)
+    owner = adapter.tenant or TenantRef(org="unknown", team="unknown", project="unknown")
+    return resolve_pinned(state, owner, adapter_id, number, base_digest=base_digest)

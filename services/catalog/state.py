@@ -447,6 +447,9 @@ class CatalogState:
     """Each worker's newest heartbeat by its timestamp, whatever order they were read in."""
     worker_bases: dict[str, str] = field(default_factory=dict)
     """Each worker's base model digest, from its newest heartbeat."""
+    merged_workers: dict[str, str] = field(default_factory=dict)
+    """Workers in merged mode, from their newest heartbeat: worker → the one adapter id it
+    serves (they run no quality gates: their weights are not the plain base model's)."""
     gates: dict[str, tuple[str, int]] = field(default_factory=dict)
     """gate_id → (adapter_id, version) of every gate ever requested."""
     orphan_results: dict[str, list[tuple[datetime, QualityGateCompleted]]] = field(
@@ -565,6 +568,10 @@ class CatalogState:
         if at > self.heartbeats.get(p.worker_id, at - timedelta(days=1)):
             self.heartbeats[p.worker_id] = at
             self.worker_bases[p.worker_id] = p.base_model_digest
+            if p.merged_mode is not None:
+                self.merged_workers[p.worker_id] = p.merged_mode.adapter_id
+            else:
+                self.merged_workers.pop(p.worker_id, None)
 
     # --- release safety (rules in services.catalog.release) -----------------------------
 

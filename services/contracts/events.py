@@ -35,6 +35,8 @@ SLUG_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,62}$"
 ID_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,127}$"
 """Adapter ids, aliases and base-model names."""
 SHA256_PATTERN = r"^[0-9a-f]{64}$"
+MERGE_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,127}(@[1-9][0-9]{0,9})?$"
+"""What merged mode names (`serve worker --merge`): `ADAPTER_ID` or `ADAPTER_ID@VERSION`."""
 
 PATTERN_WORDS = {
     SLUG_PATTERN: "lowercase letters, digits, '.', '_', '-' (1 to 63 characters, the first a "
@@ -258,6 +260,21 @@ class LoadedAdapter(_Frozen):
     tier: Literal["device", "host", "disk"] = "device"
 
 
+class MergedMode(_Frozen):
+    """A worker in merged mode (`loraplane serve worker --merge ADAPTER[@VERSION]`): it
+    serves this one adapter, merged into its base weights, and refuses every other request
+    (other adapters and the bare base model)."""
+
+    adapter_id: AdapterId
+    pinned_version: Version | None = Field(
+        None, description="The version it was started for; null: it follows the adapter's "
+                          "active version (a switch or rollback re-merges).")
+    version: Version | None = Field(
+        None, description="The version merged now; null while none is (not servable, or "
+                          "being loaded and merged).")
+    sha256: Sha256Hex | None = Field(None, description="The merged version's weights digest.")
+
+
 class WorkerHeartbeat(_WorkerPayload):
     """A worker's periodic state, on the liveness topic (stream `heartbeat/{worker_id}`)."""
 
@@ -269,6 +286,10 @@ class WorkerHeartbeat(_WorkerPayload):
     free_slots: int = Field(0, ge=0)
     free_kv_blocks: int = Field(0, ge=0)
     lease_epoch: int | None = None
+    merged_mode: MergedMode | None = Field(
+        None, description="Set when the worker is dedicated to one adapter merged into its "
+                          "base weights: routers send it only that adapter's requests, and the "
+                          "registry assigns it no quality gates.")
 
 
 class AdapterLoaded(_WorkerPayload):

@@ -12,6 +12,9 @@ Steps of a request:
    adapter id by its active version; `adapter@version` pinned. The worker receives the
    result as `AdapterRef.pinned`, never the alias.
 3. Placement (`services.router.ring.place`) among live workers on the version's base model.
+   A version that workers in merged mode serve (`services.catalog.serving.merge_target`,
+   on the router's own fold) goes to those workers, with a general worker as the
+   fallback; they never get any other request.
 4. Admission (`services.router.limits`): tenant and adapter buckets, and the cold-load cap
    when the placement is cold. A refusal is RESOURCE_EXHAUSTED with a retry-after.
 5. Forwarding with the client's deadline. A worker that fails before its first response is
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -35,7 +39,13 @@ from dataclasses import asdict, dataclass, field
 
 import grpc
 
-from services.catalog.serving import ServingChoice, resolve_pinned, resolve_reference
+from services.catalog.serving import (
+    MergeSpec,
+    ServingChoice,
+    merge_target,
+    resolve_pinned,
+    resolve_reference,
+)
 from services.catalog.state import CatalogState, Refusal
 from services.config import Settings
 from services.contracts.events import SLUG_PATTERN, Envelope, TenantRef
@@ -260,7 +270,8 @@ class Dispatcher:
         key = ring_key(tenant.org, tenant.team, tenant.project, sig.compliance_scope,
                        sig.region_hint)
         eligible = self.membership.eligible(base_digest)
-        if not eligible:
+        merged = self._merged_workers(choice) if choice is not None else ()
+        if not eligible and not merged:
             raise RouteError(grpc.StatusCode.UNAVAILABLE,
                              "no live worker serves this base model", "no_worker",
                              retry_after_s=self.membership.interval_s, retry_after="1")
@@ -273,11 +284,23 @@ class Dispatcher:
 
             def holding(worker: str) -> str | None:  # type: ignore[misc]
                 return membership.tier(worker, sha, now)
-        placement = place(self.ring, key, eligible=eligible.__contains__, loads=in_flight,
-                          holding=holding, epsilon=self.settings.router_load_epsilon,
-                          window=self.settings.router_affinity_window,
-                          eligible_count=len(eligible),
-                          total_in_flight=self.membership.pool_in_flight(base_digest))
+        general = None
+        if eligible:
+            general = place(self.ring, key, eligible=eligible.__contains__, loads=in_flight,
+                            holding=holding, epsilon=self.settings.router_load_epsilon,
+                            window=self.settings.router_affinity_window,
+                            eligible_count=len(eligible),
+                            total_in_flight=self.membership.pool_in_flight(base_digest))
+        placement = general
+        if merged:
+            placement = place(self.ring, key, eligible=frozenset(merged).__contains__,
+                              loads=in_flight, holding=lambda _: "device",
+                              epsilon=self.settings.router_load_epsilon, window=1,
+                              eligible_count=len(merged),
+                              total_in_flight=sum(in_flight.get(w, 0) for w in merged))
+            if placement is not None and placement.fallback is None and general is not None:
+                placement = dataclasses.replace(placement, fallback=general.worker)
+            placement = placement or general
         if placement is None:  # a worker seen alive but not yet in the ring
             raise RouteError(grpc.StatusCode.UNAVAILABLE, "no worker in the ring serves this "
                              "base model yet", "no_worker", retry_after_s=1.0, retry_after="1")
@@ -294,6 +317,23 @@ class Dispatcher:
             self.recent.touch(key, RecentAdapter(choice.adapter_id, choice.version,
                                                  choice.sha256, base_digest or ""))
         return Decision(tenant, tier, key, choice, base_digest, placement)
+
+    def _merged_workers(self, choice: ServingChoice) -> tuple[str, ...]:
+        """Live workers in merged mode that serve this version now, by the merge rule on
+        this router's fold (a switch moves the traffic without waiting for heartbeats)."""
+        found = []
+        for worker in self.membership.merged_for(choice.adapter_id):
+            view = self.membership.workers[worker]
+            dedication = view.dedication
+            assert dedication is not None
+            try:
+                target = merge_target(self.catalog, MergeSpec(*dedication),
+                                      base_digest=view.base_digest)
+            except Refusal:
+                continue
+            if target.version == choice.version:
+                found.append(worker)
+        return tuple(found)
 
     def _resolve(self, tenant: TenantRef, user_id: str, asked: Asked
                  ) -> tuple[ServingChoice | None, str | None]:

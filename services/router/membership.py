@@ -14,6 +14,10 @@ cold-load cap counts one load, not one per request until the next heartbeat.
 
 In-flight counts are the router's own (requests it forwarded and has not seen end): they
 move with every request, while a heartbeat is up to a second old.
+
+A worker in merged mode (its heartbeat's `merged_mode`) serves one adapter and nothing
+else: it is never in a base model's general pool (`eligible`, `serves_base`), only among
+`merged_for` that adapter.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from services.contracts.events import (
     AdapterLoaded,
     AdapterUnloaded,
     Envelope,
+    MergedMode,
     WorkerHeartbeat,
 )
 from services.router.ring import Tier
@@ -43,6 +48,14 @@ class WorkerView:
     """Adapter sha256 → when this router last placed it here cold."""
     free_slots: int = 0
     free_kv_blocks: int = 0
+    merged_mode: MergedMode | None = None
+    """Set for a worker dedicated to one adapter merged into its weights."""
+
+    @property
+    def dedication(self) -> tuple[str, int | None] | None:
+        """(adapter id, pinned version) of a worker in merged mode; None otherwise."""
+        mode = self.merged_mode
+        return None if mode is None else (mode.adapter_id, mode.pinned_version)
 
 
 class Membership:
@@ -55,6 +68,8 @@ class Membership:
         self.in_flight: dict[str, int] = {}
         self._eligible: dict[str | None, tuple[frozenset[str], list[int]]] = {}
         """Base digest (None = any) → (live workers on it, their total in-flight count)."""
+        self._merged: dict[str, tuple[str, ...]] | None = None
+        """Adapter id → live workers in merged mode for it (built when asked)."""
 
     @property
     def timeout_s(self) -> float:
@@ -71,8 +86,11 @@ class Membership:
             if view is None:
                 view = self.workers[p.worker_id] = WorkerView(
                     p.worker_id, p.address, p.base_model, p.base_model_digest, seen_at)
-            if view.base_digest != p.base_model_digest:
-                self._eligible.clear()
+            if (view.base_digest != p.base_model_digest
+                    or view.dedication != (None if p.merged_mode is None else
+                                           (p.merged_mode.adapter_id,
+                                            p.merged_mode.pinned_version))):
+                self._changed()
             view.address = p.address
             view.base_model = p.base_model
             view.base_digest = p.base_model_digest
@@ -80,12 +98,13 @@ class Membership:
             view.held = held
             view.free_slots = p.free_slots
             view.free_kv_blocks = p.free_kv_blocks
+            view.merged_mode = p.merged_mode
             for sha in list(view.sent):
                 if sha in held:
                     del view.sent[sha]
             joined = p.worker_id not in self.live
             if joined:
-                self._eligible.clear()
+                self._changed()
             self.live.add(p.worker_id)
             return joined
         if isinstance(p, AdapterLoaded):
@@ -106,8 +125,13 @@ class Membership:
             self.live.discard(worker)
             self.workers[worker].sent.clear()
         if gone:
-            self._eligible.clear()
+            self._changed()
         return sorted(gone)
+
+    def _changed(self) -> None:
+        """Who is live, on which base, in which mode changed: drop the cached pools."""
+        self._eligible.clear()
+        self._merged = None
 
     def tier(self, worker: str, sha256: str, now: float) -> Tier | None:
         view = self.workers.get(worker)
@@ -127,9 +151,25 @@ class Membership:
             view.sent[sha256] = now
 
     def serves_base(self, worker: str, base_digest: str | None) -> bool:
+        """Does the worker take this base model's general traffic (live, on it, and not in
+        merged mode)?"""
         if worker not in self.live:
             return False
-        return base_digest is None or self.workers[worker].base_digest == base_digest
+        view = self.workers[worker]
+        if view.merged_mode is not None:
+            return False
+        return base_digest is None or view.base_digest == base_digest
+
+    def merged_for(self, adapter_id: str) -> tuple[str, ...]:
+        """Live workers in merged mode for this adapter (whichever version they hold)."""
+        if self._merged is None:
+            index: dict[str, list[str]] = {}
+            for worker in sorted(self.live):
+                mode = self.workers[worker].merged_mode
+                if mode is not None:
+                    index.setdefault(mode.adapter_id, []).append(worker)
+            self._merged = {a: tuple(ws) for a, ws in index.items()}
+        return self._merged.get(adapter_id, ())
 
     def eligible(self, base_digest: str | None) -> frozenset[str]:
         """Live workers on this base model (any base for None); cached until a change."""

@@ -19,6 +19,7 @@ from services.contracts.events import (
     GateCheckResult,
     GateOutput,
     GateRequest,
+    MergedMode,
     Payload,
     QualityGateCompleted,
     QualityGateExpired,
@@ -213,6 +214,14 @@ def test_gate_goes_to_a_live_worker_on_the_right_base() -> None:
         w: at(0) for w in ("a", "b", "c")}, worker_bases=dict.fromkeys("abc", SHA)),
         GateSpec(SET, 1, f"g{i}", 60), SHA, None, at(1)).worker_id for i in range(30)}
     assert picks == {"a", "b", "c"}  # gates spread over the base's workers
+    merged = event(WorkerHeartbeat(worker_id="w1", address="x:1", base_model="tiny",
+                                   base_model_digest=SHA,
+                                   merged_mode=MergedMode(adapter_id="bot")),
+                   at(2), stream="worker/w1")
+    state.apply(merged)  # merged mode: its weights are not the base model's
+    assert gate_request(state, spec, SHA, None, at(3)).worker_id is None
+    state.apply(heartbeat("w1", 4))  # restarted without --merge
+    assert gate_request(state, spec, SHA, None, at(5)).worker_id == "w1"
 
 
 def test_overdue_gates() -> None:

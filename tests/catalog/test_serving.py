@@ -10,7 +10,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from services.catalog.serving import (
+    MergeSpec,
     entry_at,
+    merge_target,
     resolve_pinned,
     resolve_reference,
     split_order,
@@ -107,6 +109,40 @@ def test_pins_only_active_or_split_versions_never_disabled_or_rolled_back() -> N
     # a user whose split entry is disabled falls through to the next servable entry
     assert {resolve_reference(state, TENANT, "prod", f"u{i}").version
             for i in range(200)} == {1}
+
+
+def test_merged_mode_follows_the_active_version_or_holds_its_pin() -> None:
+    state = catalog()
+    follow, pinned = MergeSpec.parse("bot"), MergeSpec.parse("bot@1")
+    assert (follow, pinned) == (MergeSpec("bot"), MergeSpec("bot", 1))
+    assert (str(follow), str(pinned)) == ("bot", "bot@1")
+    for bad in ("", "Bot", "bot@0", "bot@x", "bot@1@2", "bot@"):
+        with pytest.raises(ValueError, match="ADAPTER_ID@VERSION"):
+            MergeSpec.parse(bad)
+    with pytest.raises(Refusal) as unknown:
+        merge_target(state, MergeSpec("nope"))
+    assert unknown.value.kind == "not_found"
+    with pytest.raises(Refusal, match="no active version"):
+        merge_target(state, follow)
+    commit(state, switch_active(state, "bot", 1))
+    assert merge_target(state, follow, base_digest=BASE).pinned == "bot@1"
+    assert merge_target(state, pinned).sha256 == f"{1:064x}"
+    with pytest.raises(Refusal, match="base model"):
+        merge_target(state, follow, base_digest="d" * 64)
+    commit(state, switch_active(state, "bot", 2))  # follows; the pin is no longer served
+    assert merge_target(state, follow).version == 2
+    with pytest.raises(Refusal, match="neither the active version"):
+        merge_target(state, pinned)
+    split(state, (1, 10), (2, 90))  # ... unless a split still sends it traffic
+    assert merge_target(state, pinned).version == 1
+    commit(state, switch_active(state, "bot", 3))
+    commit(state, roll_back(state, "bot", 2, "errors"))
+    assert merge_target(state, follow).version == 2  # a rollback re-merges
+    with pytest.raises(Refusal, match="rolled back"):
+        merge_target(state, MergeSpec("bot", 3))
+    commit(state, set_disabled(state, "bot", 2, True, "bad"))
+    with pytest.raises(Refusal, match="disabled"):
+        merge_target(state, follow)
 
 
 def test_split_weights_hold_over_many_users() -> None:

@@ -21,6 +21,7 @@ from services.contracts.events import (
     BaseModelRegistered,
     Envelope,
     LoadedAdapter,
+    MergedMode,
     SplitEntry,
     TenantRef,
     TrafficSplitChanged,
@@ -207,3 +208,40 @@ def test_placement_prefers_the_holder_and_remembers_a_cold_send(d: Dispatcher) -
     d._after_placement(decide(d, "other"))  # a cold send marks the worker as loading it
     assert d.membership.tier(first.worker, sha("other", 1), 0.0) == "loading"
     assert not decide(d, "other").placement.cold
+
+
+def test_merged_mode_workers_get_their_version_and_nothing_else(d: Dispatcher) -> None:
+    def join(worker: str, mode: MergedMode) -> None:
+        d.fold(_event(WorkerHeartbeat(worker_id=worker, address=f"{worker}:1",
+                                      base_model="tiny", base_model_digest=BASE,
+                                      merged_mode=mode), f"worker/{worker}", None), 0.0)
+
+    join("m1", MergedMode(adapter_id="sup", version=1, sha256=sha("sup", 1)))  # follows
+    join("m2", MergedMode(adapter_id="sup", pinned_version=1))
+    general = {"w1", "w2", "w3"}
+    for _ in range(3):  # the adapter's traffic to its merged workers, a general fallback
+        p = decide(d, "sup").placement
+        assert p.worker in {"m1", "m2"} and not p.cold and p.fallback is not None
+    publish(d, "other", 1)
+    assert decide(d, "other").placement.worker in general
+    assert decide(d, None).placement.worker in general  # nor the bare base model
+    split(d, "support", {1: 50, 2: 50})
+    versions = {decide(d, "support", user=f"u{i}").choice.version: decide(
+        d, "support", user=f"u{i}").placement.worker for i in range(40)}
+    assert versions[1] in {"m1", "m2"} and versions[2] in general
+    d.fold(_event(AdapterVersionSwitched(adapter_id="sup", from_version=1, to_version=2),
+                  adapter_stream("sup")), 0.0)
+    # by the router's own fold m1 now serves v2 (no heartbeat needed); m2 keeps v1 while
+    # the split still sends it traffic
+    assert decide(d, "sup").placement.worker == "m1"
+    assert decide(d, pinned=("sup", 1)).placement.worker == "m2"
+    d.fold(_event(AdapterDisabled(adapter_id="sup", version=2, reason="bad"), "adapter/sup"),
+           0.0)
+    assert decide(d, pinned=("sup", 1)).placement.worker == "m2"
+    d.membership.expire(100.0)  # every worker gone quiet ...
+    join("m2", MergedMode(adapter_id="sup", pinned_version=1))  # ... but the merged one
+    p = decide(d, pinned=("sup", 1)).placement
+    assert (p.worker, p.fallback) == ("m2", None)
+    with pytest.raises(RouteError) as err:
+        decide(d, "other")
+    assert err.value.code == grpc.StatusCode.UNAVAILABLE and err.value.reason == "no_worker"

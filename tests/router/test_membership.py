@@ -7,6 +7,7 @@ from services.contracts.events import (
     AdapterUnloaded,
     Envelope,
     LoadedAdapter,
+    MergedMode,
     Payload,
     WorkerHeartbeat,
 )
@@ -19,11 +20,12 @@ def ev(payload: Payload) -> Envelope:
     return Envelope.new(payload, stream="worker/x", seq=1, actor="test")
 
 
-def beat(worker: str, *, base: str = "f" * 64, loaded: dict[str, str] | None = None) -> Envelope:
+def beat(worker: str, *, base: str = "f" * 64, loaded: dict[str, str] | None = None,
+         merged: MergedMode | None = None) -> Envelope:
     return ev(WorkerHeartbeat(
         worker_id=worker, address=f"{worker}:1", base_model="m", base_model_digest=base,
         loaded=[LoadedAdapter(adapter_id="x", version=1, sha256=sha, tier=tier)  # type: ignore[arg-type]
-                for sha, tier in (loaded or {}).items()]))
+                for sha, tier in (loaded or {}).items()], merged_mode=merged))
 
 
 def test_a_heartbeat_joins_and_three_missed_ones_leave() -> None:
@@ -80,6 +82,23 @@ def test_eligibility_is_by_base_model_and_cached_until_a_change() -> None:
     m.observe(beat("w2", base="1" * 64), 2.0)
     m.expire(3.5)
     assert m.eligible("1" * 64) == {"w2"}
+
+
+def test_merged_mode_workers_leave_the_general_pool() -> None:
+    m = Membership(interval_s=1.0, misses=3)
+    m.observe(beat("w1"), 0.0)
+    m.observe(beat("w2", merged=MergedMode(adapter_id="bot")), 0.0)
+    m.observe(beat("w3", merged=MergedMode(adapter_id="bot", pinned_version=2, version=2)), 0.0)
+    assert m.eligible(None) == {"w1"} and m.eligible("f" * 64) == {"w1"}
+    assert not m.serves_base("w2", "f" * 64)  # no prefetch hints of other adapters either
+    assert m.merged_for("bot") == ("w2", "w3") and m.merged_for("other") == ()
+    assert m.workers["w3"].dedication == ("bot", 2)
+    m.observe(beat("w2"), 0.5)  # restarted without --merge: back in the pool
+    assert m.eligible(None) == {"w1", "w2"} and m.merged_for("bot") == ("w3",)
+    m.observe(beat("w1", merged=MergedMode(adapter_id="bot")), 2.5)
+    m.observe(beat("w2"), 2.5)
+    m.expire(3.6)  # w3 went silent
+    assert m.merged_for("bot") == ("w1",) and m.eligible(None) == {"w2"}
 
 
 def test_in_flight_counts() -> None:
