@@ -264,11 +264,24 @@ def gate_report(
 
 
 @serve_app.command("worker")
-def serve_worker() -> None:
+def serve_worker(
+    merge: str | None = typer.Option(
+        None, "--merge", metavar="ADAPTER[@VERSION]",
+        help="Merged mode: serve this one adapter merged into the base weights (no LoRA "
+             "cost) and refuse every other request; without @VERSION follow its active "
+             "version. Same as LORAPLANE_WORKER_MERGE."),
+) -> None:
     """A worker: one base model (LORAPLANE_BASE_MODEL), its adapters, gRPC inference."""
+    from services.catalog.serving import MergeSpec
     from services.worker.app import run_worker
 
-    settings = _settings()
+    if merge is not None:
+        try:
+            MergeSpec.parse(merge)
+        except ValueError as exc:
+            console.print(f"[red]--merge {exc}[/red]")
+            raise typer.Exit(2) from None
+    settings = Settings(worker_merge=merge) if merge is not None else _settings()
     logging.basicConfig(level=settings.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if settings.base_model is None or not settings.kafka_bootstrap:

@@ -11,6 +11,10 @@ engine never waits on a client and a client never calls into the engine.
 Admission is authoritative here: the front resolves a request for quick refusals, but
 the loop resolves it again against the current fold before batching it, so a request
 that raced a switch gets the new version, never a version that is on its way out.
+
+In merged mode (`services.worker.merged`) the loop also asks `MergedServing` whether the
+request is for the one version this worker serves, and holds that version's requests
+until it is merged into the base weights.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from services.catalog.serving import ServingChoice, resolve_pinned, resolve_reference
+from services.catalog.serving import MergeSpec, ServingChoice, resolve_pinned, resolve_reference
 from services.catalog.state import CatalogState, Purge, Refusal
 from services.config import Settings
 from services.contracts.events import (
@@ -60,6 +64,7 @@ from services.worker.events import WorkerEvents
 from services.worker.follower import CatalogFollower
 from services.worker.intake import WorkItem
 from services.worker.lifecycle import AdapterState
+from services.worker.merged import MergedServing, digest_of
 from services.worker.metrics import WorkerMetrics
 from services.worker.pool.disk import DiskCache
 from services.worker.pool.host import HostCache
@@ -181,8 +186,13 @@ class EngineLoop:
         self.model_dir = str(model_dir)
         self.deliver = deliver
         self.base_digest = engine.base_digest
+        spec = MergeSpec.parse(settings.worker_merge) if settings.worker_merge else None
         self.residency = Residency(engine, host, disk, loader, events, metrics, worker_id,
-                                   waiters=self)
+                                   waiters=self,
+                                   only_adapter=spec.adapter_id if spec else None)
+        self.merge = (MergedServing(spec, engine, self.residency, metrics)
+                      if spec is not None else None)
+        """Merged mode (`--merge`): the one adapter this worker serves; None otherwise."""
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._running: dict[str, Ticket] = {}
         self._unadmitted: dict[str, Ticket] = {}
@@ -306,12 +316,15 @@ class EngineLoop:
             catalog, own = self.follower.state, self.follower.own
             self.residency.restore_failed(catalog, own.failed)
             for key in sorted(own.on_device):
+                if self.merge is not None and key[0] != self.merge.spec.adapter_id:
+                    continue
                 try:
                     choice = owner_choice(catalog, key, self.base_digest)
                 except Refusal:
                     continue  # switched away or disabled while this worker was down
                 self.residency.load(choice, urgent=False)
             self.residency.reconcile(catalog)
+            self._follow_merge(catalog)
             for purge in catalog.purges.values():
                 if purge.purge_id not in own.acked_purges:
                     self.residency.replay_purge(
@@ -352,6 +365,7 @@ class EngineLoop:
                     purge = catalog.purges.get(purge_id)
                     if purge is not None:
                         self._start_purge(catalog, purge)
+                self._follow_merge(catalog)
                 self._update_readiness(catalog)
             self._sweep()
         now = datetime.now(UTC)
@@ -374,6 +388,25 @@ class EngineLoop:
             self.not_ready_reason = ""
             self.ready.set()
         self.metrics.ready.set(1 if self.ready.is_set() else 0)
+
+    # --- merged mode ----------------------------------------------------------------------
+
+    def _follow_merge(self, catalog: CatalogState) -> None:
+        if self.merge is not None:
+            self.merge.follow(catalog)
+            self._advance_merge()
+
+    def _advance_merge(self) -> None:
+        """Merge (or unmerge) as far as the engine allows now; once the target is merged,
+        the requests waiting for it start."""
+        merge = self.merge
+        if merge is None:
+            return
+        merge.advance()
+        if merge.serving and merge.target is not None:
+            for ticket in self._parked.pop(digest_of(merge.target), []):
+                if not ticket.cancelled:
+                    self._start(ticket)
 
     # --- purges ---------------------------------------------------------------------------
 
@@ -437,6 +470,11 @@ class EngineLoop:
             self._refuse(ticket, REFUSAL_CODE[refusal.kind], refusal.message)
             return
         ticket.choice = choice
+        if self.merge is not None:
+            refusal = self.merge.refusal(choice)
+            if refusal is not None:
+                self._refuse(ticket, "FAILED_PRECONDITION", refusal)
+                return
         if choice is None:
             self._start(ticket)
             return
@@ -449,19 +487,23 @@ class EngineLoop:
                          f"{choice.pinned} failed to load on this worker and is never served: "
                          f"{self.residency.failure(key)}")
             return
-        if state is AdapterState.LOADED:
+        if state is AdapterState.LOADED and (self.merge is None or self.merge.serving):
             self._start(ticket)
             return
-        if state is not AdapterState.UNLOADED and state is not AdapterState.LOADING:
+        if state not in (AdapterState.UNLOADED, AdapterState.LOADING, AdapterState.LOADED):
             self._refuse(ticket, "UNAVAILABLE", f"{choice.pinned} is leaving this worker", 1.0)
             return
+        # not in a slot yet, or (merged mode) in one but not merged yet: wait for it
         wait = self._page_in[self.residency.source_tier(digest)]
         if ticket.time_limit_s is not None:
             wait = min(wait, max(0.0, ticket.time_limit_s - (time.monotonic() - ticket.arrival)))
         ticket.page_in_deadline = time.monotonic() + wait
         ticket.status = "parked"
         self._parked.setdefault(digest, []).append(ticket)
-        self.residency.load(choice, urgent=True)
+        if state is AdapterState.LOADED:
+            self._advance_merge()
+        else:
+            self.residency.load(choice, urgent=True)
 
     def _start(self, ticket: Ticket) -> None:
         work = ticket.work
@@ -513,6 +555,9 @@ class EngineLoop:
     # Waiters (called by Residency, in this thread)
 
     def adapter_ready(self, digest: AdapterDigest) -> None:
+        if self.merge is not None:  # in a slot is not enough: it must be merged first
+            self._advance_merge()
+            return
         for ticket in self._parked.pop(digest, []):
             if ticket.cancelled:
                 continue
@@ -550,10 +595,14 @@ class EngineLoop:
             for ticket in late:
                 tickets.remove(ticket)
                 if not ticket.cancelled:
-                    tier = self.residency.source_tier(digest).value
-                    self._refuse(ticket, "UNAVAILABLE",
-                                 f"{ticket.choice.pinned if ticket.choice else digest} did not "
-                                 f"page in from the {tier} tier in time; retry", 1.0)
+                    tier = self.residency.source_tier(digest)
+                    what = ticket.choice.pinned if ticket.choice else str(digest)
+                    if self.merge is not None and tier is Tier.DEVICE:
+                        why = (f"{what} was not merged into the base weights in time (requests "
+                               "of the previous version still running); retry")
+                    else:
+                        why = f"{what} did not page in from the {tier.value} tier in time; retry"
+                    self._refuse(ticket, "UNAVAILABLE", why, 1.0)
             if not tickets:
                 self._parked.pop(digest, None)
         self.residency.retry_slot_waits(self.settings.worker_page_in_timeout_blob_s)
@@ -563,6 +612,7 @@ class EngineLoop:
             for gate in waiting:
                 self._start_gate(gate)
         self.residency.finish_switches()
+        self._advance_merge()
         if self._draining:
             self._soft_purges()
 
@@ -661,6 +711,11 @@ class EngineLoop:
         self.post(lambda: self._start_gate(GateInFlight(run, adapters, done)))
 
     def _start_gate(self, gate: GateInFlight) -> None:
+        if self.merge is not None:
+            gate.done(gate.run.failed(
+                f"worker {self.worker_id} is in merged mode for {self.merge.spec}: its weights "
+                "hold that adapter, so it cannot run the base model or other versions"))
+            return
         pools = self.engine.adapters
         for digest, adapter in gate.adapters.items():
             if not pools.is_loaded(digest):
@@ -727,6 +782,10 @@ class EngineLoop:
         with self.follower.lock:
             catalog = self.follower.state
             for key in wanted:
+                if self.merge is not None and key[0] != self.merge.spec.adapter_id:
+                    out.append(PrefetchOutcome(key, False, "", f"merged mode: this worker serves "
+                                                              f"only {self.merge.spec}"))
+                    continue
                 adapter = catalog.adapters.get(key[0])
                 version = adapter.versions.get(key[1]) if adapter else None
                 if adapter is None or version is None:
@@ -778,5 +837,6 @@ class EngineLoop:
             base_model=self.base_model_name or "unregistered",
             base_model_digest=self.base_digest, loaded=loaded,
             free_slots=self.engine.adapters.free_slots,
-            free_kv_blocks=stats.free_kv_blocks, lease_epoch=epoch)
+            free_kv_blocks=stats.free_kv_blocks, lease_epoch=epoch,
+            merged_mode=self.merge.report() if self.merge is not None else None)
 

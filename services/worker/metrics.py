@@ -74,6 +74,13 @@ class WorkerMetrics:
                                     registry=r)
         self.events_unsent = Gauge("loraplane_worker_events_unsent",
                                    "Worker events waiting for the broker", registry=r)
+        self.merged_version = Gauge(
+            "loraplane_worker_merged_version",
+            "Merged mode: the adapter version merged into the base weights (0: none)",
+            ["adapter"], registry=r)
+        self.merges = Counter("loraplane_worker_merges_total",
+                              "Merged mode: adapter versions merged into the base weights",
+                              registry=r)
         self._tenant_totals: dict[str, tuple[int, int]] = {}
 
     def request_finished(self, tenant: str, prompt: int, cached: int) -> None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Protocol
 
-from services.catalog.serving import ServingChoice, resolve_pinned
+from services.catalog.serving import ServingChoice, resolve_as_owner
 from services.catalog.state import AdapterVersion, CatalogState, Purge, Refusal
 from services.contracts.events import (
     AdapterLoaded,
@@ -95,9 +95,7 @@ class _Version:
 def owner_choice(catalog: CatalogState, key: VersionKey, base_digest: str) -> ServingChoice:
     """The version as its own tenant would be served it now; raises Refusal when it may
     not be served at all (the serving rule of `services.catalog.serving`)."""
-    adapter = catalog.adapter(key[0])
-    owner = adapter.tenant or TenantRef(org="unknown", team="unknown", project="unknown")
-    return resolve_pinned(catalog, owner, key[0], key[1], base_digest=base_digest)
+    return resolve_as_owner(catalog, key[0], key[1], base_digest=base_digest)
 
 
 def version_choice(key: VersionKey, version: AdapterVersion,
@@ -110,7 +108,7 @@ def version_choice(key: VersionKey, version: AdapterVersion,
 class Residency:
     def __init__(self, engine: Engine, host: HostCache, disk: DiskCache, loader: AdapterLoader,
                  events: WorkerEvents, metrics: WorkerMetrics, worker_id: str,
-                 waiters: Waiters) -> None:
+                 waiters: Waiters, only_adapter: str | None = None) -> None:
         self.engine = engine
         self.host = host
         self.disk = disk
@@ -131,6 +129,9 @@ class Residency:
         self._history: dict[AdapterDigest, AccessHistory] = {}
         self._handled_purges: set[str] = set()
         self._gate_holds: dict[AdapterDigest, int] = {}
+        self.only_adapter = only_adapter
+        """Merged mode: the one adapter this worker serves; no other is loaded ahead of
+        traffic (its versions are refused anyway)."""
 
     # --- queries ---------------------------------------------------------------------------
 
@@ -360,6 +361,13 @@ class Residency:
         self._free_slot(victim, T.EVICT, "evicted: the slot went to another adapter")
         return True
 
+    def _unload(self, digest: AdapterDigest) -> None:
+        """Free a drained digest's slot; merged into the base weights, it leaves them first
+        (restored from the pristine copies), so no stale delta stays behind."""
+        if self.engine.merged_adapter == digest:
+            self.engine.unmerge()
+        self.engine.adapters.unload(digest)
+
     def _free_slot(self, digest: AdapterDigest, transition: Transition, reason: str,
                    kv_reason: str = "unload") -> int:
         """Transition every holder out (FREE_NOW) and unload the digest; blocks freed."""
@@ -403,7 +411,7 @@ class Residency:
                 or not pools.is_loaded(digest) or pools.info(digest).active_sequences):
             return
         result = self.engine.invalidate_adapter(digest)
-        pools.unload(digest)
+        self._unload(digest)
         if result.blocks_freed:
             self.events.emit(KVInvalidated(worker_id=self.worker_id, reason="unload",
                                            adapter_sha256=digest.sha256,
@@ -436,6 +444,8 @@ class Residency:
             elif (state is S.PENDING_SWITCH and leaving is None
                   and self.states.fire(key, T.REACTIVATE) is not None):
                 self._leaving.pop(key, None)
+        if self.only_adapter is not None:
+            return  # merged mode loads only its target (`services.worker.merged`)
         for adapter_id, adapter in catalog.adapters.items():
             if touched is not None and adapter_id not in touched:
                 continue
@@ -473,6 +483,8 @@ class Residency:
         if adapter is None or version is None:
             return
         p = version.published
+        if self.only_adapter not in (None, adapter_id):
+            return
         if p.qos_tier in PREFETCH_TIERS and p.base_model_digest == self.base_digest:
             self.prefetch_host(version_choice((adapter_id, number), version, adapter.tenant))
 
@@ -496,7 +508,7 @@ class Residency:
                     blocks_freed=result.blocks_freed, sequences_aborted=0))
             self.states.fire(key, T.RELEASE)
             if not still_served and pools.is_loaded(digest):
-                pools.unload(digest)
+                self._unload(digest)
                 self._holders.pop(digest, None)
             self.states.fire(key, T.SWAPPED_OUT)
             self.events.emit(AdapterUnloaded(worker_id=self.worker_id, adapter_id=key[0],

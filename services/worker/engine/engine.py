@@ -99,6 +99,8 @@ class Engine:
         self._arrivals = itertools.count()
         self._pending: list[TokenEvent] = []
         self._merged: AdapterDigest | None = None
+        self._merge_pinned = False
+        """The merge pinned the adapter (it was not pinned before): unmerging unpins it."""
         self._pristine: dict[tuple[int, str], torch.Tensor] = {}
         self.steps = 0
 
@@ -157,9 +159,9 @@ class Engine:
             raise AdapterNotLoadedError(f"adapter {digest} is not loaded")
         if digest == self._merged:
             return
-        others = [s.request_id for s in self._seqs.values() if s.request.adapter_digest != digest]
+        others = self.merge_blockers(digest)
         if others:
-            raise RequestError(f"cannot merge adapter {digest} while {len(others)} requests "
+            raise RequestError(f"cannot merge adapter {digest} while {others} requests "
                                "of other adapters or the base model are in flight")
         self.unmerge()
         for (layer, module), (a, bt, scale) in self.adapters.weights_of(digest).items():
@@ -168,8 +170,14 @@ class Engine:
             merged = w.float() + scale * (bt.float().T @ a.float())
             w.copy_(merged.to(w.dtype))
         self._merged = digest
+        self._merge_pinned = not self.adapters.info(digest).pinned
         self.adapters.pin(digest)
         self.invalidate_adapter(digest)
+
+    def merge_blockers(self, digest: AdapterDigest) -> int:
+        """Requests in flight that keep `merge_adapter(digest)` from running now: those of
+        other adapters (a previously merged one included) and of the bare base model."""
+        return sum(1 for s in self._seqs.values() if s.request.adapter_digest != digest)
 
     def unmerge(self) -> AdapterDigest | None:
         """Restore the pristine base weights; returns the adapter that was merged."""
@@ -180,6 +188,9 @@ class Engine:
             self.model.projection_weight(layer, module).copy_(original)
         self._pristine.clear()
         self._merged = None
+        if self._merge_pinned and self.adapters.is_loaded(digest):
+            self.adapters.pin(digest, False)
+        self._merge_pinned = False
         self.invalidate_adapter(digest)
         return digest
 
