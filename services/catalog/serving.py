@@ -201,12 +201,23 @@ def merge_target(state: CatalogState, spec: MergeSpec, *,
     it: the pinned version while `resolve_pinned` allows it, else the active version.
     Raises Refusal saying why none may be (no such adapter yet, no active version,
     disabled, rolled back away from, switched away from a pinned version, gated, built
-    for another base model); the worker then holds nothing merged."""
+    for another base model, its tenant purged since it was published); the worker then
+    holds nothing merged.
+
+    A purge ends merged serving for good, unlike a general worker's on-demand loads: a
+    merged worker would otherwise fetch the purged version back at once, racing the
+    registry's erasure of its blobs. A version published after the purge is served."""
     adapter = state.adapter(spec.adapter_id)
     number = spec.version if spec.version is not None else adapter.active_version
     if number is None:
         raise Refusal("precondition", f"adapter {spec.adapter_id!r} has no active version")
-    return resolve_as_owner(state, spec.adapter_id, number, base_digest=base_digest)
+    choice = resolve_as_owner(state, spec.adapter_id, number, base_digest=base_digest)
+    published_at = adapter.versions[number].published_at
+    for purge in state.purges.values():
+        if purge.tenant == adapter.tenant and purge.requested_at >= published_at:
+            raise Refusal("precondition", f"{choice.pinned}: its tenant was purged (purge "
+                          f"{purge.purge_id}); publish it again to serve it merged")
+    return choice
 
 
 def resolve_as_owner(state: CatalogState, adapter_id: str, number: int, *,

@@ -19,7 +19,7 @@ from services.catalog.serving import (
     user_point,
 )
 from services.catalog.state import CatalogState, LogPosition, Refusal
-from services.contracts.events import Envelope, SplitEntry, TenantRef
+from services.contracts.events import Envelope, SplitEntry, TenantPurgeRequested, TenantRef
 from services.registry.domain import (
     ArtifactFacts,
     Decision,
@@ -142,6 +142,13 @@ def test_merged_mode_follows_the_active_version_or_holds_its_pin() -> None:
         merge_target(state, MergeSpec("bot", 3))
     commit(state, set_disabled(state, "bot", 2, True, "bad"))
     with pytest.raises(Refusal, match="disabled"):
+        merge_target(state, follow)
+    commit(state, set_disabled(state, "bot", 2, False, "fixed"))
+    assert merge_target(state, follow).version == 2
+    state.apply(Envelope.new(TenantPurgeRequested(purge_id="p1", deadline_s=60),
+                             stream="tenant/acme/search/prod", seq=1, actor="admin:x",
+                             tenant=TENANT))
+    with pytest.raises(Refusal, match="tenant was purged"):  # never fetched back
         merge_target(state, follow)
 
 
