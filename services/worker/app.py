@@ -148,9 +148,11 @@ async def serve(settings: Settings, stop: asyncio.Event,
                           f"{settings.worker_host}:{settings.worker_port}")
     await server.start()
     runtime.start(deliver_via(asyncio.get_running_loop()))
-    log.info("worker %s: gRPC on %s:%d, base model %s (digest %s), metrics on %s",
+    log.info("worker %s: gRPC on %s:%d, base model %s (digest %s), metrics on %s%s",
              runtime.worker_id, settings.worker_host, server.port, runtime.model_dir,
-             runtime.engine.base_digest, settings.worker_metrics_port or "off")
+             runtime.engine.base_digest, settings.worker_metrics_port or "off",
+             f"; merged mode: serves only {settings.worker_merge}, merged into the base "
+             "weights" if settings.worker_merge else "")
     try:
         await server.watch_health(stop)
     finally:

@@ -133,3 +133,13 @@ def test_a_bad_merge_setting_is_refused_at_startup(text: str) -> None:
 
     with pytest.raises(ValidationError, match="worker_merge"):
         Settings(worker_merge=text)
+
+
+def test_a_bad_merge_option_is_refused() -> None:
+    from typer.testing import CliRunner
+
+    from services.cli import app
+
+    done = CliRunner().invoke(app, ["serve", "worker", "--merge", "Bot@0"])
+    assert done.exit_code == 2
+    assert "ADAPTER_ID@VERSION" in done.output

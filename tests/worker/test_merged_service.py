@@ -8,8 +8,6 @@ else; the router sends it that adapter's requests and no others.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 
@@ -17,7 +15,7 @@ import grpc
 import pytest
 
 from services.contracts.grpc import inference_pb2 as pb
-from tests.conftest import REPO, isolated_settings
+from tests.conftest import isolated_settings
 from tests.registry.conftest import TENANT
 from tests.worker.conftest import ServedModel
 from tests.worker.harness import (
@@ -131,10 +129,3 @@ def test_merged_worker_serves_its_adapter_and_follows_the_log(stack: Stack) -> N
     assert gone.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "disabled" in (gone.details() or "")
     assert "loraplane_worker_merges_total 2.0" in stack.workers["m1"].metrics()
-
-
-def test_a_bad_merge_option_is_refused() -> None:
-    done = subprocess.run([sys.executable, "-m", "services.cli", "serve", "worker", "--merge",
-                           "Bot@0"], cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2
-    assert "ADAPTER_ID@VERSION" in done.stdout + done.stderr
