@@ -1,4 +1,4 @@
-# The two commands: `make demo` and `make test`. Both set up everything on a fresh
+# The two commands: `make demo` and `make test` (and `make bench` for the figures). Both set up everything on a fresh
 # machine (virtualenv, packages, Apache Kafka jars) and reuse what is already there.
 
 PYTHON ?= python3
@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test lint up kafka-jars clean
+.PHONY: setup demo test lint up kafka-jars clean bench bench-report
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,22 @@ lint: $(STAMP)
 
 test: setup lint
 	$(BIN)/python -m pytest
+
+# Every bench in bench/ in quick mode (BENCH_MODE= for the full runs), then the report.
+# A bench that fails does not stop the others; make fails after the report is written.
+BENCHES    := multi_lora serve hotswap router fanout registry release replay audit
+BENCH_MODE ?= --quick
+
+bench: setup
+	@failed=""; for b in $(BENCHES); do \
+		echo "== bench/$$b.py $(BENCH_MODE)"; \
+		$(BIN)/python bench/$$b.py $(BENCH_MODE) || failed="$$failed $$b"; \
+	done; \
+	$(BIN)/python bench/report.py; \
+	if [ -n "$$failed" ]; then echo "failed:$$failed"; exit 1; fi
+
+bench-report: $(STAMP)
+	$(BIN)/python bench/report.py
 
 up: setup
 	$(BIN)/loraplane up

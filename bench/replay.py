@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python bench/replay.py [--sizes 10000 100000 1000000] [--tail 20000]
+    python bench/replay.py [--quick] [--sizes 10000 100000 1000000] [--tail 20000]
 
 Starts its own Apache Kafka (KRaft) unless LORAPLANE_KAFKA_BOOTSTRAP names a broker. For
 each size N it writes a log of N events shaped like a busy platform's (see `MIX`: mostly
@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -39,6 +38,7 @@ from confluent_kafka import Producer
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.record import BenchRun, Figure  # noqa: E402
 from services.catalog.snapshot import CatalogFold  # noqa: E402
 from services.catalog.state import CatalogState, LogPosition  # noqa: E402
 from services.config import Settings  # noqa: E402
@@ -218,10 +218,15 @@ def run_size(base: Settings, size: int, tail: int, templates: Templates) -> dict
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
+    parser.add_argument("--quick", action="store_true", help="sizes 10,000 and 100,000")
+    parser.add_argument("--sizes", type=int, nargs="+", default=None,
+                        help="default 10,000 100,000 1,000,000")
     parser.add_argument("--tail", type=int, default=Settings().snapshot_every_events)
     parser.add_argument("--partitions", type=int, default=8)
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
+    record = BenchRun("replay", quick=args.quick)
+    args.sizes = args.sizes or ([10_000, 100_000] if args.quick else [10_000, 100_000, 1_000_000])
     scratch = Path(tempfile.mkdtemp(prefix="replay-bench-"))
     base = Settings(cache_dir=ROOT / ".loraplane" / "cache", topic_partitions=args.partitions,
                     state_dir=scratch / "state")
@@ -241,14 +246,25 @@ def main() -> None:
             broker.stop()
     result = {
         "rows": rows, "mix": MIX, "adapters": ADAPTERS, "workers": WORKERS,
-        "partitions": args.partitions, "cpus": os.cpu_count(),
-        "python": platform.python_version(), "machine": platform.machine(),
+        "partitions": args.partitions,
         "note": "broker and reader on the same machine; seconds are wall time from creating "
                 "the reader to ready (every partition at its end)",
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
+    record.save(args.out, result, figures(result))
+
+
+def figures(result: dict[str, Any]) -> list[Figure]:
+    out = []
+    for row in result["rows"]:
+        settings = (f"{row['events']:,} events ({row['adapters_in_state']:,} adapters in the "
+                    f"state) over {result['partitions']} partitions; the snapshot resumes "
+                    f"{row['snapshot_tail_events']:,} events before the end")
+        out.append(Figure(f"catalog reader ready from a snapshot, {row['events']:,} events",
+                          row["snapshot_seconds"], "s",
+                          baseline="every record decoded and folded from the beginning",
+                          baseline_value=row["full_decode_seconds"], better="lower",
+                          settings=settings, load_average=row["load_average_after"]))
+    return out
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python bench/router.py [--decisions 100000] [--streams 400]
+    python bench/router.py [--quick] [--decisions 100000] [--streams 400]
 
 1. Routing decision (`Dispatcher.decide`: tenant from the token, resolve the version by
    alias split or active version, admit through the token buckets, place on the ring with
@@ -30,7 +30,6 @@ import argparse
 import hashlib
 import json
 import os
-import platform
 import random
 import statistics
 import sys
@@ -45,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 import grpc  # noqa: E402
 
+from bench.record import BenchRun, Figure  # noqa: E402
 from services.catalog.state import adapter_stream, alias_stream  # noqa: E402
 from services.config import Settings  # noqa: E402
 from services.contracts.events import (  # noqa: E402
@@ -306,14 +306,20 @@ def join(base: Settings, *, prewarm: bool, tenants: int, cold_ms: float, promote
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--decisions", type=int, default=100_000)
-    parser.add_argument("--streams", type=int, default=400)
-    parser.add_argument("--join-tenants", type=int, default=40)
+    parser.add_argument("--quick", action="store_true",
+                        help="20,000 decisions, 100 streams, 20 joining tenants")
+    parser.add_argument("--decisions", type=int, default=None, help="default 100,000")
+    parser.add_argument("--streams", type=int, default=None, help="default 400")
+    parser.add_argument("--join-tenants", type=int, default=None, help="default 40")
     parser.add_argument("--cold-load-ms", type=float, default=80.0)
     parser.add_argument("--promote-ms", type=float, default=4.0)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "router.json")
     args = parser.parse_args()
-    result: dict[str, Any] = {"machine": platform.platform(), "cpus": os.cpu_count()}
+    record = BenchRun("router", quick=args.quick)
+    args.decisions = args.decisions or (20_000 if args.quick else 100_000)
+    args.streams = args.streams or (100 if args.quick else 400)
+    args.join_tenants = args.join_tenants or (20 if args.quick else 40)
+    result: dict[str, Any] = {}
     result["decision"] = decisions(args.decisions)
     print(json.dumps(result["decision"]), flush=True)
     result["key_movement"] = movement()
@@ -346,9 +352,41 @@ def main() -> None:
     finally:
         if broker is not None:
             broker.stop()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    record.save(args.out, result, figures(result))
+
+
+def figures(result: dict[str, Any]) -> list[Figure]:
+    d, k, a, j = (result[key] for key in ("decision", "key_movement", "added_latency", "join"))
+    ds = d["settings"]
+    decision = (f"{d['decisions']:,} decisions, {d['tenants']:,} tenants on {d['workers']} "
+                f"workers, {ds['canary_share_of_tenants']:.0%} on a canary split, "
+                f"{ds['vnodes']} vnodes, epsilon {ds['epsilon']}, wall clock")
+    stream = (f"{a['streams']} streams of {a['tokens_per_stream']} tokens, stand-in worker, "
+              "loopback, turn about with direct calls")
+    joined = (f"{j['with_prewarm']['tenants']} tenants, a worker joins; stand-in loads "
+              f"{j['cold_load_ms']:g} ms from disk, {j['promote_ms']:g} ms from host memory")
+    with_, without = j["with_prewarm"], j["without_prewarm"]
+    return [
+        Figure("routing decision, p99", d["p99_us"], "us", better="lower",
+               target="p99 < 50 us", meets_target=d["p99_us"] < 50, settings=decision,
+               load_average=d.get("loadavg")),
+        Figure("keys moved when a 17th worker joins 16", k["moved_fraction"], "fraction",
+               baseline="the ideal 1/17", baseline_value=k["expected_fraction"],
+               better="lower", settings=f"{k['keys']:,} tenant signatures, {k['vnodes']} vnodes"),
+        Figure("streamed request through the router, p50", a["routed_p50_ms"], "ms",
+               baseline="the same worker called directly, p50",
+               baseline_value=a["direct_p50_ms"], better="lower", settings=stream,
+               load_average=a.get("loadavg")),
+        Figure("streamed request through the router, p99", a["routed_p99_ms"], "ms",
+               baseline="the same worker called directly, p99",
+               baseline_value=a["direct_p99_ms"], better="lower", settings=stream,
+               load_average=a.get("loadavg")),
+        Figure("first request on a joining worker with pre-warming, p50",
+               with_["first_request_ms_p50"], "ms",
+               baseline="the plain ring, no pre-warming, p50",
+               baseline_value=without["first_request_ms_p50"], better="lower",
+               settings=joined, load_average=with_.get("loadavg")),
+    ]
 
 
 if __name__ == "__main__":

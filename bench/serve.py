@@ -15,7 +15,7 @@ prompts of 16-512 tokens, 8-128 output tokens each, greedy, `ignore_eos`), over
 Each side is warmed up (adapters resident) and run `--repeats` times, alternating; the
 median of each is reported. Target: the worker at least 90% of the engine.
 
-Usage: python bench/serve.py [--requests 32] [--adapters 8] [--repeats 2]
+Usage: python bench/serve.py [--quick] [--requests 32] [--adapters 8] [--repeats 2]
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -38,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import grpc
 
 from bench.multi_lora import ATTN, MLP, RANKS, build_base, make_workload, write_adapter
+from bench.record import BenchRun, Figure
 from services.config import Settings
 from services.contracts.grpc import inference_pb2 as pb
 from services.contracts.grpc import inference_pb2_grpc as pb_grpc
@@ -49,7 +51,7 @@ from services.worker.engine import (
     SamplingParams,
 )
 from tests.registry.conftest import TENANT
-from tests.worker.harness import bench_stack, peft_files, publish_files, save_report, switch
+from tests.worker.harness import bench_stack, peft_files, publish_files, switch
 
 WORKER = {"worker_adapter_slots": 8, "worker_max_lora_rank": 64, "worker_kv_blocks": 4096,
           "worker_block_size": 16, "worker_max_running": 64,
@@ -112,11 +114,16 @@ def engine_run(workload: list[dict]) -> tuple[int, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--requests", type=int, default=32)
-    parser.add_argument("--adapters", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="12 requests, 4 adapters, 1 run")
+    parser.add_argument("--requests", type=int, default=None, help="default 32")
+    parser.add_argument("--adapters", type=int, default=None, help="default 8")
+    parser.add_argument("--repeats", type=int, default=None, help="default 2")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "serve.json"))
     args = parser.parse_args()
+    record = BenchRun("serve", quick=args.quick)
+    args.requests = args.requests or (12 if args.quick else 32)
+    args.adapters = args.adapters or (4 if args.quick else 8)
+    args.repeats = args.repeats or (1 if args.quick else 2)
     bases: list = []
     with bench_stack("serve", lambda d: bases.append(build_base(d, seed=7)), tail=False,
                      max_upload_bytes=256 * 1024 * 1024) as (root, stack):
@@ -171,7 +178,21 @@ def main() -> None:
         "load_avg_after_runs": [round(x, 2) for x in loads],
     }
     report["meets_target"] = report["grpc_vs_engine"] >= 0.9
-    save_report(args.out, report)
+    record.save(args.out, report, figures(report))
+
+
+def figures(report: dict[str, Any]) -> list[Figure]:
+    m = report["model"]
+    return [Figure(
+        "worker over gRPC, streamed tokens/s", report["grpc_tok_s"], "tokens/s",
+        baseline="the bare engine on the same requests and adapters, own process",
+        baseline_value=report["engine_tok_s"], target="ratio >= 0.90",
+        meets_target=report["meets_target"],
+        settings=(f"{report['requests']} requests at once over {report['adapters']} adapters "
+                  f"(r 8-64), random Llama hidden {m['hidden']}, {m['layers']} layers, "
+                  f"{m['dtype']} {m['device']}, greedy, {report['output_tokens']} output "
+                  f"tokens, median of {len(report['runs_tok_s']['grpc'])} alternating runs"),
+        load_average=report["load_avg_after_runs"][-1:] or None)]
 
 
 if __name__ == "__main__":
