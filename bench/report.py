@@ -74,7 +74,8 @@ def section(name: str, doc: dict[str, Any]) -> list[str]:
         lines += ["Written before benches recorded their run and figures; re-run "
                   f"`python bench/{name}.py` to get them here.", ""]
         return lines
-    lines += [f"- command: `{run['command']}` ({run['mode']} mode, {run['seconds']} s, "
+    took = f", {run['seconds']} s" if run.get("seconds") is not None else ""
+    lines += [f"- command: `{run['command']}` ({run['mode']} mode{took}, "
               f"started {run['started_at']})",
               f"- machine: {machine_line(run)}",
               f"- load average (1/5/15 min) at start {load(run.get('load_average_start'))}, "
@@ -93,6 +94,8 @@ def section(name: str, doc: dict[str, Any]) -> list[str]:
             f"{f.get('baseline') or '-'} | "
             f"{base_text} | {ratio} | "
             f"{verdict(f) or '-'} | {load(f.get('load_average'))} | {f.get('settings') or '-'} |")
+    if run.get("note"):
+        lines.append(f"Note: {run['note']}.")
     lines.append("")
     return lines
 
@@ -122,7 +125,7 @@ def render(results: Path) -> str:
         targeted = [f for f in figures if f.get("target")]
         met = sum(1 for f in targeted if f.get("meets_target"))
         lines.append(f"| [{name}](#{name}) | {run.get('mode', '-')} | "
-                     f"{len(figures)} | {met} of {len(targeted)} | {run.get('seconds', '-')} |")
+                     f"{len(figures)} | {met} of {len(targeted)} | {run.get('seconds') or '-'} |")
     lines.append("")
     for name in names:
         if "error" in docs[name]:

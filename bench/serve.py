@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import grpc
 
-from bench.multi_lora import ATTN, MLP, RANKS, build_base, make_workload, write_adapter
+from bench.multi_lora import ATTN, MLP, RANKS, build_random_base, mixed_workload, write_adapter
 from bench.record import BenchRun, Figure
 from services.config import Settings
 from services.contracts.grpc import inference_pb2 as pb
@@ -48,6 +48,7 @@ from services.worker.engine import (
     AdapterFiles,
     Engine,
     GenerationRequest,
+    ModelConfig,
     SamplingParams,
 )
 from tests.registry.conftest import TENANT
@@ -125,16 +126,17 @@ def main() -> None:
     args.adapters = args.adapters or (4 if args.quick else 8)
     args.repeats = args.repeats or (1 if args.quick else 2)
     bases: list = []
-    with bench_stack("serve", lambda d: bases.append(build_base(d, seed=7)), tail=False,
-                     max_upload_bytes=256 * 1024 * 1024) as (root, stack):
+    with bench_stack("serve", lambda d: bases.append(build_random_base(d, 7, smoke=False)),
+                     tail=False, max_upload_bytes=256 * 1024 * 1024) as (root, stack):
         targets = (ATTN, MLP, ATTN + MLP, ("q_proj", "v_proj", "down_proj"))
         dirs = []
+        shape = ModelConfig.from_dir(root / "base")
         for i in range(args.adapters):
-            write_adapter(root / f"a{i}", bases[0].config, RANKS[i % len(RANKS)],
+            write_adapter(root / f"a{i}", shape, RANKS[i % len(RANKS)],
                           targets[i % len(targets)], seed=100 + i)
             dirs.append(root / f"a{i}")
         bases.clear()
-        workload = make_workload(args.requests, args.adapters, 32000, seed=1234)
+        workload = mixed_workload(args.requests, args.adapters, 32000, seed=1234)
         names = [f"bench-{i}" for i in range(args.adapters)]
         with stack.publisher() as pub:
             for name, folder in zip(names, dirs, strict=True):
