@@ -195,12 +195,14 @@ def _tenant_adapters(settings: Settings, options: DemoOptions, model_dir: Path, 
         trained = _trained_adapters(settings, model_dir, digest)
         if trained:
             return trained
+    why = ("the trained demo adapters are not in this checkout" if options.base_model is None
+           else "no trained adapter for this base model")
     shape = BaseModelShape.from_config(config)
     out = []
     for seed, (tenant, adapter_id) in enumerate(TENANTS, start=1):
         cfg, weights = random_adapter(shape, rank=8, seed=seed)
         out.append(TenantAdapter(tenant, adapter_id, cfg, weights,
-                                 "random LoRA on q/v (no trained adapter for this base)"))
+                                 f"random LoRA on q/v ({why})"))
     for a in out:
         console.print(f"{a.tenant_path:28} {a.adapter_id:14} {a.trained_for}")
     return out
@@ -392,10 +394,18 @@ class Demo:
                    "regression_set": ("regression.jsonl", json.dumps(case).encode())}))
 
     def _gate(self, adapter_id: str, version: int) -> dict[str, Any]:
+        path = f"/v1/adapters/{adapter_id}/versions/{version}/gate"
+
         def done() -> dict[str, Any] | None:
-            gate = _check(self.registry.get(f"/v1/adapters/{adapter_id}/versions/{version}/gate"))
+            gate = _check(self.registry.get(path))
             return gate if gate["status"] not in ("pending", "none") else None
-        gate = self._until(done, 300, f"the quality gate of {adapter_id}@{version}")
+        for _ in range(60):
+            gate = self._until(done, 300, f"the quality gate of {adapter_id}@{version}")
+            if gate["status"] != "expired" or "no_worker" not in " ".join(gate["failures"]):
+                break
+            # the registry had not seen a worker's heartbeat yet: run the stored set again
+            time.sleep(1.0)
+            _check(self.registry.post(path, data={"reason": "demo: workers were starting"}))
         if gate["status"] != "passed":
             raise DemoFailed(f"{adapter_id}@{version}: gate {gate['status']}: {gate}")
         return gate

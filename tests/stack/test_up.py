@@ -238,15 +238,32 @@ def test_client_commands_without_a_stack_say_so_in_one_line(scratch: Path) -> No
     _one_line_error(_run(env, "generate", "--tenant", "nope", "hi"), "org/team/project")
 
 
-def test_demo_round_trips_an_event_into_postgres(scratch: Path) -> None:
+def test_demo_runs_every_step_on_two_workers_and_leaves_nothing_running(scratch: Path) -> None:
+    """`loraplane demo` on a tiny model (the real one is the default): the tenants' answers,
+    the canary, the rollback, the purge and their proofs in SQL; exit 0, nothing left."""
+    from tests.worker.engine.tiny_llama import build_model
+    from tests.worker.harness import add_chat_template
+
+    model = scratch / "tiny"
+    build_model(model, max_position_embeddings=256)
+    add_chat_template(model)
     env = _env(scratch / "state")
-    demo = subprocess.Popen(_cli("demo"), cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    out, _ = demo.communicate(timeout=300)
+    demo = subprocess.Popen(
+        _cli("demo", "--base-model", str(model), "--answer-tokens", "6", "--stage-s", "3"),
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = demo.communicate(timeout=600)
+    finally:
+        if demo.poll() is None:
+            demo.kill()
     assert demo.returncode == 0, out
-    for needle in ("produced", "consumed", "PostgreSQL: audit events row", "hash",
-                   "nothing left running"):
-        assert needle in out
+    for needle in ("worker-1", "worker-2", "different answers from 4 requests",
+                   "base model, no adapter", "rollout completed", "fault injection",
+                   "rolled back at 5 %", "error rate", "purge_proofs", "met",
+                   "adapter_lineage", "release_decisions", "rollout_rolled_back", "served_by",
+                   "tokens/s, all workers", "TTFT", "adapter load into a device slot",
+                   "audit verify: OK", "nothing left running"):
+        assert needle in out, needle
     leftovers = [p for p in psutil.process_iter(["cmdline"])
                  if str(scratch) in " ".join(p.info["cmdline"] or [])]
     assert leftovers == []
