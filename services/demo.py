@@ -243,6 +243,18 @@ def random_adapter(shape: BaseModelShape, *, rank: int, seed: int) -> tuple[byte
     return json.dumps(config).encode(), save(tensors)
 
 
+def chat_prompt(model_dir: Path, question: str) -> str:
+    """The question as the model's chat template renders it: a regression set's prompt is
+    tokenized as plain text, and an instruct model asked without its template may end at
+    once (SmolLM2 does)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": question}],
+                                             tokenize=False, add_generation_prompt=True)
+    return str(rendered)
+
+
 def scaled(weights: bytes, factor: float) -> bytes:
     """The same adapter with its B matrices scaled: a new version with new bytes."""
     tensors = load(weights)
@@ -283,6 +295,7 @@ class Demo:
         self.router = f"127.0.0.1:{settings.router_port}"
         self.workers: list[tuple[str, int]] = []
         self.answers: list[Answer] = []
+        self.chat_prompt = chat_prompt(model_dir, QUESTION)
 
     def run(self) -> None:
         db = make_engine(str(self.settings.database_url))
@@ -382,7 +395,7 @@ class Demo:
         console.print(table)
 
     def _publish(self, adapter: TenantAdapter, weights: bytes, label: str) -> dict[str, Any]:
-        case = {"id": "answers", "prompt": QUESTION, "max_tokens": 8,
+        case = {"id": "answers", "prompt": self.chat_prompt, "max_tokens": 8,
                 "checks": [{"type": "regex", "pattern": r"\S"}]}
         return _check(self.registry.post(
             f"/v1/adapters/{adapter.adapter_id}/versions",
