@@ -68,11 +68,13 @@ QUESTION = "What is the capital of France?"
 """The question every tenant and the base model answer, side by side."""
 CANARY_STAGES = [5, 25, 100]
 TENANTS = (
-    (TenantRef(org="acme", team="support", project="helpdesk"), "acme-support"),
-    (TenantRef(org="globex", team="analytics", project="warehouse"), "globex-sql"),
-    (TenantRef(org="initech", team="platform", project="api"), "initech-json"),
+    (TenantRef(org="acme", team="support", project="helpdesk"), "acme-support", 2),
+    (TenantRef(org="globex", team="analytics", project="warehouse"), "globex-sql", 7),
+    (TenantRef(org="initech", team="platform", project="api"), "initech-json", 5),
 )
-"""Who owns which adapter when the trained demo adapters are not available."""
+"""Who owns which adapter when the trained demo adapters are not available, and the seed of
+its random weights (seeds whose greedy answers on SmolLM2 differ from each other and from
+the base model's: a random adapter may also leave an answer unchanged, or end it at once)."""
 
 
 @dataclass(frozen=True)
@@ -199,7 +201,7 @@ def _tenant_adapters(settings: Settings, options: DemoOptions, model_dir: Path, 
            else "no trained adapter for this base model")
     shape = BaseModelShape.from_config(config)
     out = []
-    for seed, (tenant, adapter_id) in enumerate(TENANTS, start=1):
+    for tenant, adapter_id, seed in TENANTS:
         cfg, weights = random_adapter(shape, rank=8, seed=seed)
         out.append(TenantAdapter(tenant, adapter_id, cfg, weights,
                                  f"random LoRA on q/v ({why})"))
@@ -237,7 +239,7 @@ def random_adapter(shape: BaseModelShape, *, rank: int, seed: int) -> tuple[byte
             tensors[f"{prefix}.lora_A.weight"] = (torch.randn(rank, fan_in, generator=gen)
                                                   / fan_in ** 0.5).to(torch.float16)
             tensors[f"{prefix}.lora_B.weight"] = (torch.randn(fan_out, rank, generator=gen)
-                                                  * 0.05).to(torch.float16)
+                                                  * 0.15).to(torch.float16)
     config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "bias": "none",
               "target_modules": ["q_proj", "v_proj"], "task_type": "CAUSAL_LM"}
     return json.dumps(config).encode(), save(tensors)
@@ -526,15 +528,23 @@ class Demo:
         console.print(f"stages of [bold]{self.options.stage_s:g} s[/bold] each for the demo "
                       "(the default plan holds each stage 15 minutes); the canary controller "
                       "judges each stage on the workers' request traces")
-        started = self._rollout(body["version"])
-        console.print(f"rollout started: {_split(started['split'])}")
-        with AliasTraffic(self, clients=self.options.clients) as load:
-            final = self._watch_rollout(("completed", "rolled_back"), 300)
-        console.print(f"alias traffic: {load.summary()}")
+        final = self._release(body["version"], failing=False)
         if final["status"] != "completed":
             raise DemoFailed(f"the good canary did not complete: {final['status_reason']}")
         console.print(f"[green]rollout completed[/green]: {adapter.adapter_id}@"
                       f"{body['version']} is the active version")
+
+    def _release(self, version: int, *, failing: bool) -> dict[str, Any]:
+        """Roll `version` out under alias traffic until the controller completes or rolls
+        back the rollout; with `failing`, every request the version serves is reported
+        failed as well."""
+        started = self._rollout(version)
+        console.print(f"rollout started: {_split(started['split'])}")
+        with AliasTraffic(self, clients=self.options.clients,
+                          failing_version=version if failing else None) as load:
+            final = self._watch_rollout(("completed", "rolled_back"), 300)
+        console.print(f"alias traffic: {load.summary()}")
+        return final
 
     def _watch_rollout(self, ends: tuple[str, ...], timeout_s: float) -> dict[str, Any]:
         shown: set[str] = set()
@@ -568,10 +578,7 @@ class Demo:
                       f"({gate['status']}) but fails in production: [bold yellow]fault "
                       f"injection[/bold yellow] reports every request it serves as failed "
                       f"(one error trace per real response, on stream worker/fault-injector)")
-        self._rollout(version)
-        with AliasTraffic(self, clients=self.options.clients, failing_version=version) as load:
-            final = self._watch_rollout(("completed", "rolled_back"), 300)
-        console.print(f"alias traffic: {load.summary()}")
+        final = self._release(version, failing=True)
         if final["status"] != "rolled_back":
             raise DemoFailed(f"the bad canary was not rolled back: {final['status']}")
         console.print(f"[green]rolled back[/green] at {final['weight']} %: "
