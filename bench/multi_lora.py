@@ -757,11 +757,13 @@ def figures(result: dict[str, Any]) -> list[Figure]:
     transformers' generate, the prefix cache where the tenant section ran."""
     run = result["settings"]
     out = []
-    for key, label in (("random_llama", "random Llama (hidden 1024, 8 layers)"),
-                       ("smollm2_135m", "SmolLM2-135M-Instruct")):
+    for key in ("random_llama", "smollm2_135m"):
         part = result.get(key)
         if not isinstance(part, dict):
             continue
+        shape = part.get("model") or {}
+        label = ("SmolLM2-135M-Instruct" if key == "smollm2_135m" else
+                 f"random Llama (hidden {shape.get('hidden')}, {shape.get('layers')} layers)")
         model = "SmolLM2-135M-Instruct" if key == "smollm2_135m" else "random Llama"
         mixed = part.get("mixed")
         if mixed and "peft_tok_s" in mixed:
