@@ -194,11 +194,8 @@ def _base_model(settings: Settings, options: DemoOptions) -> Path:
 def _tenant_adapters(settings: Settings, options: DemoOptions, model_dir: Path, digest: str,
                      config: dict[str, Any]) -> list[TenantAdapter]:
     if options.base_model is None:
-        trained = _trained_adapters(settings, model_dir, digest)
-        if trained:
-            return trained
-    why = ("the trained demo adapters are not in this checkout" if options.base_model is None
-           else "no trained adapter for this base model")
+        return _trained_adapters(settings, model_dir, digest)
+    why = "no trained adapter for this base model"
     shape = BaseModelShape.from_config(config)
     out = []
     for tenant, adapter_id, seed in TENANTS:
@@ -211,11 +208,8 @@ def _tenant_adapters(settings: Settings, options: DemoOptions, model_dir: Path, 
 
 
 def _trained_adapters(settings: Settings, model_dir: Path, digest: str
-                      ) -> list[TenantAdapter] | None:
-    try:
-        from services.demo_adapters.build import demo_adapters  # type: ignore[import-not-found]
-    except ImportError:
-        return None
+                      ) -> list[TenantAdapter]:
+    from services.demo_adapters import demo_adapters
     found = demo_adapters(model_dir, settings.cache_dir, base_digest=digest)
     out = []
     for a in found:
