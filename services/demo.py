@@ -703,6 +703,7 @@ class AliasTraffic:
             thread.join(200)
         if self._producer is not None:
             self._producer.close()
+            self._producer = None  # its client goes now, not at exit after the broker stopped
 
     def _client(self, index: int) -> None:
         demo, n = self.demo, 0
