@@ -91,8 +91,12 @@ def main() -> None:
                         help="one-at-a-time requests per single run")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--smoke", action="store_true", help="a tiny model: a quick check")
+    parser.add_argument("--quick", action="store_true",
+                        help="8 requests, 2 singles, one repeat (what `make bench` runs)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "merged.json"))
     args = parser.parse_args()
+    if args.quick:
+        args.requests, args.singles, args.repeats = 8, 2, 1
     with bench_stack("merged", lambda d: build_random_base(d, 7, args.smoke), tail=False,
                      max_upload_bytes=256 * 1024 * 1024) as (root, stack):
         mc = ModelConfig.from_dir(root / "base")
