@@ -25,17 +25,15 @@ random LoRA adapter of the model's shapes, so answers still differ, visibly less
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 import secrets
 import shutil
-import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -45,7 +43,6 @@ from typing import Any
 import grpc
 import httpx
 import torch
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rich.console import Console
 from rich.table import Table
 from safetensors.torch import load, save
@@ -59,8 +56,8 @@ from services.contracts.grpc import inference_pb2 as pb
 from services.contracts.grpc import inference_pb2_grpc as pb_grpc
 from services.eventlog import EventProducer
 from services.registry.validation import BaseModelShape
-from services.stack.process import ChildProcess, free_port
-from services.stack.stack import Stack, _env_of
+from services.stack.process import free_port
+from services.stack.stack import Stack
 
 console = Console()
 
@@ -149,33 +146,32 @@ def run_demo(settings: Settings, options: DemoOptions | None = None) -> None:
     for adapter in adapters:
         tokens.for_tenant(adapter.tenant_path)
     settings = settings.model_copy(update={
-        "auth_tokens": tokens.auth_tokens(), "registry_port": free_port(),
-        "registry_url": None, "audit_metrics_port": free_port(),
+        "auth_tokens": tokens.auth_tokens(), "api_token": tokens.admin,
+        "worker_token": tokens.worker, "canary_token": tokens.canary,
+        "registry_port": free_port(), "registry_url": None, "audit_metrics_port": free_port(),
         "router_port": free_port(), "router_http_port": free_port(),
+        "worker_port": free_port(), "worker_metrics_port": free_port(),
+        "worker_kv_blocks": 512, "worker_adapter_slots": 4, "worker_dtype": "float32",
         "heartbeat_interval_s": 1.0, "worker_trace_flush_s": 0.5,
         "canary_interval_s": 0.5, "canary_settle_s": 1.0, "release_ungated": "block"})
-    stack = Stack(settings, services=("registry", "audit"), state_dir=scratch)
+    console.rule("1. the stack: broker, PostgreSQL, registry, projector, router, canary "
+                 "controller, 2 workers")
+    # The same `Stack` as `loraplane up --workers 2`, in a scratch state folder.
+    stack = Stack(settings, services=("audit", "registry", "router", "canary"),
+                  state_dir=scratch, workers=2, base_model=model_dir)
     try:
-        with _stopping(stack) as services:
+        try:
+            began = time.monotonic()
             demo = Demo(stack.start(), tokens, model_dir, digest, config, adapters, options,
-                        services, scratch)
+                        stack)
+            demo.bring_up(time.monotonic() - began)
             demo.run()
+        finally:
+            stack.stop()
         console.print(f"[green]everything stopped; nothing left running[/green] "
                       f"(demo took {time.monotonic() - started:.0f} s)")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def _stopping(stack: Stack) -> Iterator[list[ChildProcess]]:
-    """The demo's own services stop first (reverse order), then the stack."""
-    children: list[ChildProcess] = []
-    try:
-        yield children
-    finally:
-        for child in reversed(children):
-            child.stop()
-        stack.stop()
 
 
 def _base_model(settings: Settings, options: DemoOptions) -> Path:
@@ -275,7 +271,7 @@ class Answer:
 class Demo:
     def __init__(self, settings: Settings, tokens: Tokens, model_dir: Path, digest: str,
                  config: dict[str, Any], adapters: list[TenantAdapter], options: DemoOptions,
-                 services: list[ChildProcess], scratch: Path) -> None:
+                 stack: Stack) -> None:
         self.settings = settings
         self.tokens = tokens
         self.model_dir = model_dir
@@ -283,20 +279,18 @@ class Demo:
         self.config = config
         self.adapters = adapters
         self.options = options
-        self.services = services
-        self.scratch = scratch
-        self.base_name = model_dir.name.lower()
+        self.stack = stack
+        assert stack.base_model_name is not None  # registered by the stack's start
+        self.base_name = stack.base_model_name
         self.registry = httpx.Client(base_url=settings.registry_base_url, timeout=60,
                                      headers={"Authorization": f"Bearer {tokens.admin}"})
         self.router = f"127.0.0.1:{settings.router_port}"
-        self.workers: list[tuple[str, int]] = []
         self.answers: list[Answer] = []
         self.chat_prompt = chat_prompt(model_dir, QUESTION)
 
     def run(self) -> None:
         db = make_engine(str(self.settings.database_url))
         try:
-            self.bring_up()
             self.publish()
             self.traffic()
             self.canary()
@@ -309,69 +303,20 @@ class Demo:
 
     # 1 ------------------------------------------------------------------------------------
 
-    def bring_up(self) -> None:
-        console.rule("1. the stack: broker, PostgreSQL, registry, projector, router, canary "
-                     "controller, 2 workers")
-        began = time.monotonic()
-        _check(self.registry.post("/v1/base-models", json={
-            "name": self.base_name, "digest": self.digest, "config": self.config}))
-        env = {k: v for k, v in os.environ.items() if not k.startswith("LORAPLANE_")}
-        env.update(_env_of(self.settings))
-        logs = self.scratch / "logs"
-        self._start("router", env, logs)
-        self._start("canary", {**env, "LORAPLANE_CANARY_TOKEN": self.tokens.canary}, logs)
-        for i in (1, 2):
-            port, worker_id = free_port(), f"worker-{i}"
-            self._start("worker", {
-                **env, "LORAPLANE_WORKER_ID": worker_id, "LORAPLANE_WORKER_PORT": str(port),
-                "LORAPLANE_WORKER_METRICS_PORT": str(free_port()),
-                "LORAPLANE_BASE_MODEL": str(self.model_dir),
-                "LORAPLANE_STATE_DIR": str(self.scratch / "workers" / worker_id),
-                "LORAPLANE_WORKER_TOKEN": self.tokens.worker,
-                "LORAPLANE_REGISTRY_URL": self.settings.registry_base_url,
-                "LORAPLANE_WORKER_KV_BLOCKS": "512", "LORAPLANE_WORKER_ADAPTER_SLOTS": "4",
-                "LORAPLANE_WORKER_DTYPE": "float32"}, logs, name=worker_id)
-            self.workers.append((worker_id, port))
-        for worker_id, port in self.workers:
-            self._wait_serving(worker_id, f"127.0.0.1:{port}", 300)
-        self._wait_serving("router", self.router, 60)
+    def bring_up(self, took_s: float) -> None:
         table = Table(title="running")
-        for col in ("part", "where"):
+        for col in ("part", "where", "what"):
             table.add_column(col)
-        table.add_row("registry (REST)", self.settings.registry_base_url)
-        table.add_row("router (gRPC)", self.router)
-        table.add_row("router (OpenAI HTTP)", f"127.0.0.1:{self.settings.router_http_port}")
-        for worker_id, port in self.workers:
-            table.add_row(worker_id, f"127.0.0.1:{port}, base {self.base_name}")
-        table.add_row("canary controller", "reads request traces, steps rollouts")
-        table.add_row("audit projector", f"PostgreSQL {_redact(self.settings.database_url)}")
+        for endpoint in self.stack.endpoints:
+            table.add_row(endpoint.name, endpoint.where, endpoint.detail)  # already redacted
         console.print(table)
-        console.print(f"up in {time.monotonic() - began:.0f} s")
-
-    def _start(self, kind: str, env: dict[str, str], logs: Path, name: str = "") -> None:
-        name = name or kind
-        child = ChildProcess(name, [sys.executable, "-m", "services.cli", "serve", kind],
-                             logs / f"{name}.log", env=env)
-        self.services.append(child)
-
-    def _wait_serving(self, name: str, address: str, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        with grpc.insecure_channel(address) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            while True:
-                self._check_children()
-                with contextlib.suppress(grpc.RpcError):
-                    answer = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
-                    if answer.status == health_pb2.HealthCheckResponse.SERVING:
-                        return
-                if time.monotonic() > deadline:
-                    raise DemoFailed(f"{name} not serving after {timeout_s:.0f} s")
-                time.sleep(0.3)
+        console.print(f"up in {took_s:.0f} s")
 
     def _check_children(self) -> None:
-        for child in self.services:
-            if not child.alive():
-                raise DemoFailed(f"{child.name} exited:\n{child.log_tail()}")
+        for service in self.stack.children:
+            if not service.alive():
+                tail = service.child.log_tail() if service.child is not None else ""
+                raise DemoFailed(f"{service.name} exited:\n{tail}")
 
     # 2 ------------------------------------------------------------------------------------
 
@@ -769,13 +714,6 @@ def _arm(figures: dict[str, Any]) -> str:
     p95 = figures.get("p95_ms")
     return (f"{figures.get('errors', 0)}/{figures.get('requests', 0)} errors"
             + (f", p95 {p95:.0f} ms" if p95 is not None else ""))
-
-
-def _redact(url: str | None) -> str:
-    if not url:
-        return ""
-    head, _, tail = url.partition("@")
-    return f"{head.split(':')[0]}://…@{tail}" if tail else url
 
 
 def _wait_rows(db: Engine, query: str, until: Callable[[list[Any]], bool], timeout_s: float,
