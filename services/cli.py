@@ -644,6 +644,12 @@ def status() -> None:
     services.add_row("audit", f"127.0.0.1:{settings.audit_metrics_port}",
                      f"[green]running[/green], lag {lag:.0f} records" if audit else
                      "[red]not answering[/red]")
+    canary = scrape(f"http://127.0.0.1:{settings.canary_metrics_port}/metrics")
+    running = canary.get("loraplane_canary_rollouts_running", 0)
+    services.add_row("canary", f"127.0.0.1:{settings.canary_metrics_port}",
+                     "[red]not answering[/red]" if not canary else
+                     f"[green]ready[/green], {running:.0f} rollouts running"
+                     if canary.get("loraplane_canary_ready") == 1 else "[yellow]replaying[/yellow]")
     for worker in document.get("workers", []):
         services.add_row(worker["worker_id"], worker["address"],
                          "[green]serving[/green]" if grpc_serving(worker["address"]) else

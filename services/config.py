@@ -268,6 +268,11 @@ class Settings(BaseSettings):
     canary_id: str | None = Field(None, description="Names the controller in logs and events.")
     canary_token: str | None = Field(
         None, description="Bearer token (role canary or admin) the controller sends the registry.")
+    canary_metrics_host: str = Field(
+        "127.0.0.1", description="Listener of the canary controller's /metrics.")
+    canary_metrics_port: int = Field(
+        8786, ge=0, le=65535, description="Port of the canary controller's /metrics (0: any "
+        "free port).")
     api_token: str | None = Field(
         None, description="Bearer token the loraplane CLI sends the registry (default: the "
         "admin token `loraplane up` wrote to STATE_DIR/admin.token).")

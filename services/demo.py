@@ -149,6 +149,7 @@ def run_demo(settings: Settings, options: DemoOptions | None = None) -> None:
         "auth_tokens": tokens.auth_tokens(), "api_token": tokens.admin,
         "worker_token": tokens.worker, "canary_token": tokens.canary,
         "registry_port": free_port(), "registry_url": None, "audit_metrics_port": free_port(),
+        "canary_metrics_port": free_port(),
         "router_port": free_port(), "router_http_port": free_port(),
         "worker_port": free_port(), "worker_metrics_port": free_port(),
         "worker_kv_blocks": 512, "worker_adapter_slots": 4, "worker_dtype": "float32",

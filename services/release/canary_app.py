@@ -37,6 +37,7 @@ from services.eventlog import EventConsumer, Record
 from services.eventlog.client import consumer_config
 from services.release.canary import TraceBook
 from services.release.controller import ControllerStep, next_steps
+from services.release.metrics import CanaryMetrics
 
 log = logging.getLogger("loraplane.canary")
 
@@ -92,6 +93,7 @@ class CanaryController:
         """Every step sent and the registry's status code (for logs and tests)."""
         self._consumer: EventConsumer | None = None
         self.ready = threading.Event()
+        self.metrics = CanaryMetrics()
 
     # --- the log -------------------------------------------------------------------------
 
@@ -115,6 +117,7 @@ class CanaryController:
             raise
         self._consumer = consumer
         self.ready.set()
+        self.metrics.ready.set(1)
         running = [r for r in self.state.rollouts.values() if r.status == "running"]
         log.info("canary controller %s ready: %d events, %d traces kept, resuming %s",
                  self.controller_id, count, len(self.book),
@@ -126,17 +129,34 @@ class CanaryController:
             self._consumer.close()
             self._consumer = None
         self.http.close()
+        self.metrics.close()
 
     # --- deciding ------------------------------------------------------------------------
 
     def tick(self) -> list[ControllerStep]:
         now = self.clock()
         self.book.prune(now)
-        steps = [s for s in next_steps(self.state, self.book, now, self.settings.canary_settle_s)
-                 if s.key not in self.sent]
+        decided = next_steps(self.state, self.book, now, self.settings.canary_settle_s)
+        steps = [s for s in decided if s.key not in self.sent]
+        self._count_judgements(decided, steps, now)
         for step in steps:
             self._send(step)
         return steps
+
+    def _count_judgements(self, decided: list[ControllerStep], steps: list[ControllerStep],
+                          now: datetime) -> None:
+        """A running rollout without a step waits; a step already sent (its event not yet
+        folded) is not judged again."""
+        running = {a for a, r in self.state.rollouts.items() if r.status == "running"}
+        self.metrics.running.set(len(running))
+        if not running:
+            return
+        for step in steps:
+            self.metrics.judgements.labels(step.kind).inc()
+        waiting = len(running - {s.alias for s in decided})
+        if waiting:
+            self.metrics.judgements.labels("wait").inc(waiting)
+        self.metrics.last_judgement.set(now.timestamp())
 
     def _send(self, step: ControllerStep) -> None:
         body: dict[str, Any] = {"rollout_id": step.rollout_id, "from_stage": step.from_stage,
@@ -148,20 +168,33 @@ class CanaryController:
             response = self.http.post(f"/v1/aliases/{step.alias}/rollout/{step.kind}", json=body,
                                       headers={"Idempotency-Key": key})
         except httpx.HTTPError as exc:
+            self.metrics.registry_errors.labels("unreachable").inc()
             log.warning("registry unreachable, %s of %s retried next tick: %s", step.kind,
                         step.alias, exc)
             return
         self.decisions.append((step, response.status_code))
         if response.status_code == 200:
             self.sent.add(step.key)
+            self.metrics.steps.labels(self._action(step)).inc()
             log.info("%s %s (rollout %s, from stage %d): %s", step.kind, step.alias,
                      step.rollout_id, step.from_stage, step.reason)
         elif response.status_code in REFUSED:
+            self.metrics.registry_errors.labels("refused").inc()
             log.warning("registry refused %s of %s: %s", step.kind, step.alias,
                         response.text[:500])
         else:
+            self.metrics.registry_errors.labels("failed").inc()
             log.warning("registry answered %d to %s of %s; retried next tick",
                         response.status_code, step.kind, step.alias)
+
+    def _action(self, step: ControllerStep) -> str:
+        """The rollout step the registry applied: an advance from the last stage completes."""
+        if step.kind == "advance":
+            rollout = self.state.rollouts.get(step.alias)
+            final = rollout is not None and rollout.rollout_id == step.rollout_id \
+                and step.from_stage == len(rollout.plan.stages) - 1
+            return "completed" if final else "advanced"
+        return {"rollback": "rolled_back", "halt": "halted"}[step.kind]
 
     # --- the loop --------------------------------------------------------------------------
 
@@ -201,6 +234,9 @@ def serve(settings: Settings) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     controller = CanaryController(settings)
+    port = controller.metrics.serve(settings.canary_metrics_port, settings.canary_metrics_host)
+    log.info("canary controller metrics on http://%s:%d/metrics", settings.canary_metrics_host,
+             port)
     try:
         controller.run(stop)
     finally:

@@ -56,8 +56,8 @@ TOKEN_ROLES = ("admin", "worker", "canary")
 """Dev tokens `up` generates when no LORAPLANE_AUTH_TOKENS is given: STATE_DIR/ROLE.token."""
 
 CLIENT_SETTINGS = ("kafka_bootstrap", "database_url", "registry_url", "router_host",
-                   "router_port", "router_http_port", "audit_metrics_port", "state_dir",
-                   "adapter_events_topic", "worker_events_topic", "liveness_topic",
+                   "router_port", "router_http_port", "audit_metrics_port", "canary_metrics_port",
+                   "state_dir", "adapter_events_topic", "worker_events_topic", "liveness_topic",
                    "dead_letter_topic", "topic_partitions")
 """What a client needs to find the running stack: written to endpoints.json as LORAPLANE_*
 variables, which the CLI takes where the environment does not name them."""
@@ -201,6 +201,8 @@ class Stack:
                                            f"{self.root / 'postgres'}"))
         if "audit" in self.services and settings.audit_metrics_port == 0:
             updates["audit_metrics_port"] = free_port()
+        if "canary" in self.services and settings.canary_metrics_port == 0:
+            updates["canary_metrics_port"] = free_port()
         if not settings.registry_url:
             updates["registry_url"] = f"http://{settings.registry_host}:{settings.registry_port}"
         updates.update(self._tokens(settings))
@@ -267,7 +269,8 @@ class Stack:
             "registry": lambda: _http_ok(f"{settings.registry_base_url}/readyz"),
             "router": lambda: _http_ok(f"http://{_loopback(settings.router_host)}:"
                                        f"{settings.router_http_port}/readyz"),
-            "canary": lambda: True,
+            "canary": lambda: _http_ok(f"http://{_loopback(settings.canary_metrics_host)}:"
+                                       f"{settings.canary_metrics_port}/metrics"),
         }
         for name in SERVICES:
             if name not in self.services:
@@ -361,6 +364,10 @@ class Stack:
             base = f"http://{_loopback(settings.audit_http_host)}:{settings.audit_metrics_port}"
             return Endpoint("audit", f"{base}/metrics", True,
                             f"projector into PostgreSQL; checkpoints {base}/checkpoints; {pid}")
+        if service.name == "canary":
+            host = _loopback(settings.canary_metrics_host)
+            return Endpoint("canary", f"http://{host}:{settings.canary_metrics_port}/metrics",
+                            True, f"canary controller; {pid}")
         place = next((p for p in self._places if p.worker_id == service.name), None)
         if place is not None:
             host = _loopback(settings.worker_host)

@@ -219,7 +219,8 @@ def wait_for(check: Callable[[], Any], timeout_s: float, what: str, every_s: flo
 ENV_FIELDS = ("kafka_bootstrap", "adapter_events_topic", "worker_events_topic", "liveness_topic",
               "dead_letter_topic", "topic_partitions", "registry_url", "canary_token",
               "canary_interval_s", "canary_settle_s", "canary_lookback_s",
-              "stale_lease_threshold_s", "state_dir", "canary_id", "log_level")
+              "stale_lease_threshold_s", "state_dir", "canary_id", "log_level",
+              "canary_metrics_port")
 
 
 def controller_process(settings: Settings, log_path: Path) -> subprocess.Popen[bytes]:

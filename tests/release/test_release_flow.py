@@ -61,7 +61,7 @@ class Stack:
                                  auth_tokens=auth_setting(), stale_lease_threshold_s=4.0,
                                  gate_sweep_interval_s=0.3, canary_interval_s=0.25,
                                  canary_settle_s=0.3, canary_token=CANARY_TOKEN,
-                                 canary_id="canary-test")
+                                 canary_id="canary-test", canary_metrics_port=0)
         self.registry = RunningRegistry(base)
         self.settings = base.model_copy(update={"registry_url": self.registry.url})
         self.registry.start()
@@ -171,7 +171,8 @@ def test_a_good_version_passes_its_gate_and_walks_5_to_100(stack: Stack) -> None
     assert response.status_code == 201, response.text
     assert response.json()["weight"] == 5
     traffic = stack.traffic()
-    stack.controller()
+    controller = stack.controller()
+    port = controller.metrics.serve(0)
     done = wait_for(lambda: (r := stack.rollout())["status"] == "completed" and r, 90,
                     "the rollout to complete")
     assert [s["action"] for s in done["steps"]] == ["started", "advanced", "advanced",
@@ -184,6 +185,21 @@ def test_a_good_version_passes_its_gate_and_walks_5_to_100(stack: Stack) -> None
     adapter = stack.publisher.get("/v1/adapters/bot").json()
     assert adapter["active_version"] == 2 and adapter["rollback_target"] == 1
     assert traffic.served.get(2, 0) > 0 and traffic.served.get(1, 0) > 0
+
+    # what Prometheus scrapes from the controller
+    def scraped() -> str:
+        return httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    done_line = 'loraplane_canary_rollout_steps_total{action="completed"} 1.0'
+    metrics = wait_for(lambda: done_line in (m := scraped()) and
+                       "loraplane_canary_rollouts_running 0.0" in m and m,
+                       10, "the completed rollout on /metrics")
+    for line in ('loraplane_canary_rollout_steps_total{action="advanced"} 3.0',
+                 "loraplane_canary_ready 1.0"):
+        assert line in metrics, metrics
+    assert "loraplane_canary_registry_errors_total{" not in metrics
+    sample = controller.metrics.registry.get_sample_value
+    assert (sample("loraplane_canary_judgements_total", {"outcome": "advance"}) or 0) >= 4
+    assert (sample("loraplane_canary_last_judgement_timestamp_seconds") or 0) > 0
 
 
 def _token_id(token: str) -> str:
@@ -275,9 +291,12 @@ def test_an_error_spike_is_rolled_back_at_its_stage_and_the_view_shows_why(
                                     json={"adapter_id": "bot", "version": 2, **plan})
     assert response.status_code == 201, response.text
     traffic = stack.traffic(errors={1: 0.02, 2: 0.30})
-    stack.controller()
+    controller = stack.controller()
     done = wait_for(lambda: (r := stack.rollout())["status"] == "rolled_back" and r, 60,
                     "the automatic rollback")
+    wait_for(lambda: controller.metrics.registry.get_sample_value(
+        "loraplane_canary_rollout_steps_total", {"action": "rolled_back"}) == 1.0, 10,
+        "the rollback counted")
     assert done["weight"] == 5 and done["stage"] == 0
     assert done["split"] == [{"adapter_id": "bot", "version": 1, "weight": 100}]
     assert "> 1.5 x baseline" in done["status_reason"], done

@@ -34,7 +34,8 @@ def _env(state: Path, **extra: str) -> dict[str, str]:
     env.update({"LORAPLANE_STATE_DIR": str(state), "LORAPLANE_CACHE_DIR": str(CACHE),
                 "LORAPLANE_TOPIC_PARTITIONS": "2", "COLUMNS": "200",
                 "LORAPLANE_REGISTRY_PORT": str(free_port()),
-                "LORAPLANE_AUDIT_METRICS_PORT": str(free_port()), **extra})
+                "LORAPLANE_AUDIT_METRICS_PORT": str(free_port()),
+                "LORAPLANE_CANARY_METRICS_PORT": "0", **extra})
     return env
 
 
