@@ -25,8 +25,10 @@ class WorkerMetrics:
         r = self.registry
         self.load_seconds = Histogram(
             "loraplane_worker_adapter_load_seconds",
-            "Adapter load latency until usable on the device, by the tier it came from",
-            ["tier"], buckets=LATENCY_BUCKETS, registry=r)
+            "Adapter load latency until usable on the device, by the tier it came from and "
+            "the adapter id (never the version or digest: a few series per adapter, so "
+            "hundreds of adapters stay cheap to scrape)",
+            ["tier", "adapter"], buckets=LATENCY_BUCKETS, registry=r)
         self.adapters = Gauge("loraplane_worker_adapters", "Adapter versions held, per tier",
                               ["tier"], registry=r)
         self.adapter_states = Gauge("loraplane_worker_adapter_states",

@@ -303,7 +303,7 @@ class Residency:
             known = self._versions[key]
             self._holders.setdefault(digest, set()).add(key)
             seconds = now - known.load_started
-            self.metrics.load_seconds.labels(source.value).observe(seconds)
+            self.metrics.load_seconds.labels(source.value, key[0]).observe(seconds)
             self.events.emit(AdapterLoaded(worker_id=self.worker_id, adapter_id=key[0],
                                            version=key[1], sha256=digest.sha256,
                                            load_ms=seconds * 1e3, tier="device"),

@@ -51,11 +51,13 @@ def _metric_names() -> set[str]:
     """Every sample name the services can expose."""
     from services.audit.metrics import ProjectorMetrics
     from services.registry.metrics import RegistryMetrics
+    from services.release.metrics import CanaryMetrics
     from services.router.metrics import RouterMetrics
     from services.worker.metrics import WorkerMetrics
 
     names: set[str] = set()
-    for metrics in (WorkerMetrics(), RouterMetrics(), RegistryMetrics(), ProjectorMetrics()):
+    for metrics in (WorkerMetrics(), RouterMetrics(), RegistryMetrics(), ProjectorMetrics(),
+                    CanaryMetrics()):
         for family in metrics.registry.collect():
             names.add(family.name)
             suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"),
@@ -93,8 +95,8 @@ def test_dashboard_shows_what_operators_asked_for() -> None:
     ids = [p["id"] for p in dashboard["panels"]]
     assert len(ids) == len(set(ids))
     text = json.dumps(dashboard)
-    for needle in ("adapter_load_seconds", "kv_prefix_hit_rate", "time_to_first_token",
-                   "inter_token"):
+    for needle in ("adapter:adapter_load_seconds", "kv_prefix_hit_rate", "time_to_first_token",
+                   "inter_token", "loraplane_canary_"):
         assert needle in text, needle
     datasource = yaml.safe_load(
         (GRAFANA / "provisioning" / "datasources" / "prometheus.yml").read_text())
@@ -132,6 +134,7 @@ def test_compose_mounts_the_files_and_scrapes_every_service() -> None:
     config = yaml.safe_load((PROMETHEUS / "prometheus.yml").read_text())
     port_setting = {"registry": "LORAPLANE_REGISTRY_PORT", "router": "LORAPLANE_ROUTER_HTTP_PORT",
                     "audit": "LORAPLANE_AUDIT_METRICS_PORT",
+                    "canary": "LORAPLANE_CANARY_METRICS_PORT",
                     "worker": "LORAPLANE_WORKER_METRICS_PORT",
                     "worker-gpu": "LORAPLANE_WORKER_METRICS_PORT"}
     scraped = set()

@@ -10,6 +10,7 @@ from datetime import UTC, datetime
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from services.contracts.events import Envelope
 from tests.conftest import isolated_settings
@@ -104,8 +105,11 @@ def test_kill_9_and_restart_replays_to_the_same_adapter_states(stack: Stack) -> 
         "a version that failed before the crash is not fetched again"
     metrics = w1.metrics()
     # the restarted process reloaded all three from its disk tier, nothing from the registry
-    assert 'adapter_load_seconds_count{tier="disk"} 3.0' in metrics, metrics
-    assert 'adapter_load_seconds_count{tier="blob"}' not in metrics
+    loads = {(s.labels["tier"], s.labels["adapter"]): s.value
+             for family in text_string_to_metric_families(metrics) for s in family.samples
+             if s.name == "loraplane_worker_adapter_load_seconds_count"}
+    assert loads == {("disk", "served"): 1.0, ("disk", "golden"): 1.0,
+                     ("disk", "moved"): 1.0}, metrics
     seqs = sorted(e.seq for e in stack.tail.events if e.stream == "worker/w1")
     assert seqs == list(range(1, len(seqs) + 1)), "the worker's stream has no gap or repeat"
 

@@ -117,7 +117,7 @@ def test_publish_then_served_with_its_digest(stack: Stack,
     assert row["trace_id"] == "ab" * 16 and row["status"] == "ok"
     assert row["base_model_digest"] == stack.base_digest
     metrics = stack.workers["w1"].metrics()
-    assert "loraplane_worker_adapter_load_seconds_count{tier=" in metrics
+    assert 'loraplane_worker_adapter_load_seconds_count{adapter="support",tier=' in metrics
     assert "loraplane_worker_time_to_first_token_seconds_count" in metrics
 
 
