@@ -18,7 +18,8 @@ fatal error, it refuses every write for good.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -122,37 +123,47 @@ class EventProducer:
             envelope, value = encode(event)  # raises EventValidationError naming the field
             encoded.append((topic or topic_for(envelope, self.settings), partition, envelope,
                             value))
-        timeout = self.timeout_s if timeout_s is None else max(0.01, timeout_s)
-        with self._lock:
+        end = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+
+        def left() -> float:  # one budget for the lock, settling and the write together
+            return max(0.01, end - time.monotonic())
+
+        if not self._lock.acquire(timeout=left()):
+            raise BrokerUnavailable("the producer is busy with an earlier write")
+        try:
             if self._fenced:
                 raise ProducerFenced("this producer was fenced by a newer instance")
             try:
-                self._settle(timeout)
-                return self._write(encoded, timeout)
+                self._settle(left)
+                return self._write(encoded, left)
             except ProducerFenced:
                 self._fenced = True
                 raise
+        finally:
+            self._lock.release()
 
     def recover(self, timeout_s: float) -> None:
         """Settle a transaction a failed write left open (no-op otherwise)."""
         with self._lock:
             if self._fenced:
                 raise ProducerFenced("this producer was fenced by a newer instance")
+            end = time.monotonic() + timeout_s
             try:
-                self._settle(timeout_s)
+                self._settle(lambda: max(0.01, end - time.monotonic()))
             except ProducerFenced:
                 self._fenced = True
                 raise
 
-    def _settle(self, timeout_s: float) -> None:
-        """Resume the commit that timed out, or abort; raises while the broker says no."""
+    def _settle(self, left: Callable[[], float]) -> None:
+        """Resume the commit that timed out, or abort; raises while the broker says no.
+        `left()`: seconds left of the caller's budget, shared by every step."""
         while self._unsettled is not None:
             action = self._unsettled
             try:
                 if action == "commit":
-                    self._producer.commit_transaction(timeout_s)
+                    self._producer.commit_transaction(left())
                 else:
-                    self._producer.abort_transaction(timeout_s)
+                    self._producer.abort_transaction(left())
             except KafkaException as exc:
                 error = exc.args[0]
                 if action == "commit" and error.txn_requires_abort():
@@ -162,7 +173,7 @@ class EventProducer:
             self._unsettled = None
 
     def _write(
-        self, encoded: list[tuple[str, int | None, Envelope, bytes]], timeout_s: float
+        self, encoded: list[tuple[str, int | None, Envelope, bytes]], left: Callable[[], float]
     ) -> list[RecordPosition]:
         results: list[RecordPosition | EventLogError | None] = [None] * len(encoded)
 
@@ -186,20 +197,20 @@ class EventProducer:
                     kwargs["partition"] = partition
                 self._producer.produce(topic, **kwargs)
             if self.transactional:
-                self._producer.commit_transaction(timeout_s)
+                self._producer.commit_transaction(left())
             else:
-                remaining = self._producer.flush(timeout_s)
+                remaining = self._producer.flush(left())
                 if remaining:
                     raise BrokerUnavailable(f"{remaining} event(s) not acknowledged in time")
         except KafkaException as exc:
             error = exc.args[0]
             if self.transactional and not (error.code() in _FENCED or error.fatal()):
                 committing = error.retriable() and not error.txn_requires_abort()
-                self._leave_unsettled("commit" if committing else "abort", timeout_s)
+                self._leave_unsettled("commit" if committing else "abort", left)
             raise _classify(error, "produce") from exc
         except BufferError as exc:
             if self.transactional:
-                self._leave_unsettled("abort", timeout_s)
+                self._leave_unsettled("abort", left)
             raise BrokerUnavailable(f"local queue full: {exc}") from exc
         self._producer.poll(0)
         for result in results:
@@ -209,7 +220,8 @@ class EventProducer:
                 raise BrokerUnavailable("no delivery report received")
         return [r for r in results if isinstance(r, RecordPosition)]
 
-    def _leave_unsettled(self, action: Literal["commit", "abort"], timeout_s: float) -> None:
+    def _leave_unsettled(self, action: Literal["commit", "abort"],
+                         left: Callable[[], float]) -> None:
         """A write failed inside its transaction: abort it now if the broker answers, else
         settle it before the next write. A commit that timed out is left to be resumed:
         only the broker knows whether it went through."""
@@ -217,7 +229,7 @@ class EventProducer:
         if action == "commit":
             return
         try:
-            self._settle(timeout_s)
+            self._settle(left)
         except ProducerFenced:
             self._fenced = True  # the caller raises the write's error; every later one fenced
         except EventLogError:
