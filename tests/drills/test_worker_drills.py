@@ -151,12 +151,14 @@ def test_a_slow_blob_store_times_the_page_in_out_and_the_load_goes_on(stack: Sta
     """A worker whose blob page-in budget (1 ms) no fetch can meet: the request is refused
     at once with UNAVAILABLE, the tier and "retry" in its details (the router retries it
     elsewhere); the fetch goes on, so a retry a moment later is served."""
-    slow = stack.worker("w2", worker_page_in_timeout_blob_s=0.001).start()
-    slow.wait_serving()
     with stack.publisher() as pub:
         publish_files(pub, "slowblob", fresh_adapter(340), "v1", TENANT)
         switch(pub, "slowblob", 1)
     stack.tail.wait("AdapterVersionSwitched", adapter_id="slowblob")
+    # Started after the publish, so no quality gate of the new version ran on it (a gate
+    # would have fetched the adapter already).
+    slow = stack.worker("w2", worker_page_in_timeout_blob_s=0.001).start()
+    slow.wait_serving()
     with channel(slow.address) as stub:
         with pytest.raises(grpc.RpcError) as late:
             generate(stub, ACME, adapter=alias("slowblob"), ids=[5, 6], max_tokens=4,
