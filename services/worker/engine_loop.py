@@ -583,12 +583,17 @@ class EngineLoop:
         self.post(lambda: self._fetched(result))
 
     def _fetched(self, result: FetchResult) -> None:
+        # A waiter whose page-in budget ran out before the bytes came is refused first, as
+        # the housekeeping between steps would have: the budget holds however fast the
+        # loop comes round, and the router has already been told to retry elsewhere.
+        self._expire_parked()
         self.residency.fetched(result)
         self._sweep()
 
     # --- housekeeping between steps -----------------------------------------------------
 
-    def _service(self) -> None:
+    def _expire_parked(self) -> None:
+        """Refuse every parked request whose page-in budget has run out."""
         now = time.monotonic()
         for digest, tickets in list(self._parked.items()):
             late = [t for t in tickets if now > t.page_in_deadline or t.cancelled]
@@ -605,6 +610,10 @@ class EngineLoop:
                     self._refuse(ticket, "UNAVAILABLE", why, 1.0)
             if not tickets:
                 self._parked.pop(digest, None)
+
+    def _service(self) -> None:
+        now = time.monotonic()
+        self._expire_parked()
         self.residency.retry_slot_waits(self.settings.worker_page_in_timeout_blob_s)
         if self._gates_waiting and now - self._gates_tried > 1.0:
             self._gates_tried = now
