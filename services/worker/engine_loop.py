@@ -141,6 +141,8 @@ class Ticket:
     choice: ServingChoice | None = None
     digest: AdapterDigest | None = None
     page_in_deadline: float = 0.0
+    page_in_tier: Tier | None = None
+    """The tier the adapter was paging in from when the request parked (its budget's tier)."""
     first_token_at: float | None = None
     last_token_at: float | None = None
     completion_tokens: int = 0
@@ -494,7 +496,8 @@ class EngineLoop:
             self._refuse(ticket, "UNAVAILABLE", f"{choice.pinned} is leaving this worker", 1.0)
             return
         # not in a slot yet, or (merged mode) in one but not merged yet: wait for it
-        wait = self._page_in[self.residency.source_tier(digest)]
+        ticket.page_in_tier = self.residency.source_tier(digest)
+        wait = self._page_in[ticket.page_in_tier]
         if ticket.time_limit_s is not None:
             wait = min(wait, max(0.0, ticket.time_limit_s - (time.monotonic() - ticket.arrival)))
         ticket.page_in_deadline = time.monotonic() + wait
@@ -600,7 +603,7 @@ class EngineLoop:
             for ticket in late:
                 tickets.remove(ticket)
                 if not ticket.cancelled:
-                    tier = self.residency.source_tier(digest)
+                    tier = ticket.page_in_tier or self.residency.source_tier(digest)
                     what = ticket.choice.pinned if ticket.choice else str(digest)
                     if self.merge is not None and tier is Tier.DEVICE:
                         why = (f"{what} was not merged into the base weights in time (requests "
