@@ -27,6 +27,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import secrets
 import sys
 import time
@@ -267,8 +268,7 @@ class Stack:
             "audit": lambda: _http_ok(f"http://{_loopback(settings.audit_http_host)}:"
                                       f"{settings.audit_metrics_port}/metrics"),
             "registry": lambda: _http_ok(f"{settings.registry_base_url}/readyz"),
-            "router": lambda: _http_ok(f"http://{_loopback(settings.router_host)}:"
-                                       f"{settings.router_http_port}/readyz"),
+            "router": lambda: self._router_ready(settings),
             "canary": lambda: _http_ok(f"http://{_loopback(settings.canary_metrics_host)}:"
                                        f"{settings.canary_metrics_port}/metrics"),
         }
@@ -291,6 +291,21 @@ class Stack:
         self._wait_ready(self._running)
         for service in self._running:
             self.endpoints.append(self._endpoint(service, settings))
+
+    def _router_ready(self, settings: Settings) -> bool:
+        """The router has folded the log and, when this stack runs workers, holds them all
+        in its ring: "up" then means a request can be served, not only that it was heard."""
+        base = f"http://{_loopback(settings.router_host)}:{settings.router_http_port}"
+        if not _http_ok(f"{base}/readyz"):
+            return False
+        if not self.workers:
+            return True
+        try:
+            text = httpx.get(f"{base}/metrics", timeout=2.0).text
+        except httpx.HTTPError:
+            return False
+        found = re.search(r"^loraplane_router_ring_size\s+([0-9.eE+]+)$", text, re.MULTILINE)
+        return found is not None and float(found.group(1)) >= self.workers
 
     def _register_base_model(self, settings: Settings) -> None:
         """Register the workers' base model (idempotent across restarts), as the CLI's
