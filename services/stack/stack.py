@@ -27,7 +27,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import secrets
 import sys
 import time
@@ -38,7 +37,7 @@ from typing import IO, Any
 
 import httpx
 
-from services.client import ENDPOINTS_FILE, grpc_serving
+from services.client import ENDPOINTS_FILE, grpc_serving, scrape
 from services.config import Settings
 from services.eventlog.topics import ensure_topics
 from services.stack.brokers import EmbeddedBroker, embedded_broker
@@ -300,12 +299,8 @@ class Stack:
             return False
         if not self.workers:
             return True
-        try:
-            text = httpx.get(f"{base}/metrics", timeout=2.0).text
-        except httpx.HTTPError:
-            return False
-        found = re.search(r"^loraplane_router_ring_size\s+([0-9.eE+]+)$", text, re.MULTILINE)
-        return found is not None and float(found.group(1)) >= self.workers
+        ring = scrape(f"{base}/metrics").get("loraplane_router_ring_size", 0.0)
+        return ring >= self.workers
 
     def _register_base_model(self, settings: Settings) -> None:
         """Register the workers' base model (idempotent across restarts), as the CLI's
