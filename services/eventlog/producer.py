@@ -123,11 +123,7 @@ class EventProducer:
             envelope, value = encode(event)  # raises EventValidationError naming the field
             encoded.append((topic or topic_for(envelope, self.settings), partition, envelope,
                             value))
-        end = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
-
-        def left() -> float:  # one budget for the lock, settling and the write together
-            return max(0.01, end - time.monotonic())
-
+        left = _budget(self.timeout_s if timeout_s is None else timeout_s)
         if not self._lock.acquire(timeout=left()):
             raise BrokerUnavailable("the producer is busy with an earlier write")
         try:
@@ -147,9 +143,8 @@ class EventProducer:
         with self._lock:
             if self._fenced:
                 raise ProducerFenced("this producer was fenced by a newer instance")
-            end = time.monotonic() + timeout_s
             try:
-                self._settle(lambda: max(0.01, end - time.monotonic()))
+                self._settle(_budget(timeout_s))
             except ProducerFenced:
                 self._fenced = True
                 raise
@@ -244,3 +239,10 @@ class EventProducer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _budget(seconds: float) -> Callable[[], float]:
+    """Seconds left of one budget shared by every step of a call (the lock, settling a failed
+    transaction, the write), never below the 10 ms librdkafka needs to answer at all."""
+    end = time.monotonic() + seconds
+    return lambda: max(0.01, end - time.monotonic())
