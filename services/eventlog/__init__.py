@@ -2,7 +2,12 @@
 (the reader loop with snapshots that every folding process runs)."""
 
 from services.eventlog.consumer import EventConsumer, Record
-from services.eventlog.errors import BrokerUnavailable, EventLogError, ProducerFenced
+from services.eventlog.errors import (
+    BrokerUnavailable,
+    EventLogError,
+    ProducerFenced,
+    ProducerLost,
+)
 from services.eventlog.follower import Fold, FollowerHalted, Halt, LogFollower
 from services.eventlog.producer import EventProducer, RecordPosition
 from services.eventlog.topics import ensure_topics, topic_for
@@ -17,6 +22,7 @@ __all__ = [
     "Halt",
     "LogFollower",
     "ProducerFenced",
+    "ProducerLost",
     "Record",
     "RecordPosition",
     "ensure_topics",

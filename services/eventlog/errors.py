@@ -13,3 +13,8 @@ class BrokerUnavailable(EventLogError):
 
 class ProducerFenced(EventLogError):
     """Another producer took over this transactional id; this one must stop writing."""
+
+
+class ProducerLost(EventLogError):
+    """The client hit a fatal error that is not fencing (the broker still accepted its epoch):
+    this write failed, and the next one starts a new client under the same id."""

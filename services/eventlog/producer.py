@@ -10,13 +10,23 @@ A transactional producer is initialised once. After a failed write it settles th
 transaction and goes on with the same producer: a commit that timed out is resumed (its
 outcome was unknown: it may well commit), anything else is aborted; if the broker does
 not answer, that happens before the next write (`recover`). Re-initialising the
-`transactional.id` instead would fence whichever instance holds it now, so a zombie that
-had already lost the writer role would take the log back. Once fenced, or after any
-fatal error, it refuses every write for good.
+`transactional.id` after a transient error would fence whichever instance holds it now, so
+a zombie that had already lost the writer role would take the log back. Once fenced it
+refuses every write for good.
+
+One case does need a new client: librdkafka makes some broker answers fatal that are not
+fencing. The usual one follows a broker restart: the coordinator never registered the
+transaction's partitions, so the abort is refused with INVALID_TXN_STATE. The coordinator
+checks the producer epoch before the state, so such an answer also proves that nobody
+has initialised the id since: the next write then starts a new client and initialises the
+id again (`ProducerLost`). An instance fenced in the short gap between that answer and the
+new initialisation would fence its successor back; the registry then sees the successor's
+lease in the log and turns read-only too, so the log never has two writers.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -29,7 +39,12 @@ from services.config import Settings
 from services.contracts.codec import encode
 from services.contracts.events import Envelope
 from services.eventlog.client import producer_config
-from services.eventlog.errors import BrokerUnavailable, EventLogError, ProducerFenced
+from services.eventlog.errors import (
+    BrokerUnavailable,
+    EventLogError,
+    ProducerFenced,
+    ProducerLost,
+)
 from services.eventlog.topics import topic_for
 
 _FENCED = {
@@ -62,8 +77,10 @@ EventOrDocument = Envelope | Mapping[str, Any]
 
 
 def _classify(error: KafkaError | None, context: str) -> EventLogError:
-    if error is not None and (error.code() in _FENCED or error.fatal()):
+    if error is not None and error.code() in _FENCED:
         return ProducerFenced(f"{context}: {error.str()}")
+    if error is not None and error.fatal():
+        return ProducerLost(f"{context}: {error.str()}")
     if error is not None and error.code() in _UNAVAILABLE:
         return BrokerUnavailable(f"{context}: {error.str()}")
     return EventLogError(f"{context}: {error.str() if error else 'unknown error'}")
@@ -88,12 +105,18 @@ class EventProducer:
         if transactional_id:
             extra.setdefault("transactional.id", transactional_id)
             extra.setdefault("transaction.timeout.ms", 60000)
-        self._producer = Producer(producer_config(settings, client_id, **extra))
+        self._config = producer_config(settings, client_id, **extra)
+        self._producer = Producer(self._config)
         self._lock = threading.Lock()
         self._fenced = False
+        self._lost = False
+        """The client hit a fatal error that is not fencing: replace it before the next write."""
         self._unsettled: Literal["commit", "abort"] | None = None
         """A transaction a failed write left open, and how to settle it."""
-        if transactional_id:
+        self._init_transactions(timeout_s)
+
+    def _init_transactions(self, timeout_s: float) -> None:
+        if self.transactional_id:
             try:
                 self._producer.init_transactions(timeout_s)
             except KafkaException as exc:
@@ -132,8 +155,8 @@ class EventProducer:
             try:
                 self._settle(left)
                 return self._write(encoded, left)
-            except ProducerFenced:
-                self._fenced = True
+            except EventLogError as exc:
+                self._note(exc)
                 raise
         finally:
             self._lock.release()
@@ -145,13 +168,23 @@ class EventProducer:
                 raise ProducerFenced("this producer was fenced by a newer instance")
             try:
                 self._settle(_budget(timeout_s))
-            except ProducerFenced:
-                self._fenced = True
+            except EventLogError as exc:
+                self._note(exc)
                 raise
 
+    def _note(self, error: EventLogError) -> None:
+        """Remember what a failed step says about this client: fenced for good, or lost."""
+        if isinstance(error, ProducerFenced):
+            self._fenced = True
+        elif isinstance(error, ProducerLost):
+            self._lost = True
+
     def _settle(self, left: Callable[[], float]) -> None:
-        """Resume the commit that timed out, or abort; raises while the broker says no.
-        `left()`: seconds left of the caller's budget, shared by every step."""
+        """Replace a lost client, then resume the commit that timed out, or abort; raises
+        while the broker says no. `left()`: seconds left of the caller's budget, shared by
+        every step."""
+        if self._lost:
+            self._replace(left)
         while self._unsettled is not None:
             action = self._unsettled
             try:
@@ -166,6 +199,17 @@ class EventProducer:
                     continue
                 raise _classify(error, f"settling the failed transaction ({action})") from exc
             self._unsettled = None
+
+    def _replace(self, left: Callable[[], float]) -> None:
+        """A new client under the same id. Initialising it also settles, on the broker, the
+        transaction the lost one left (an open one is aborted, a prepared commit completes),
+        so nothing stays unsettled here."""
+        with contextlib.suppress(KafkaException):  # a fatal client may refuse even this
+            self._producer.purge()
+        self._producer = Producer(self._config)
+        self._init_transactions(left())
+        self._lost = False
+        self._unsettled = None
 
     def _write(
         self, encoded: list[tuple[str, int | None, Envelope, bytes]], left: Callable[[], float]
@@ -225,13 +269,11 @@ class EventProducer:
             return
         try:
             self._settle(left)
-        except ProducerFenced:
-            self._fenced = True  # the caller raises the write's error; every later one fenced
-        except EventLogError:
-            pass
+        except EventLogError as exc:
+            self._note(exc)  # the caller raises the write's own error
 
     def close(self) -> None:
-        if not self._fenced and self._unsettled is None:
+        if not self._fenced and not self._lost and self._unsettled is None:
             self._producer.flush(self.timeout_s)
 
     def __enter__(self) -> EventProducer:

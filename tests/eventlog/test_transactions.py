@@ -3,8 +3,10 @@ see KAFKA_NOTES)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
-from confluent_kafka import Producer
+from confluent_kafka import KafkaError, KafkaException, Producer
 
 from services.config import Settings
 from services.contracts.codec import encode
@@ -113,3 +115,41 @@ def test_a_commit_that_timed_out_is_resumed_and_a_fenced_producer_never_reinitia
     second.publish(disabled(4, seq=4))
     second.close()
     assert [e.payload.version for e in read_all(settings, "reader-resumed")] == [1, 2, 4]
+
+
+class RefusedAbort:
+    """A confluent Producer whose next commit needs an abort and whose abort the broker then
+    refuses with a fatal INVALID_TXN_STATE, as after a broker restart when the coordinator
+    never registered the transaction's partitions. All else reaches the real producer."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def commit_transaction(self, *args: Any) -> None:
+        raise KafkaException(KafkaError(KafkaError._MSG_TIMED_OUT, "injected: message timed out",
+                                        txn_requires_abort=True))
+
+    def abort_transaction(self, *args: Any) -> None:
+        raise KafkaException(KafkaError(
+            KafkaError.INVALID_TXN_STATE,
+            "injected: Producer attempted a transactional operation in an invalid state",
+            fatal=True))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def test_a_fatal_answer_that_is_not_fencing_replaces_the_client_and_keeps_the_writer(
+        settings: Settings) -> None:
+    first = EventProducer(settings, transactional_id="writer-lost")
+    first.publish(disabled(1))
+    first._producer = RefusedAbort(first._producer)  # type: ignore[assignment]
+    with pytest.raises(BrokerUnavailable):
+        first.publish(disabled(2, seq=2))  # its transaction can neither commit nor abort
+    first.publish(disabled(3, seq=3))  # a new client: the open transaction is aborted
+    second = EventProducer(settings, transactional_id="writer-lost")  # a real fence still holds
+    with pytest.raises(ProducerFenced):
+        first.publish(disabled(4, seq=4))
+    second.publish(disabled(5, seq=5))
+    second.close()
+    assert [e.payload.version for e in read_all(settings, "reader-lost")] == [1, 3, 5]

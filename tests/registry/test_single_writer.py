@@ -190,3 +190,27 @@ def test_an_event_the_fold_cannot_take_stops_writes_until_skipped(
             assert publish(admin, "bot", build_adapter(seed=2), "v3").status_code == 201
     finally:
         running.stop()
+
+
+def test_a_client_lost_to_a_fatal_answer_that_is_not_fencing_is_replaced(
+        reg_settings: Settings) -> None:
+    from tests.eventlog.test_transactions import RefusedAbort
+
+    quiet = reg_settings.model_copy(update={"lease_interval_s": 3600.0})
+    running = RunningRegistry(quiet).start()
+    try:
+        with running.client() as admin:
+            register_base(admin)
+            assert publish(admin, "bot", build_adapter(), "v1").status_code == 201
+            producer = running.node._producer
+            assert producer is not None
+            producer._producer = RefusedAbort(producer._producer)  # type: ignore[assignment]
+            failed = publish(admin, "bot", build_adapter(seed=1), "lost")
+            assert failed.status_code == 503 and failed.json()["code"] != "fenced", failed.text
+            retried = publish(admin, "bot", build_adapter(seed=2), "v2")
+            assert retried.status_code == 201, retried.text
+            assert admin.get("/readyz").status_code == 200
+    finally:
+        running.stop()
+    assert [e.payload.label for e in domain_events(reg_settings)
+            if e.type == "AdapterVersionPublished"] == ["v1", "v2"]
