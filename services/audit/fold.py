@@ -36,7 +36,8 @@ from typing import Any
 
 from services.audit.sealing import ERASED
 from services.catalog.purge import deadline_of
-from services.contracts.events import Envelope, TenantRef
+from services.contracts.events import PAYLOAD_TYPES, TenantRef
+from services.contracts.structs import AnyEnvelope
 
 Row = dict[str, Any]
 VersionKey = tuple[str, int]
@@ -55,7 +56,7 @@ class TouchedKeys:
     worker_ids: frozenset[str]
 
 
-def touched_keys(envelopes: Iterable[Envelope]) -> TouchedKeys:
+def touched_keys(envelopes: Iterable[AnyEnvelope]) -> TouchedKeys:
     adapter_ids: set[str] = set()
     alias_names: set[str] = set()
     worker_ids: set[str] = set()
@@ -68,13 +69,16 @@ def touched_keys(envelopes: Iterable[Envelope]) -> TouchedKeys:
             alias_names.add(_get(p, "alias"))
             for entry in [*(_get(p, "split") or ()), *(_get(p, "previous") or ())]:
                 adapter_ids.add(_get(entry, "adapter_id"))
-        elif isinstance(w := p.__dict__.get("worker_id"), str):  # a field: no getattr miss
-            worker_ids.add(w)
+        elif kind in WORKER_ID_TYPES:
+            worker_ids.add(p.worker_id)
     return TouchedKeys(frozenset(adapter_ids), frozenset(alias_names), frozenset(worker_ids))
 
 
 ADAPTER_STATE_TYPES = frozenset({"AdapterVersionPublished", "AdapterVersionSwitched",
                                  "AdapterRolledBack", "AdapterDisabled", "AdapterEnabled"})
+WORKER_ID_TYPES = frozenset(t for t, cls in PAYLOAD_TYPES.items()
+                            if "worker_id" in cls.model_fields)
+"""Event types whose payload names a worker (heartbeats, acks, traces, gate results)."""
 
 
 @dataclass
@@ -189,8 +193,7 @@ class FoldState:
     def erased_before(self, tenant: TenantRef | tuple[Any, Any, Any] | None) -> datetime | None:
         if tenant is None:
             return None
-        key = (tenant.org, tenant.team, tenant.project) if isinstance(tenant, TenantRef) \
-            else tenant
+        key = tenant if isinstance(tenant, tuple) else (tenant.org, tenant.team, tenant.project)
         return self.purged_at.get(key)
 
     def scrub_version(self, row: Row) -> None:
@@ -207,7 +210,7 @@ class FoldState:
 
     # --- rows, created on first touch ---------------------------------------------------
 
-    def adapter(self, adapter_id: str, envelope: Envelope) -> Row:
+    def adapter(self, adapter_id: str, envelope: AnyEnvelope) -> Row:
         row = self.adapters.get(adapter_id)
         if row is None:
             tenant = envelope.tenant
@@ -222,7 +225,7 @@ class FoldState:
         self.dirty_adapters.add(adapter_id)
         return row
 
-    def version(self, adapter_id: str, version: int, envelope: Envelope) -> Row:
+    def version(self, adapter_id: str, version: int, envelope: AnyEnvelope) -> Row:
         key = (adapter_id, version)
         row = self.versions.get(key)
         if row is None:  # an event about a version whose publish we have not seen
@@ -238,7 +241,7 @@ class FoldState:
         self.dirty_versions.add(key)
         return row
 
-    def worker(self, worker_id: str, envelope: Envelope) -> Row:
+    def worker(self, worker_id: str, envelope: AnyEnvelope) -> Row:
         row = self.workers.get(worker_id)
         if row is None:
             row = self.workers[worker_id] = {
@@ -253,7 +256,7 @@ class FoldState:
         self.dirty_workers.add(worker_id)
         return row
 
-    def history(self, envelope: Envelope, adapter_id: str, version: int, action: str,
+    def history(self, envelope: AnyEnvelope, adapter_id: str, version: int, action: str,
                 **extra: Any) -> None:
         reason = extra.get("reason")
         tenant = envelope.tenant
@@ -276,7 +279,7 @@ def _status(row: Row) -> str:
     return "inactive" if row["first_activated_at"] is not None else "published"
 
 
-def _activate(state: FoldState, envelope: Envelope, adapter_id: str, to_version: int,
+def _activate(state: FoldState, envelope: AnyEnvelope, adapter_id: str, to_version: int,
               from_hint: int | None) -> None:
     adapter = state.adapter(adapter_id, envelope)
     at = envelope.occurred_at
@@ -297,7 +300,7 @@ def _activate(state: FoldState, envelope: Envelope, adapter_id: str, to_version:
     state.history(envelope, adapter_id, to_version, "activated")
 
 
-def _on_published(state: FoldState, e: Envelope) -> None:
+def _on_published(state: FoldState, e: AnyEnvelope) -> None:
     p = e.payload
     adapter_id, version = _get(p, "adapter_id"), _get(p, "version")
     adapter = state.adapter(adapter_id, e)
@@ -324,7 +327,7 @@ def _split_rows(split: Any) -> list[Row]:
              "weight": _get(s, "weight")} for s in (split or ())]
 
 
-def _on_split(state: FoldState, e: Envelope) -> None:
+def _on_split(state: FoldState, e: AnyEnvelope) -> None:
     p = e.payload
     alias = _get(p, "alias")
     new = _split_rows(_get(p, "split"))
@@ -346,12 +349,12 @@ def _on_split(state: FoldState, e: Envelope) -> None:
                           weight=0)
 
 
-def _on_switched(state: FoldState, e: Envelope) -> None:
+def _on_switched(state: FoldState, e: AnyEnvelope) -> None:
     p = e.payload
     _activate(state, e, _get(p, "adapter_id"), _get(p, "to_version"), _get(p, "from_version"))
 
 
-def _on_rolled_back(state: FoldState, e: Envelope) -> None:
+def _on_rolled_back(state: FoldState, e: AnyEnvelope) -> None:
     p = e.payload
     adapter_id, reason = _get(p, "adapter_id"), _get(p, "reason")
     from_version, to_version = _get(p, "from_version"), _get(p, "to_version")
@@ -363,7 +366,7 @@ def _on_rolled_back(state: FoldState, e: Envelope) -> None:
     _activate(state, e, adapter_id, to_version, from_version)
 
 
-def _on_disabled(state: FoldState, e: Envelope) -> None:
+def _on_disabled(state: FoldState, e: AnyEnvelope) -> None:
     p = e.payload
     row = state.version(_get(p, "adapter_id"), _get(p, "version"), e)
     row.update(disabled=True, disabled_at=e.occurred_at, disabled_reason=_get(p, "reason"))
@@ -372,7 +375,7 @@ def _on_disabled(state: FoldState, e: Envelope) -> None:
     state.history(e, row["adapter_id"], row["version"], "disabled", reason=_get(p, "reason"))
 
 
-def _on_enabled(state: FoldState, e: Envelope) -> None:
+def _on_enabled(state: FoldState, e: AnyEnvelope) -> None:
     p = e.payload
     row = state.version(_get(p, "adapter_id"), _get(p, "version"), e)
     row["disabled"] = False
@@ -380,7 +383,7 @@ def _on_enabled(state: FoldState, e: Envelope) -> None:
     state.history(e, row["adapter_id"], row["version"], "enabled", reason=_get(p, "reason"))
 
 
-def _on_purge_requested(state: FoldState, e: Envelope) -> None:
+def _on_purge_requested(state: FoldState, e: AnyEnvelope) -> None:
     p = e.payload
     tenant = e.tenant
     deadline_s = float(_get(p, "deadline_s", 60.0))
@@ -412,7 +415,7 @@ def _on_purge_requested(state: FoldState, e: Envelope) -> None:
             h["reason"] = ERASED
 
 
-def _on_blobs_deleted(state: FoldState, e: Envelope) -> None:
+def _on_blobs_deleted(state: FoldState, e: AnyEnvelope) -> None:
     p = e.payload
     state.purge_blobs.append({"purge_id": _get(p, "purge_id"),
                               "blobs_deleted": list(_get(p, "deleted") or ()),
@@ -420,12 +423,12 @@ def _on_blobs_deleted(state: FoldState, e: Envelope) -> None:
                               "blobs_event_id": e.event_id})
 
 
-def _newer_than_heartbeat(state: FoldState, worker_id: str, e: Envelope) -> bool:
+def _newer_than_heartbeat(state: FoldState, worker_id: str, e: AnyEnvelope) -> bool:
     last = state.workers[worker_id]["last_heartbeat_at"]
     return last is None or e.occurred_at > last
 
 
-def _on_heartbeat(state: FoldState, e: Envelope) -> None:
+def _on_heartbeat(state: FoldState, e: AnyEnvelope) -> None:
     """Heartbeats come from the liveness topic, read at another pace than the worker's
     acks, so everything here goes by timestamp: only the newest heartbeat updates the
     summary, and its list of what the worker holds gives way to loads and unloads acked
@@ -474,7 +477,7 @@ def _replace_held(state: FoldState, worker_id: str, held: dict[VersionKey, Row],
     held.update(snapshot)
 
 
-def _ack(state: FoldState, e: Envelope, **columns: Any) -> None:
+def _ack(state: FoldState, e: AnyEnvelope, **columns: Any) -> None:
     p = e.payload
     state.worker(_get(p, "worker_id"), e)
     row = dict.fromkeys(("adapter_id", "version", "adapter_sha256", "purge_id", "tenant_key",
@@ -485,7 +488,7 @@ def _ack(state: FoldState, e: Envelope, **columns: Any) -> None:
     state.worker_acks.append(row)
 
 
-def _on_loaded(state: FoldState, e: Envelope) -> None:
+def _on_loaded(state: FoldState, e: AnyEnvelope) -> None:
     p = e.payload
     worker_id, key = _get(p, "worker_id"), (_get(p, "adapter_id"), _get(p, "version"))
     _ack(state, e, adapter_id=key[0], version=key[1], adapter_sha256=_get(p, "sha256"),
@@ -500,13 +503,13 @@ def _on_loaded(state: FoldState, e: Envelope) -> None:
         "source": "loaded"}
 
 
-def _on_load_failed(state: FoldState, e: Envelope) -> None:
+def _on_load_failed(state: FoldState, e: AnyEnvelope) -> None:
     p = e.payload
     _ack(state, e, adapter_id=_get(p, "adapter_id"), version=_get(p, "version"),
          error=_get(p, "error"))
 
 
-def _on_unloaded(state: FoldState, e: Envelope) -> None:
+def _on_unloaded(state: FoldState, e: AnyEnvelope) -> None:
     p = e.payload
     worker_id, key = _get(p, "worker_id"), (_get(p, "adapter_id"), _get(p, "version"))
     _ack(state, e, adapter_id=key[0], version=key[1], adapter_sha256=_get(p, "sha256"),
@@ -518,14 +521,14 @@ def _on_unloaded(state: FoldState, e: Envelope) -> None:
     held.pop(key, None)
 
 
-def _on_kv_invalidated(state: FoldState, e: Envelope) -> None:
+def _on_kv_invalidated(state: FoldState, e: AnyEnvelope) -> None:
     p = e.payload
     _ack(state, e, adapter_sha256=_get(p, "adapter_sha256"), tenant_key=_get(p, "tenant_key"),
          reason=_get(p, "reason"), kv_blocks_freed=_get(p, "blocks_freed"),
          sequences_aborted=_get(p, "sequences_aborted"))
 
 
-def _on_tenant_purged(state: FoldState, e: Envelope) -> None:
+def _on_tenant_purged(state: FoldState, e: AnyEnvelope) -> None:
     p = e.payload
     _ack(state, e, purge_id=_get(p, "purge_id"), kv_blocks_freed=_get(p, "kv_blocks_freed"),
          adapters_unloaded=_get(p, "adapters_unloaded"),
@@ -540,7 +543,7 @@ TRACE_COLUMNS = ("event_id", "ordinal", "request_id", "trace_id", "worker_id", "
 """The order of the values of a `request_traces` row (the most numerous rows: tuples)."""
 
 
-def _on_request_served(state: FoldState, e: Envelope, stored: Mapping[Any, str]) -> None:
+def _on_request_served(state: FoldState, e: AnyEnvelope, stored: Mapping[Any, str]) -> None:
     p: Any = e.payload
     worker_id = p.worker_id
     state.worker(worker_id, e)
@@ -574,7 +577,7 @@ HANDLERS = {
 `RequestServed` also takes the stored personal values (`apply`)."""
 
 
-def apply(state: FoldState, envelope: Envelope,
+def apply(state: FoldState, envelope: AnyEnvelope,
           stored: Mapping[tuple[str, int], str] | None = None) -> None:
     """Fold one event; `stored` maps (field, occurrence) to the value the store holds for
     each personal field (`services.audit.sealing.Sealed.values`)."""

@@ -112,7 +112,7 @@ class KeyRing:
         key = self.live.get(name)
         if key is None:
             raw = AESGCMSIV.generate_key(256)
-            key = self.live[name] = DataKey(secrets.token_hex(8), tenant.key, AESGCMSIV(raw))
+            key = self.live[name] = DataKey(secrets.token_hex(8), "/".join(name), AESGCMSIV(raw))
             self.created.append({"key_id": key.key_id, "tenant_org": tenant.org,
                                  "tenant_team": tenant.team, "tenant_project": tenant.project,
                                  "kek_id": self.kek.kek_id, "wrapped_key": self.kek.wrap(raw)})

@@ -84,13 +84,16 @@ from services.audit.tables import (
 )
 from services.audit.verifier import Checkpoint
 from services.config import Settings
-from services.contracts.events import TenantPurgeRequested
+from services.contracts import structs
 from services.eventlog.consumer import EventConsumer, Record, Rejected
 from services.eventlog.errors import EventLogError
 
 log = logging.getLogger(__name__)
 
 PartitionKey = tuple[str, int]
+
+EventRecord = Record[structs.AnyEnvelope]
+"""What the projector reads: records decoded by `contracts.structs` (see `open`)."""
 
 
 class ProjectionConflict(RuntimeError):
@@ -132,7 +135,7 @@ def upsert(conn: Connection, table: Table, rows: Sequence[dict[str, Any]]) -> No
 class PolledBatch:
     """What one poll returned and the consumer positions covering it."""
 
-    records: list[Record]
+    records: list[EventRecord]
     positions: dict[PartitionKey, int]
     rejected: list[Rejected]
 
@@ -236,7 +239,7 @@ class AuditProjector:
         self._rejected: list[Rejected] = []
         self._committed: dict[PartitionKey, int] = {}
         self._ahead = Ahead({}, {}, KeyRing(self._kek))
-        self._consumer: EventConsumer | None = None
+        self._consumer: EventConsumer[structs.AnyEnvelope] | None = None
         self.on_batch: Callable[[int], None] | None = None
         self.before_commit: Callable[[Connection], None] | None = None
         """Test hook: runs inside the batch transaction after every write, before commit."""
@@ -299,10 +302,10 @@ class AuditProjector:
         self._consumer = EventConsumer(
             self.settings, self.settings.topics, reader_id=f"loraplane-{self.name}",
             start_offsets=self._committed, on_rejected=self._rejected.append,
-            **{"fetch.wait.max.ms": 50})
+            decoder=structs.decode, **{"fetch.wait.max.ms": 50})
 
     @property
-    def consumer(self) -> EventConsumer:
+    def consumer(self) -> EventConsumer[structs.AnyEnvelope]:
         if self._consumer is None:
             self.open()
         assert self._consumer is not None
@@ -334,7 +337,7 @@ class AuditProjector:
 
     def _prepare(self, batch: PolledBatch, ahead: Ahead) -> PreparedBatch:
         positions = {k: o for k, o in batch.positions.items() if ahead.positions.get(k) != o}
-        fresh: list[Record] = []
+        fresh: list[EventRecord] = []
         if batch.records:
             with self.engine.connect() as conn:
                 fresh = self._fresh(conn, batch.records)
@@ -478,7 +481,7 @@ class AuditProjector:
                     written += 1
         return written
 
-    def _fresh(self, conn: Connection, records: list[Record]) -> list[Record]:
+    def _fresh(self, conn: Connection, records: list[EventRecord]) -> list[EventRecord]:
         """Records whose event_id is neither stored nor earlier in this batch.
 
         Runs before the batch's transaction, so it sees committed rows only; the rows of a
@@ -499,7 +502,7 @@ class AuditProjector:
                 fresh.append(record)
         return fresh
 
-    def _chain(self, records: Iterable[Record], heads: dict[PartitionKey, PartitionHead],
+    def _chain(self, records: Iterable[EventRecord], heads: dict[PartitionKey, PartitionHead],
                start: dict[PartitionKey, PartitionHead], keys: KeyRing
                ) -> tuple[list[tuple[Any, ...]], list[dict[str, Any]],
                           list[dict[tuple[str, int], str]]]:
@@ -517,8 +520,7 @@ class AuditProjector:
         # after a purge may be read before it; within a batch it still gets a fresh key.
         for record in records:
             envelope = record.envelope
-            if envelope.tenant is not None and isinstance(envelope.payload,
-                                                          TenantPurgeRequested):
+            if envelope.tenant is not None and envelope.type == "TenantPurgeRequested":
                 keys.destroy(envelope.tenant, envelope.payload.purge_id, envelope.occurred_at)
         for record in records:
             key = (record.topic, record.partition)

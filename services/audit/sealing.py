@@ -46,7 +46,8 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCMSIV
 
 from services.contracts.codec import canonical_bytes
-from services.contracts.events import Envelope, TenantRef
+from services.contracts.events import TenantRef
+from services.contracts.structs import AnyEnvelope
 
 SEALED_PREFIX = "sealed:"
 ERASED = "[erased]"
@@ -145,7 +146,7 @@ class PersonalValue:
     value: str
 
 
-def personal_values(envelope: Envelope) -> list[PersonalValue]:
+def personal_values(envelope: AnyEnvelope) -> list[PersonalValue]:
     """The event's personal values, in the order they occur in its canonical JSON."""
     fields = PERSONAL_FIELDS.get(envelope.type)
     if not fields:
@@ -177,7 +178,7 @@ def _stored_value(key_for: KeyFor, event_id: uuid.UUID, pv: PersonalValue,
     return seal_value(key, event_id, pv.field, pv.occurrence, literal)
 
 
-def sealable(envelope: Envelope, value: bytes
+def sealable(envelope: AnyEnvelope, value: bytes
              ) -> tuple[bytes, list[PersonalValue], list[tuple[int, int]]]:
     """(the bytes tokens are written into, the personal values, the span of each value's
     literal body in them): the record itself, or, when its personal fields cannot be
@@ -197,7 +198,7 @@ def sealable(envelope: Envelope, value: bytes
 NO_VALUES: dict[tuple[str, int], str] = {}
 
 
-def seal(envelope: Envelope, value: bytes, key_for: KeyFor) -> Sealed:
+def seal(envelope: AnyEnvelope, value: bytes, key_for: KeyFor) -> Sealed:
     """The stored form of one record (see the module doc)."""
     kind = envelope.type
     if kind not in PERSONAL_FIELDS:
@@ -217,7 +218,7 @@ def seal(envelope: Envelope, value: bytes, key_for: KeyFor) -> Sealed:
     return Sealed(splice(value, edits), stored)
 
 
-def _seal_requests(envelope: Envelope, value: bytes, key_for: KeyFor) -> Sealed | None:
+def _seal_requests(envelope: AnyEnvelope, value: bytes, key_for: KeyFor) -> Sealed | None:
     """`seal` for RequestServed, or None when its user ids are not one per request in the
     record's bytes (then the general path writes the defaults out).
 
@@ -312,7 +313,7 @@ def _locate(value: bytes, wanted: list[PersonalValue]) -> list[tuple[int, int]] 
     return spans
 
 
-def _with_defaults(document: dict[str, Any], envelope: Envelope) -> dict[str, Any]:
+def _with_defaults(document: dict[str, Any], envelope: AnyEnvelope) -> dict[str, Any]:
     payload = document.get("payload") or {}
     if envelope.type == "RequestServed":
         for request in payload.get("requests") or ():

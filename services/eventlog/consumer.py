@@ -37,6 +37,7 @@ import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
 
 from confluent_kafka import (
     OFFSET_BEGINNING,
@@ -50,7 +51,6 @@ from confluent_kafka import (
 
 from services.config import Settings
 from services.contracts.codec import EventValidationError, decode
-from services.contracts.events import Envelope
 from services.eventlog.client import consumer_config, producer_config
 from services.eventlog.errors import BrokerUnavailable, EventLogError
 
@@ -59,14 +59,30 @@ log = logging.getLogger(__name__)
 TopicPartitionKey = tuple[str, int]
 
 
+class DecodedEvent(Protocol):
+    """What the consumer needs of a decoded event (a model or a `contracts.structs` one)."""
+
+    @property
+    def event_id(self) -> uuid.UUID: ...
+
+    @property
+    def is_barrier(self) -> bool: ...
+
+
+E = TypeVar("E", bound=DecodedEvent)
+"""The event type a consumer hands on: `Envelope` unless it was given another decoder."""
+Decoder = Callable[[bytes | None], Any]
+"""Record value → event; raises EventValidationError (the record is dead-lettered)."""
+
+
 @dataclass(frozen=True)
-class Record:
+class Record(Generic[E]):
     """A validated event and where it sits in the log."""
 
     topic: str
     partition: int
     offset: int
-    envelope: Envelope
+    envelope: E
     value: bytes
 
 
@@ -154,8 +170,13 @@ class RecentIds:
         return True
 
 
-class EventConsumer:
-    """Reads events from `topics`; see the module docstring for the two modes."""
+class EventConsumer(Generic[E]):
+    """Reads events from `topics`; see the module docstring for the two modes.
+
+    `decoder` turns a record value into the event handed on: by default the pydantic
+    model (`codec.decode`); the audit projector passes `contracts.structs.decode`, which
+    validates the same contract without building models.
+    """
 
     def __init__(
         self,
@@ -169,6 +190,7 @@ class EventConsumer:
         wanted_types: Collection[str] | None = None,
         on_rejected: RejectedSink | None = None,
         dedupe_capacity: int = 200_000,
+        decoder: Decoder = decode,
         **overrides: object,
     ) -> None:
         self.settings = settings
@@ -180,6 +202,7 @@ class EventConsumer:
             extra["group.id"] = group_id
         self._consumer = Consumer(consumer_config(settings, reader_id, **extra))
         self._on_rejected = on_rejected
+        self._decode = decoder
         self._own_dead_letters: KafkaDeadLetters | None = None
         self._seen = RecentIds(dedupe_capacity)
         self._positions: dict[TopicPartitionKey, int] = {}
@@ -265,7 +288,7 @@ class EventConsumer:
 
     # --- reading ---------------------------------------------------------------------------
 
-    def poll(self, timeout: float = 0.5, max_records: int = 500) -> list[Record]:
+    def poll(self, timeout: float = 0.5, max_records: int = 500) -> list[Record[E]]:
         """Up to `max_records` new, valid, not-yet-seen events (barriers are not returned)."""
         self._fresh = False
         try:
@@ -279,7 +302,7 @@ class EventConsumer:
                 records.append(record)
         return records
 
-    def _accept(self, message: Message) -> Record | None:
+    def _accept(self, message: Message) -> Record[E] | None:
         error = message.error()
         key = (message.topic(), message.partition())
         if error is not None:
@@ -314,7 +337,7 @@ class EventConsumer:
                 return None
         value = message.value()
         try:
-            envelope = decode(value)
+            envelope: E = self._decode(value)
         except EventValidationError as exc:
             self._reject(Rejected(key[0], key[1], offset, message.key(), value, str(exc)))
             return None
