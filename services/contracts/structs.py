@@ -48,7 +48,7 @@ from services.contracts.events import PAYLOAD_TYPES, Envelope, typed_envelope
 
 
 class EventStruct(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True,
-                  tag_field="type"):
+                  gc=False, tag_field="type"):
     """Base of the generated envelopes; `type` is the tag (a class attribute)."""
 
     type: ClassVar[str]
@@ -62,7 +62,9 @@ AnyEnvelope = Envelope | EventStruct
 """What `decode` returns: a generated Struct, or the model where only pydantic reads it."""
 
 _STRUCT_OPTIONS: dict[str, Any] = {"frozen": True, "kw_only": True,
-                                   "forbid_unknown_fields": True}
+                                   "forbid_unknown_fields": True, "gc": False}
+"""`gc=False`: a decoded event is a tree of frozen values that can hold no reference
+cycle, so the cyclic collector need not track (and walk) the thousands per batch."""
 _SCALARS = (str, int, float, bool, uuid.UUID, datetime)
 _KNOWN_META = {
     annotated_types.Ge: "ge", annotated_types.Gt: "gt", annotated_types.Le: "le",
