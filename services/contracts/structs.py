@@ -15,14 +15,15 @@ silently. `tests/contracts/test_structs.py` pins the two decoders to each other:
 generated from every schema file are accepted by both with equal values, and a corpus of
 invalid ones is refused by both.
 
-Where the two could still differ, the fast decoder is made the stricter one, and every
-record it refuses goes through `codec.decode`, which either accepts it (an older schema
-version to upcast, a number or time format only pydantic reads) or raises the same
-`EventValidationError`, with the same message, as every other reader: what is dead-lettered
-and why does not depend on the decoder. Two known differences are handled that way: a
-pattern's `$` (Python's `re` matches before a final newline, pydantic's Rust regex does
-not: the generated patterns end in `\\Z`), and times with more than six fractional digits
-(pydantic truncates to microseconds, msgspec rounds: such records take the pydantic path).
+Every record the Structs refuse goes through `codec.decode`, which either accepts it (an
+older schema version to upcast, a number or time format only pydantic reads) or raises the
+same `EventValidationError`, with the same message, as every other reader: what is
+dead-lettered and why does not depend on the decoder. Where the two could differ on what
+they accept or the values they give, the Structs are the stricter (a pattern's final `$`:
+Python's `re` matches before a final newline, pydantic's Rust regex does not, so the
+generated patterns end in `\\Z`; `true` for the literal 1, which pydantic accepts), or
+the record is left to pydantic before msgspec sees it (`models_only`: seven-digit
+fractions of a second, a repeated `type` key).
 
 The generated envelopes answer what the code reading events asks of one (`type`,
 `event_id`, `tenant.org`, `payload.requests[i].user_id`, `is_barrier` …) but they are not
@@ -277,9 +278,21 @@ def _decoder() -> msgspec.json.Decoder[Any]:
 
 
 _LONG_FRACTION = re.compile(rb":[0-9]{2}\.[0-9]{7}")
-"""Seconds with more than six fractional digits: pydantic truncates them to microseconds,
-msgspec rounds, so a record holding one (anywhere: a false hit only costs the slow path)
-is decoded by pydantic."""
+
+
+def models_only(value: bytes) -> bool:
+    """Whether a record might read differently to the two decoders, so only pydantic may
+    read it. A false hit costs time only. Two cases:
+
+    - seconds with more than six fractional digits: pydantic truncates them to
+      microseconds, msgspec rounds;
+    - `type` twice: msgspec takes the first as the tag, pydantic the last, and two types
+      share a payload shape (AdapterDisabled, AdapterEnabled). A key may also be spelled
+      with a \\u escape. Records that merely mention "type" twice (a base model's config)
+      take the slow path too.
+    """
+    return (value.count(b'"type"') != 1 or b"\\u" in value
+            or _LONG_FRACTION.search(value) is not None)
 
 
 def decode(value: bytes | None) -> AnyEnvelope:
@@ -289,7 +302,7 @@ def decode(value: bytes | None) -> AnyEnvelope:
     decoded by `codec.decode` (upcast, validated, its error naming the field), which
     returns the model or raises exactly what every other reader would.
     """
-    if value is not None and _LONG_FRACTION.search(value) is None:
+    if value is not None and not models_only(value):
         try:
             envelope: EventStruct = _decoder().decode(value)
             return envelope

@@ -279,6 +279,10 @@ def test_the_platforms_events_decode_alike() -> None:
     lambda v: v.replace(b'.000000Z"', b'.9999999Z"', 1),
     # pydantic reads `true` as the literal 1
     lambda v: v.replace(b'"schema_version":1', b'"schema_version":true', 1),
+    # msgspec would take the first of two tags, pydantic takes the last
+    lambda v: v.replace(b'{"actor"', b'{"type":"AdapterLoaded","actor"', 1),
+    # a key spelled with an escape
+    lambda v: v.replace(b'"type":', b'"typ\\u0065":', 1),
 ])
 def test_what_only_the_models_read_takes_their_path(change: Any) -> None:
     envelope = next(e for e in mixed(200) if e.type == "RequestServed")
@@ -294,6 +298,15 @@ def test_what_only_the_models_read_takes_their_path(change: Any) -> None:
     except EventValidationError as exc:
         got = str(exc)
     assert got == expected
+
+
+def test_two_tags_read_as_the_models_read_them() -> None:
+    """AdapterDisabled and AdapterEnabled share a payload shape: with two `type` keys the
+    record must be the type pydantic (and so every other reader) says."""
+    envelope = next(e for e in story() if e.type == "AdapterDisabled")
+    value = canonical_bytes(envelope.to_json()).replace(
+        b'"type":"AdapterDisabled"', b'"type":"AdapterDisabled","type":"AdapterEnabled"')
+    assert structs.decode(value).type == decode_model(value).type == "AdapterEnabled"
 
 
 def test_an_unknown_constraint_is_refused_at_generation() -> None:
