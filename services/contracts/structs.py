@@ -22,8 +22,8 @@ dead-lettered and why does not depend on the decoder. Where the two could differ
 they accept or the values they give, the Structs are the stricter (a pattern's final `$`:
 Python's `re` matches before a final newline, pydantic's Rust regex does not, so the
 generated patterns end in `\\Z`; `true` for the literal 1, which pydantic accepts), or
-the record is left to pydantic before msgspec sees it (`models_only`: seven-digit
-fractions of a second, a repeated `type` key).
+the record is left to pydantic (seven-digit fractions of a second, a repeated `type`
+key: see `decode`).
 
 The generated envelopes answer what the code reading events asks of one (`type`,
 `event_id`, `tenant.org`, `payload.requests[i].user_id`, `is_barrier` …) but they are not
@@ -277,22 +277,19 @@ def _decoder() -> msgspec.json.Decoder[Any]:
     return msgspec.json.Decoder(union, dec_hook=_dec_hook)
 
 
-_LONG_FRACTION = re.compile(rb":[0-9]{2}\.[0-9]{7}")
+_LONG_FRACTION = re.compile(rb"\.[0-9]{7}")
 
 
 def models_only(value: bytes) -> bool:
-    """Whether a record might read differently to the two decoders, so only pydantic may
-    read it. A false hit costs time only. Two cases:
+    """Seconds with more than six fractional digits, which pydantic truncates to
+    microseconds and msgspec rounds: only pydantic may read such a record (the search
+    also hits other long decimals; a false hit costs time only)."""
+    return _LONG_FRACTION.search(value) is not None
 
-    - seconds with more than six fractional digits: pydantic truncates them to
-      microseconds, msgspec rounds;
-    - `type` twice: msgspec takes the first as the tag, pydantic the last, and two types
-      share a payload shape (AdapterDisabled, AdapterEnabled). A key may also be spelled
-      with a \\u escape. Records that merely mention "type" twice (a base model's config)
-      take the slow path too.
-    """
-    return (value.count(b'"type"') != 1 or b"\\u" in value
-            or _LONG_FRACTION.search(value) is not None)
+
+@cache
+def _tag_suffix(event_type: str) -> bytes:
+    return b'"type":"' + event_type.encode() + b'"}'
 
 
 def decode(value: bytes | None) -> AnyEnvelope:
@@ -301,13 +298,21 @@ def decode(value: bytes | None) -> AnyEnvelope:
     A current-version record the Structs accept comes back as a Struct; anything else is
     decoded by `codec.decode` (upcast, validated, its error naming the field), which
     returns the model or raises exactly what every other reader would.
+
+    A record may hold `type` twice: msgspec takes the first as the tag, pydantic the
+    last, and two types share a payload shape (AdapterDisabled, AdapterEnabled). So the
+    Struct is kept only when the record ends with `"type":"<its tag>"}`: the tag pydantic
+    reads is then the one msgspec read. Canonical JSON (sorted keys, what the platform's
+    producers write) always ends so; other layouts take the pydantic path.
     """
     if value is not None and not models_only(value):
         try:
             envelope: EventStruct = _decoder().decode(value)
-            return envelope
         except (msgspec.ValidationError, msgspec.DecodeError):
             pass
+        else:
+            if value.endswith(_tag_suffix(envelope.type)):
+                return envelope
     return decode_model(value)
 
 
