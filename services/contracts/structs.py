@@ -151,9 +151,10 @@ def pattern_str(pattern: str, min_length: int = 0, max_length: int | None = None
 
 def _dec_hook(tp: type[PatternStr], value: Any) -> PatternStr:
     try:
-        return tp.known[value]
-    except (KeyError, TypeError):  # not seen yet, or not a string at all
-        return tp.checked(value)
+        known = tp.known.get(value)  # no KeyError: values seen once (trace ids) miss often
+    except TypeError:  # not a string at all (an object, a list)
+        known = None
+    return known if known is not None else tp.checked(value)
 
 
 def _annotated(tp: Any, metadata: list[Any], where: str) -> Any:
