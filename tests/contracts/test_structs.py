@@ -335,3 +335,15 @@ def test_a_pattern_value_is_checked_once_and_shared() -> None:
     org = first.tenant.org if first.tenant else first.payload.requests[0].tenant.org  # type: ignore[union-attr]
     again = second.tenant.org if second.tenant else second.payload.requests[0].tenant.org  # type: ignore[union-attr]
     assert org is again and isinstance(org, str)
+
+
+def test_the_pattern_cache_is_bounded_and_refuses_what_the_pattern_refuses(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    slug = structs.pattern_str(structs.struct_pattern(r"^[a-z]{1,3}$"))
+    monkeypatch.setattr(structs, "KNOWN_VALUES", 2)
+    for value in ("a", "b", "c"):
+        assert structs._dec_hook(slug, value) == value
+    assert len(slug.known) <= 2
+    for bad in ("abcd", "a\n", "A", 5, None, ["a"], {"a": 1}):
+        with pytest.raises(ValueError):
+            structs._dec_hook(slug, bad)
