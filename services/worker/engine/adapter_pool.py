@@ -24,10 +24,9 @@ from services.contracts.peft import TARGET_MODULES
 from .adapter import AdapterDigest, AdapterFiles, LoraAdapter, module_shape, parse_adapter
 from .config import ModelConfig
 from .errors import AdapterError, AdapterNotLoadedError, AdapterPoolFullError
+from .extent import aligned, one_thread
 from .lora_ops import PagedLora, Runs, Segments, base_lora_fused, lora_apply_paged
 
-ALIGN = 16
-"""Each A / B.T starts on a 16-element boundary (64 bytes in fp32): aligned vector loads."""
 MAX_SLOTS = 4096
 """Slot ids when only a byte budget is given: the pool's bytes, not ids, are the limit."""
 
@@ -60,19 +59,6 @@ class _Resident:
     """(layer, module) -> (A offset, B.T offset relative to `start`, scale)."""
 
 
-def _aligned(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
-def adapter_elements(cfg: ModelConfig, adapter: LoraAdapter) -> int:
-    """Pool elements an adapter needs: its real ranks on the projections it adapts."""
-    total = 0
-    for (_, module), w in adapter.weights.items():
-        fin, fout = module_shape(cfg, module)
-        total += _aligned(w.rank * fin) + _aligned(w.rank * fout)
-    return total
-
-
 class AdapterPool:
     """Resident adapters in one byte budget, LRU eviction of unpinned, idle ones.
 
@@ -97,8 +83,10 @@ class AdapterPool:
         self.max_rank = max_rank
         self.dtype = dtype
         self.element_size = torch.empty((), dtype=dtype).element_size()
-        per_layer = sum(_aligned(max_rank * fin) + _aligned(max_rank * fout)
-                        for fin, fout in (module_shape(cfg, m) for m in TARGET_MODULES))
+        self.shapes = {m: module_shape(cfg, m) for m in TARGET_MODULES}
+        """(in_features, out_features) of each projection."""
+        per_layer = sum(aligned(max_rank * fin) + aligned(max_rank * fout)
+                        for fin, fout in self.shapes.values())
         self.bytes_per_slot = per_layer * cfg.num_hidden_layers * self.element_size
         """Bytes of one max-rank adapter on every projection: a slab pool's slot size."""
         if byte_budget is None:
@@ -106,7 +94,7 @@ class AdapterPool:
                 raise ValueError("give num_slots or byte_budget")
             byte_budget = num_slots * self.bytes_per_slot
         capacity = byte_budget // self.element_size
-        smallest = _aligned(1) * 2
+        smallest = aligned(1) * 2
         if capacity < smallest:
             raise AdapterPoolFullError(f"byte budget {byte_budget} fits no adapter")
         self.num_slots = int(num_slots if num_slots is not None
@@ -180,7 +168,12 @@ class AdapterPool:
         if adapter.rank > self.max_rank:
             raise AdapterError(f"adapter rank {adapter.rank} exceeds the pool's max_rank "
                                f"{self.max_rank}")
-        need = adapter_elements(self.cfg, adapter)
+        for (layer, module), w in adapter.weights.items():
+            shape = (int(w.a.shape[1]), int(w.b.shape[0]))
+            if shape != self.shapes.get(module) or not 0 <= layer < self.cfg.num_hidden_layers:
+                raise AdapterError(f"layer {layer} {module}: (in, out) {shape} is not this "
+                                   f"model's {self.shapes.get(module)}")
+        need = adapter.layout.length
         if need > self.capacity:
             raise AdapterPoolFullError(
                 f"adapter needs {need * self.element_size} bytes, the whole pool has "
@@ -193,15 +186,8 @@ class AdapterPool:
                 self._write(slot, start, need, adapter)
             torch.cuda.current_stream(self.pool.device).wait_stream(self._side_stream)
         else:
-            # Hundreds of copies of a few hundred KB each: torch's intra-op threads cost
-            # more to wake than they save at that size (measured 2-3x slower on 2 cores than
-            # one thread), so the copies run on this thread alone.
-            threads = torch.get_num_threads()
-            torch.set_num_threads(1)
-            try:
+            with one_thread():
                 self._write(slot, start, need, adapter)
-            finally:
-                torch.set_num_threads(threads)
         self._by_digest[key] = slot
         if pin:
             self._pinned.add(key)
@@ -210,7 +196,7 @@ class AdapterPool:
     def fits(self, adapter: LoraAdapter) -> bool:
         """Whether `place` would succeed now without evicting anything (compacting the
         free space if it has to)."""
-        need = adapter_elements(self.cfg, adapter)
+        need = adapter.layout.length
         return bool(self._free) and self.capacity - self.used_elements >= need
 
     def unload(self, digest: AdapterDigest) -> None:
@@ -375,19 +361,12 @@ class AdapterPool:
         self.compactions += 1
 
     def _write(self, slot: int, start: int, length: int, adapter: LoraAdapter) -> None:
-        layout: dict[tuple[int, str], tuple[int, int, float]] = {}
-        cursor = 0
-        for (layer, module), w in adapter.weights.items():
-            fin, fout = module_shape(self.cfg, module)
-            a_off, cursor = cursor, cursor + _aligned(w.rank * fin)
-            b_off, cursor = cursor, cursor + _aligned(w.rank * fout)
-            layout[(layer, module)] = (a_off, b_off, w.scale)
-            base = start + a_off
-            self.pool[base:base + w.rank * fin].view(w.rank, fin).copy_(w.a, non_blocking=True)
-            base = start + b_off
-            self.pool[base:base + w.rank * fout].view(w.rank, fout).copy_(w.b.T,
-                                                                          non_blocking=True)
-        assert cursor == length
+        """One copy of the adapter's packed extent (converting dtype on the fly)."""
+        packed = adapter.pack().packed
+        extent = adapter.layout
+        assert packed is not None and extent.length == length == packed.numel()
+        self.pool[start:start + length].copy_(packed, non_blocking=True)
+        layout = {key: (*extent.offsets[key], w.scale) for key, w in adapter.weights.items()}
         res = _Resident(rank=adapter.rank, target_modules=adapter.target_modules,
                         num_parameters=adapter.num_parameters, start=start, length=length,
                         layout=layout)

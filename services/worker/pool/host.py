@@ -1,11 +1,11 @@
 """The host tier: parsed, validated adapters in memory (pinned on CUDA), by digest.
 
 What the loader puts here has already passed `AdapterFiles.verify` and `parse_adapter`,
-and is laid out as the engine's pool stores it, so moving it to a device slot is one
-contiguous copy per projection (the host tier's target is under 20 ms for a 30 MB
-adapter). A byte budget bounds it; LRU-K weighted by QoS tier picks
-what leaves. Removing an entry for a purge zeroes its tensors first, so the weights do
-not stay readable in freed memory.
+and is laid out as the engine's pool stores it, in the dtype it was published in, so
+moving it to a device slot is one contiguous copy that converts on the fly (the host
+tier's target is under 20 ms for a 30 MB adapter). A byte budget bounds it; LRU-K
+weighted by QoS tier picks what leaves. Removing an entry for a purge zeroes its tensors
+first, so the weights do not stay readable in freed memory.
 """
 
 from __future__ import annotations
@@ -21,28 +21,27 @@ from services.worker.pool.tiers import AccessHistory, Candidate, eviction_order
 
 
 def adapter_bytes(adapter: LoraAdapter) -> int:
+    """Host memory the adapter's weights take (its packed buffer, padding included)."""
+    if adapter.packed is not None:
+        return adapter.packed.numel() * adapter.packed.element_size()
     return sum(w.a.numel() * w.a.element_size() + w.b.numel() * w.b.element_size()
                for w in adapter.weights.values())
 
 
 def slot_ready(adapter: LoraAdapter, *, pin: bool = False) -> LoraAdapter:
-    """The same adapter laid out the way the engine's pool stores it, so moving it to a
-    slot is a plain memory copy: A as is, B [out, r] kept as the transpose of a contiguous
-    [r, out] (the pool stores B transposed; copying from a strided view is several times
-    slower). `pin`: page-locked memory, so the device copies can run asynchronously."""
-    from dataclasses import replace
-
-    def ready(t: torch.Tensor) -> torch.Tensor:
-        t = t.contiguous()
-        return t.pin_memory() if pin else t
-
-    weights = {k: replace(w, a=ready(w.a), b=ready(w.b.T).T)
-               for k, w in adapter.weights.items()}
-    return replace(adapter, weights=weights)
+    """The adapter with its weights in one buffer laid out as the engine's pool stores
+    them (`LoraAdapter.packed`; `parse_adapter` already made it), so moving it to a slot
+    is one copy. `pin`: page-locked memory, so the device copy can run asynchronously."""
+    adapter = adapter.pack()
+    assert adapter.packed is not None
+    return adapter.moved_to(adapter.packed.pin_memory()) if pin else adapter
 
 
 def zero_adapter(adapter: LoraAdapter) -> None:
     with torch.no_grad():
+        if adapter.packed is not None:
+            adapter.packed.zero_()  # the weights are views into it
+            return
         for w in adapter.weights.values():
             w.a.zero_()
             w.b.zero_()
