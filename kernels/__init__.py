@@ -17,13 +17,14 @@ pool, no padding to a max rank (see :mod:`kernels.paged`).
 """
 
 from kernels.dispatch import lora_apply, lora_apply_paged, lora_expand, lora_shrink
-from kernels.paged import PagedLora, Runs
+from kernels.paged import PagedLora, Runs, SlotTables
 from kernels.segments import Segments
 
 __all__ = [
     "PagedLora",
     "Runs",
     "Segments",
+    "SlotTables",
     "lora_apply",
     "lora_apply_paged",
     "lora_expand",

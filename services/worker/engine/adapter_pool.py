@@ -25,7 +25,14 @@ from .adapter import AdapterDigest, AdapterFiles, LoraAdapter, module_shape, par
 from .config import ModelConfig
 from .errors import AdapterError, AdapterNotLoadedError, AdapterPoolFullError
 from .extent import aligned, one_thread
-from .lora_ops import PagedLora, Runs, Segments, base_lora_fused, lora_apply_paged
+from .lora_ops import (
+    PagedLora,
+    Runs,
+    Segments,
+    SlotTables,
+    base_lora_fused,
+    lora_apply_paged,
+)
 
 MAX_SLOTS = 4096
 """Slot ids when only a byte budget is given: the pool's bytes, not ids, are the limit."""
@@ -103,10 +110,13 @@ class AdapterPool:
             raise AdapterPoolFullError("the pool needs at least one slot")
         self.capacity = int(capacity)
         self.pool = torch.zeros(self.capacity, dtype=dtype, device=device)
+        self.tables = SlotTables.zeros(cfg.num_hidden_layers * len(TARGET_MODULES),
+                                       self.num_slots, self.pool.device)
         self.weights: list[dict[str, PagedLora]] = [
-            {m: PagedLora(self.pool, *module_shape(cfg, m), self.num_slots)
+            {m: PagedLora(self.pool, *self.shapes[m], self.num_slots, self.tables,
+                          self._row(layer, m))
              for m in TARGET_MODULES}
-            for _ in range(cfg.num_hidden_layers)
+            for layer in range(cfg.num_hidden_layers)
         ]
         self._by_digest: OrderedDict[AdapterDigest, int] = OrderedDict()  # LRU, oldest first
         self._resident: dict[int, _Resident] = {}
@@ -373,15 +383,27 @@ class AdapterPool:
         self._resident[slot] = res
         self._place(slot, res)
 
+    @staticmethod
+    def _row(layer: int, module: str) -> int:
+        """A projection's row in `tables`."""
+        return layer * len(TARGET_MODULES) + TARGET_MODULES.index(module)
+
     def _place(self, slot: int, res: _Resident) -> None:
+        rows, a_offsets, b_offsets, scales = [], [], [], []
         for (layer, module), (a_off, b_off, scale) in res.layout.items():
-            self.weights[layer][module].place(slot, res.start + a_off, res.start + b_off,
+            self.weights[layer][module].point(slot, res.start + a_off, res.start + b_off,
                                               res.rank, scale)
+            rows.append(self._row(layer, module))
+            a_offsets.append(res.start + a_off)
+            b_offsets.append(res.start + b_off)
+            scales.append(scale)
+        self.tables.write(slot, rows, a_offsets, b_offsets, [res.rank] * len(rows), scales)
 
     def _remove(self, slot: int) -> None:
         res = self._resident.pop(slot)
         for layer, module in res.layout:
-            self.weights[layer][module].clear(slot)
+            self.weights[layer][module].unpoint(slot)
+        self.tables.clear(slot)
         self.pool[res.start:res.start + res.length].zero_()
         self._free.append(slot)
 

@@ -6,13 +6,14 @@ dispatches per device (Triton on GPU, its torch reference on CPU).
 
 from __future__ import annotations
 
-from kernels import PagedLora, Runs, Segments, lora_apply_paged
+from kernels import PagedLora, Runs, Segments, SlotTables, lora_apply_paged
 from kernels.dispatch import base_fusion_threshold, base_lora_fused
 
 __all__ = [
     "PagedLora",
     "Runs",
     "Segments",
+    "SlotTables",
     "base_fusion_threshold",
     "base_lora_fused",
     "lora_apply_paged",
