@@ -70,6 +70,20 @@ def test_a_corrupt_disk_file_is_removed_and_fetched_again(tmp_path: Path) -> Non
     assert hashlib.sha256(path.read_bytes()).hexdigest() == digest.sha256
 
 
+def test_a_disk_file_that_neither_matches_nor_parses_is_fetched_again(tmp_path: Path) -> None:
+    """The parse runs while the digest is checked; a mismatch outranks the parse error, so
+    a truncated file is a corrupt copy (fetched again), not an invalid adapter (FAILED)."""
+    loader, blobs = make(tmp_path)
+    digest = published(blobs, 12)
+    loader.load(digest)
+    loader.host.discard(digest)
+    path = loader.disk.path_of(digest.sha256)
+    path.write_bytes(path.read_bytes()[:100])
+    result = loader.load(digest)
+    assert result.source is Tier.BLOB and result.adapter is not None and result.error is None
+    assert loader.corrupt_on_disk == 1 and blobs.fetches == 4
+
+
 def test_registry_down_is_retryable_not_failed(tmp_path: Path) -> None:
     loader, blobs = make(tmp_path)
     digest = published(blobs, 4)
