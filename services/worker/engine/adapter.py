@@ -12,6 +12,7 @@ import json
 import math
 import re
 from dataclasses import dataclass, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -133,8 +134,9 @@ class LoraAdapter:
     def num_parameters(self) -> int:
         return sum(w.a.numel() + w.b.numel() for w in self.weights.values())
 
-    @property
+    @cached_property
     def layout(self) -> ExtentLayout:
+        """Its extent in the pool (and of `packed`); computed once per adapter."""
         return extent_layout((key, w.rank, int(w.a.shape[1]), int(w.b.shape[0]))
                              for key, w in self.weights.items())
 
