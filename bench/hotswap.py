@@ -5,10 +5,12 @@ The adapter has TinyLlama-1.1B's shapes (hidden 2048, intermediate 5632, 22 laye
 timed along the worker's own path (`services.worker.pool`, `AdapterPool.place`):
 
   device  already in a slot (a request for a resident adapter)
-  host    parsed, checked tensors in the host tier → copy into a slot
-  disk    file in the disk tier → read, sha256 both files, parse and validate, keep in
-          the host tier, copy into a slot (the file is in the OS page cache, as a recently
-          written or recently read file is)
+  host    a parsed, checked adapter in the host tier (one buffer in the pool's extent
+          layout, fp16 as published) → one converting copy into a slot, offset tables
+  disk    file in the disk tier → read, sha256 both files (on a second thread) while
+          parsing and validating into a private buffer, keep in the host tier once the
+          digests match, copy into a slot (the file is in the OS page cache, as a
+          recently written or recently read file is)
   blob    the registry's blob store over loopback HTTP with a worker token → verify,
           write to the disk tier, parse, host tier, slot
 

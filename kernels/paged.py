@@ -32,17 +32,21 @@ class SlotTables:
     """
 
     a_offsets: Tensor
-    """[rows, slots] int64"""
+    """[rows, slots (padded)] int64"""
     b_offsets: Tensor
     ranks: Tensor
-    """[rows, slots] int32"""
+    """[rows, slots (padded)] int32"""
     scales: Tensor
-    """[rows, slots] float32"""
+    """[rows, slots (padded)] float32"""
 
     @classmethod
     def zeros(cls, rows: int, num_slots: int, device: torch.device) -> SlotTables:
+        """Rows are padded to a multiple of 4 slots, so every row starts 16-byte aligned
+        as a table of its own would (the kernels' pointer arguments)."""
+        width = -(-num_slots // 4) * 4
+
         def table(dtype: torch.dtype) -> Tensor:
-            return torch.zeros(rows, num_slots, dtype=dtype, device=device)
+            return torch.zeros(rows, width, dtype=dtype, device=device)
 
         return cls(table(torch.int64), table(torch.int64), table(torch.int32),
                    table(torch.float32))
@@ -93,10 +97,10 @@ class PagedLora:
         n = self.num_slots
         tables = self.tables or SlotTables.zeros(1, n, self.pool.device)
         row = self.row if self.tables is not None else 0
-        self.a_offsets = tables.a_offsets[row]
-        self.b_offsets = tables.b_offsets[row]
-        self.ranks = tables.ranks[row]
-        self.scales = tables.scales[row]
+        self.a_offsets = tables.a_offsets[row, :n]
+        self.b_offsets = tables.b_offsets[row, :n]
+        self.ranks = tables.ranks[row, :n]
+        self.scales = tables.scales[row, :n]
         self.host_ranks = [0] * n
         self.host_scales = [0.0] * n
         self.a_views = [None] * n

@@ -1,0 +1,36 @@
+"""`SlotTables`: many projections' device tables in one tensor per table, written per
+adapter in one go, read by each `PagedLora` as its own row."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import PagedLora, SlotTables
+
+
+def test_one_write_points_every_row_and_clear_unpoints_them() -> None:
+    pool = torch.arange(200, dtype=torch.float32)
+    tables = SlotTables.zeros(3, 5, pool.device)
+    lora = [PagedLora(pool, 4, 6, 5, tables, row) for row in range(3)]
+    assert all(w.a_offsets.shape == (5,) and w.a_offsets.data_ptr() % 16 == 0 for w in lora)
+    tables.write(2, [0, 2], [10, 100], [30, 140], [2, 2], [0.5, 0.25])
+    for row, a_off, b_off, scale in ((0, 10, 30, 0.5), (2, 100, 140, 0.25)):
+        lora[row].point(2, a_off, b_off, 2, scale)
+    assert lora[0].a_offsets.tolist() == [0, 0, 10, 0, 0]
+    assert lora[2].b_offsets.tolist() == [0, 0, 140, 0, 0]
+    assert lora[2].scales[2].item() == 0.25 and lora[1].ranks.tolist() == [0] * 5
+    assert torch.equal(lora[2].bt_views[2], pool[140:152].view(2, 6))
+    tables.clear(2)
+    for w in lora:
+        w.unpoint(2)
+    assert not tables.ranks.any() and not tables.scales.any()
+    assert all(w.a_views[2] is None and not w.adapts(2) for w in lora)
+
+
+def test_a_projection_without_shared_tables_keeps_its_own() -> None:
+    pool = torch.zeros(64)
+    w = PagedLora(pool, 4, 4, 2)
+    w.place(1, 0, 16, 3, 2.0)
+    assert w.ranks.tolist() == [0, 3] and w.host_scales == [0.0, 2.0]
+    w.clear(1)
+    assert w.ranks.tolist() == [0, 0] and w.a_views[1] is None
