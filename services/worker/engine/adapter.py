@@ -186,17 +186,18 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     kernel (measured 43 against 260 us), with the bits viewed as integers so bfloat16,
     which numpy lacks, moves the same way."""
     as_int = _SAME_SIZE_INT.get(dst.element_size())
-    if src.dtype != dst.dtype or as_int is None or src.is_contiguous():
+    if (src.dtype != dst.dtype or as_int is None or src.is_contiguous()
+            or src.device.type != "cpu" or dst.device.type != "cpu"):
         dst.copy_(src)
         return
-    dst.view(as_int).numpy()[...] = src.view(as_int).numpy()
+    dst.view(as_int).numpy()[...] = src.detach().view(as_int).numpy()
 
 
 def pack_weights(entries: list[tuple[Key, torch.Tensor, torch.Tensor, float]],
                  dtype: torch.dtype) -> tuple[torch.Tensor, dict[Key, LoraWeights]]:
     """(key, A [r, in], B [out, r], scale) entries into one extent-layout buffer of `dtype`.
 
-    Each tensor is converted and transposed straight into its place (one `copy_` from the
+    Each tensor is converted and transposed straight into its place (one copy from the
     source view), so nothing is materialised twice; the alignment padding is zeroed.
     """
     layout = extent_layout((k, int(a.shape[0]), int(a.shape[1]), int(b.shape[0]))
