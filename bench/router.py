@@ -27,6 +27,7 @@ Writes bench/results/router.json; every figure carries the settings and load ave
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import os
@@ -88,8 +89,10 @@ def load() -> list[float]:
 # --- 1. decision cost -------------------------------------------------------------------------
 
 
-def decisions(count: int, tenants: int = 10_000, workers: int = 64) -> dict[str, Any]:
-    rnd = random.Random(7)
+def decision_router(rnd: random.Random, tenants: int = 10_000, workers: int = 64
+                    ) -> tuple[Dispatcher, list[tuple[Principal, str]], float]:
+    """A router that has folded a catalog of `tenants` tenants (one adapter each, every tenth
+    behind a 90/10 canary alias) and heartbeats of `workers` workers; its callers."""
     d = Dispatcher(Settings(router_tenant_rate=HIGH, router_adapter_rate=HIGH,
                             router_cold_load_rate=HIGH), clock=time.monotonic)
 
@@ -132,32 +135,98 @@ def decisions(count: int, tenants: int = 10_000, workers: int = 64) -> dict[str,
                                      base_model="base", base_model_digest=BASE_DIGEST,
                                      loaded=held), f"worker/w{w}", None), now)
         d.membership.in_flight[f"w{w}"] = rnd.randrange(0, 8)
-    d.ready = True
-    asks = []
-    for _ in range(count):
-        principal, name = rnd.choice(callers)
-        asks.append((principal, Asked(pb.TenantSignature(user_id=f"u{rnd.randrange(10**6)}"),
-                                      pb.AdapterRef(alias=name))))
-    for principal, asked in asks[:2000]:  # warm caches and buckets
-        d.decide(principal, asked, now)
-    timings, cpu = [], []
+    return d, callers, now
+
+
+Ask = tuple[Principal, Asked]
+
+
+def timed_decisions(d: Dispatcher, asks: list[Ask], now: float, *,
+                    between: Any = None) -> dict[str, Any]:
+    """Wall and thread-CPU time of `Dispatcher.decide` (what both fronts call) per ask, and
+    the collector's passes meanwhile; `between(i)` runs untimed before ask i."""
+    timings, cpu, pauses = [], [], []
+    started_gc: list[float] = []
+
+    def watch(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            started_gc.append(time.perf_counter())
+        elif started_gc:
+            pauses.append((info["generation"], (time.perf_counter() - started_gc.pop()) * 1e6))
+
     clock, thread_clock = time.perf_counter_ns, time.thread_time_ns
-    for principal, asked in asks:
-        started, started_cpu = clock(), thread_clock()
-        d.decide(principal, asked, now)
-        cpu.append((thread_clock() - started_cpu) / 1000)
-        timings.append((clock() - started) / 1000)
-    return {"tenants": tenants, "workers": workers, "decisions": count,
+    gc.callbacks.append(watch)
+    try:
+        for i, (principal, asked) in enumerate(asks):
+            if between is not None:
+                between(i)
+            started, started_cpu = clock(), thread_clock()
+            d.decide(principal, asked, now)
+            cpu.append((thread_clock() - started_cpu) / 1000)
+            timings.append((clock() - started) / 1000)
+    finally:
+        gc.callbacks.remove(watch)
+    return {"decisions": len(asks),
             "p50_us": round(pct(timings, 0.5), 2), "p99_us": round(pct(timings, 0.99), 2),
-            "mean_us": round(statistics.fmean(timings), 2), "target_p99_us": 50,
+            "p999_us": round(pct(timings, 0.999), 2),
+            "mean_us": round(statistics.fmean(timings), 2),
             "cpu_p50_us": round(pct(cpu, 0.5), 2), "cpu_p99_us": round(pct(cpu, 0.99), 2),
-            "note": "p50/p99 are wall clock (include preemption by other processes on a "
-                    "loaded machine); cpu_* are this thread's CPU time per decision",
+            "gc_passes": {f"gen{g}": sum(1 for gen, _ in pauses if gen == g) for g in range(3)},
+            "gc_max_pause_us": round(max((us for _, us in pauses), default=0.0), 1),
+            "loadavg": load()}
+
+
+def decisions(count: int, tenants: int = 10_000, workers: int = 64) -> dict[str, Any]:
+    """The router as it is once the log is replayed (`start_serving`, as the server calls
+    it), then: every tenant's first request; `count` requests from tenants that have asked
+    before; the same with the catalog changing under them."""
+    rnd = random.Random(7)
+    d, callers, now = decision_router(rnd, tenants, workers)
+    started = time.perf_counter()
+    gc.collect()  # the full collection that, unfrozen, would come round now and then
+    full_gc_ms = (time.perf_counter() - started) * 1000
+    d.start_serving()
+    started = time.perf_counter()
+    gc.collect()
+    frozen_gc_ms = (time.perf_counter() - started) * 1000
+
+    def ask(principal: Principal, name: str) -> Ask:
+        return principal, Asked(pb.TenantSignature(user_id=f"u{rnd.randrange(10**6)}"),
+                                pb.AdapterRef(alias=name))
+
+    firsts = [ask(principal, name) for principal, name in callers]
+    rnd.shuffle(firsts)
+    first = timed_decisions(d, firsts, now)
+    steady = timed_decisions(d, [ask(*rnd.choice(callers)) for _ in range(count)], now)
+    aliases = [name for _, name in callers if name.startswith("alias")]
+    every = 1000
+
+    def change(i: int) -> None:  # a canary moves: every cached resolution is dropped
+        if i % every == 0:
+            name = aliases[(i // every) % len(aliases)]
+            split = d.catalog.aliases[name].split
+            d.fold(Envelope.new(TrafficSplitChanged(alias=name, split=list(split)),
+                                stream=alias_stream(name), seq=2 + i // every, actor="bench",
+                                tenant=d.catalog.aliases[name].tenant), now)
+
+    churn = timed_decisions(d, [ask(*rnd.choice(callers)) for _ in range(count // 5)], now,
+                            between=change)
+    return {"tenants": tenants, "workers": workers, **steady, "target_p99_us": 50,
+            "first_request_of_each_tenant": first,
+            "catalog_change_every_1000": churn,
+            "full_gc_ms": {"replayed_state": round(full_gc_ms, 1),
+                           "after_gc_freeze": round(frozen_gc_ms, 1)},
+            "note": "the headline (top level) is tenants that have asked before (a router "
+                    "in service); first_request_of_each_tenant: every cache cold (token, "
+                    "resolution, ring walk, buckets); catalog_change_every_1000: a split "
+                    "change folded (untimed) every 1,000 decisions, which drops every cached "
+                    "resolution. p50/p99 are wall clock (include preemption by other "
+                    "processes on a loaded machine); cpu_* are this thread's CPU time",
             "settings": {"epsilon": d.settings.router_load_epsilon,
                          "affinity_window": d.settings.router_affinity_window,
                          "vnodes": d.settings.router_ring_vnodes,
-                         "canary_share_of_tenants": 0.1},
-            "loadavg": load()}
+                         "gc_freeze": d.settings.router_gc_freeze,
+                         "canary_share_of_tenants": 0.1}}
 
 
 # --- 2. key movement --------------------------------------------------------------------------

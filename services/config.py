@@ -201,6 +201,10 @@ class Settings(BaseSettings):
         default_factory=dict,
         description='Requests/s for one tenant or adapter instead of its tier default: '
         '{"tenant:org/team/project": 5, "adapter:acme-support": 50}.')
+    router_gc_freeze: bool = Field(
+        True, description="Once the log is replayed, move everything folded so far out of "
+        "the garbage collector's reach (gc.freeze), so a full collection walks only what "
+        "came later: without it one took ~200 ms over a 10,000-tenant catalog.")
     router_request_timeout_s: float = Field(
         300.0, gt=0, description="Deadline of a request whose client set none (HTTP).")
     audit_metrics_port: int = Field(

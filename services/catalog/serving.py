@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import hashlib
 import re
+from bisect import bisect_right
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.catalog.release import release_refusal
 from services.catalog.state import Adapter, AdapterVersion, CatalogState, Refusal
@@ -53,6 +54,8 @@ class ServingChoice:
     tenant: TenantRef | None
     alias: str | None = None
     """The alias the choice came from, when it came from one."""
+    base_model_digest: str | None = field(default=None, compare=False)
+    """The base model the version was built for (None where the maker did not say)."""
 
     @property
     def pinned(self) -> str:
@@ -70,15 +73,23 @@ def split_order(split: Sequence[SplitEntry]) -> list[SplitEntry]:
     return sorted(split, key=lambda e: (-e.version, e.adapter_id))
 
 
+def line_edges(ordered: Sequence[SplitEntry]) -> tuple[int, ...]:
+    """The upper edge of each entry's stretch of the line (entries in `split_order`)."""
+    edges, edge = [], 0
+    for entry in ordered:
+        edge += entry.weight * (POINTS // 100)
+        edges.append(edge)
+    return tuple(edges)
+
+
+def _entry_index(edges: Sequence[int], point: int) -> int:
+    # Weights sum to 100, so a point past the last edge comes only from rounding: the last.
+    return min(bisect_right(edges, point), len(edges) - 1)
+
+
 def entry_at(split: Sequence[SplitEntry], point: int) -> int:
     """Index (in `split_order`) of the entry whose stretch of the line holds `point`."""
-    ordered = split_order(split)
-    edge = 0
-    for index, entry in enumerate(ordered):
-        edge += entry.weight * (POINTS // 100)
-        if point < edge:
-            return index
-    return len(ordered) - 1  # weights sum to 100, so only reached by rounding
+    return _entry_index(line_edges(split_order(split)), point)
 
 
 def unservable_reason(adapter: Adapter, number: int, version: AdapterVersion) -> str | None:
@@ -94,7 +105,7 @@ def unservable_reason(adapter: Adapter, number: int, version: AdapterVersion) ->
 def _choice(adapter: Adapter, number: int, alias: str | None) -> ServingChoice:
     p = adapter.versions[number].published
     return ServingChoice(adapter.adapter_id, number, p.sha256, p.config_sha256, p.qos_tier,
-                         adapter.tenant, alias)
+                         adapter.tenant, alias, p.base_model_digest)
 
 
 def _owned(state: CatalogState, adapter_id: str, tenant: TenantRef) -> Adapter:
@@ -137,23 +148,73 @@ def resolve_pinned(state: CatalogState, tenant: TenantRef, adapter_id: str, numb
 def resolve_reference(state: CatalogState, tenant: TenantRef, name: str, user_id: str, *,
                       base_digest: str | None = None) -> ServingChoice:
     """An alias by its split (sticky per user), else an adapter id by its active version."""
+    return resolution(state, tenant, name, base_digest=base_digest).pick(user_id)
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """`resolve_reference`'s answer for one tenant, name and base model, before the user is
+    known: the alias's assignment line (`edges`, upper edge of each entry's stretch, in
+    `split_order`) and, for each entry a user's point may fall on, the outcome of the walk
+    from there (a choice, or the refusal to raise). A name that is not an alias has no
+    line and one outcome. Built from the state once; `pick` is a hash and a bisect."""
+
+    scope: str
+    tenant: TenantRef
+    edges: tuple[int, ...]
+    outcomes: tuple[ServingChoice | Refusal, ...]
+
+    def pick(self, user_id: str) -> ServingChoice:
+        outcome = self.outcomes[0]
+        if self.edges:
+            outcome = self.outcomes[_entry_index(
+                self.edges, user_point(self.scope, self.tenant, user_id))]
+        if isinstance(outcome, Refusal):  # a new exception each time: no traceback grows
+            raise Refusal(outcome.kind, outcome.message)
+        return outcome
+
+
+def resolution(state: CatalogState, tenant: TenantRef, name: str, *,
+               base_digest: str | None = None) -> Resolution:
+    """The serving rule for references (see the module doc), for every user at once."""
     alias = state.aliases.get(name)
     if alias is None:
-        adapter = _owned(state, name, tenant)
-        number = adapter.active_version
-        if number is None or number not in adapter.versions:
-            raise Refusal("precondition", f"adapter {name!r} has no active version")
-        version = adapter.versions[number]
-        reason = unservable_reason(adapter, number, version)
-        if reason:
-            raise Refusal("precondition", reason)
-        choice = _choice(adapter, number, None)
-        _check_base(choice, version, base_digest)
-        return choice
+        try:
+            outcome: ServingChoice | Refusal = _active_choice(state, tenant, name, base_digest)
+        except Refusal as refusal:
+            outcome = refusal
+        return Resolution(name, tenant, (), (outcome,))
     if alias.tenant is not None and alias.tenant != tenant:
-        raise Refusal("forbidden", f"alias {name!r} belongs to another tenant")
+        refused = Refusal("forbidden", f"alias {name!r} belongs to another tenant")
+        return Resolution(name, tenant, (), (refused,))
     ordered = split_order(alias.split)
-    start = entry_at(alias.split, user_point(name, tenant, user_id))
+    outcomes = []
+    for start in range(max(1, len(ordered))):  # an empty split: one refusal for everyone
+        try:
+            outcomes.append(_walk(state, name, ordered, start, base_digest))
+        except Refusal as refusal:
+            outcomes.append(refusal)
+    return Resolution(name, tenant, line_edges(ordered), tuple(outcomes))
+
+
+def _active_choice(state: CatalogState, tenant: TenantRef, name: str,
+                   base_digest: str | None) -> ServingChoice:
+    adapter = _owned(state, name, tenant)
+    number = adapter.active_version
+    if number is None or number not in adapter.versions:
+        raise Refusal("precondition", f"adapter {name!r} has no active version")
+    version = adapter.versions[number]
+    reason = unservable_reason(adapter, number, version)
+    if reason:
+        raise Refusal("precondition", reason)
+    choice = _choice(adapter, number, None)
+    _check_base(choice, version, base_digest)
+    return choice
+
+
+def _walk(state: CatalogState, name: str, ordered: Sequence[SplitEntry], start: int,
+          base_digest: str | None) -> ServingChoice:
+    """From a user's entry along the line: the first servable entry serves the user."""
     reasons = []
     for step in range(len(ordered)):
         entry = ordered[(start + step) % len(ordered)]
@@ -172,6 +233,61 @@ def resolve_reference(state: CatalogState, tenant: TenantRef, name: str, user_id
         _check_base(choice, version, base_digest)
         return choice
     raise Refusal("precondition", f"alias {name!r} has no servable version ({'; '.join(reasons)})")
+
+
+class ResolutionCache:
+    """`resolve_reference` and `resolve_pinned` on one fold, memoised: the same tenants ask
+    for the same names again and again, and the rule walks adapters, versions, splits and
+    the release rule each time. Exact, not approximate: everything is forgotten as soon as
+    the fold's `serving_generation` moves (any event that can change an answer), and an
+    alias's answer is kept for every user at once (`Resolution`), so a user's sticky
+    canary choice is the rule's own. Sees changes made through `CatalogState.apply`."""
+
+    def __init__(self, state: CatalogState, *, max_entries: int = 100_000) -> None:
+        self.state = state
+        self.max_entries = max_entries
+        self._generation = state.serving_generation
+        self._references: dict[tuple[str, str, str, str, str | None], Resolution] = {}
+        self._pins: dict[tuple[str, str, str, str, int, str | None],
+                         ServingChoice | Refusal] = {}
+
+    def _current(self) -> None:
+        if self.state.serving_generation != self._generation:
+            self._references.clear()
+            self._pins.clear()
+            self._generation = self.state.serving_generation
+
+    def reference(self, tenant: TenantRef, name: str, user_id: str, *,
+                  base_digest: str | None = None) -> ServingChoice:
+        """`resolve_reference(state, tenant, name, user_id, base_digest=...)`."""
+        self._current()
+        key = (tenant.org, tenant.team, tenant.project, name, base_digest)
+        found = self._references.get(key)
+        if found is None:
+            if len(self._references) >= self.max_entries:
+                self._references.clear()
+            found = self._references[key] = resolution(self.state, tenant, name,
+                                                       base_digest=base_digest)
+        return found.pick(user_id)
+
+    def pinned(self, tenant: TenantRef, adapter_id: str, number: int, *,
+               base_digest: str | None = None) -> ServingChoice:
+        """`resolve_pinned(state, tenant, adapter_id, number, base_digest=...)`."""
+        self._current()
+        key = (tenant.org, tenant.team, tenant.project, adapter_id, number, base_digest)
+        found = self._pins.get(key)
+        if found is None:
+            if len(self._pins) >= self.max_entries:
+                self._pins.clear()
+            try:
+                found = resolve_pinned(self.state, tenant, adapter_id, number,
+                                       base_digest=base_digest)
+            except Refusal as refusal:
+                found = refusal
+            self._pins[key] = found
+        if isinstance(found, Refusal):
+            raise Refusal(found.kind, found.message)
+        return found
 
 
 @dataclass(frozen=True)

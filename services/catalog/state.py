@@ -461,6 +461,10 @@ class CatalogState:
     lease: Lease | None = None
     stale_after_s: float = 30.0
     """Heartbeat age after which a worker is no longer expected to ack a purge."""
+    serving_generation: int = field(default=0, compare=False, repr=False)
+    """Bumped by every fold step that can change a serving answer (anything but heartbeats,
+    leases and purge acks): the key of caches of `services.catalog.serving` (not part of
+    the state's equality, nor of its snapshot)."""
 
     # --- fold --------------------------------------------------------------------------
 
@@ -469,6 +473,8 @@ class CatalogState:
         step = _STEPS.get(envelope.type)
         if step is not None:
             step(self, envelope, position)
+            if envelope.type not in SERVING_NEUTRAL:
+                self.serving_generation += 1
         key = getattr(envelope.payload, "idempotency_key", None)
         if key:
             answer = IdempotentAnswer(envelope, position)
@@ -768,6 +774,10 @@ _STEPS: dict[str, _Step] = {
 
 FOLDED_TYPES = frozenset(_STEPS)
 """The event types `CatalogState.apply` takes; a reader may skip every other undecoded."""
+SERVING_NEUTRAL = frozenset({WorkerHeartbeat.event_type(), RegistryLease.event_type(),
+                             TenantPurged.event_type()})
+"""Folded types that cannot change which version a request is served (they come every
+second from every worker; bumping `serving_generation` on them would empty the caches)."""
 
 
 # --- rollback lineage ----------------------------------------------------------------------

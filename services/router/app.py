@@ -111,7 +111,7 @@ class RouterApp:
                 log.warning("router cannot replay the log yet, retrying: %s", exc)
                 await asyncio.sleep(1.0)
         d.tick()
-        d.ready = True
+        d.start_serving()
         self.metrics.ready.set(1)
         await self.health.set(True)
         log.info("router %s ready: %d events replayed, %d workers in the ring",

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
+import gc
 import json
 import logging
 import re
@@ -36,16 +36,11 @@ import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
 
 import grpc
 
-from services.catalog.serving import (
-    MergeSpec,
-    ServingChoice,
-    merge_target,
-    resolve_pinned,
-    resolve_reference,
-)
+from services.catalog.serving import MergeSpec, ResolutionCache, ServingChoice, merge_target
 from services.catalog.state import CatalogState, Refusal
 from services.config import Settings
 from services.contracts.events import SLUG_PATTERN, Envelope, TenantRef
@@ -57,7 +52,7 @@ from services.router.limits import DEFAULT_TIER, Limits
 from services.router.membership import Membership
 from services.router.metrics import RouterMetrics
 from services.router.prewarm import RecentAdapter, RecentUse, plan
-from services.router.ring import Placement, Ring, place, ring_key
+from services.router.ring import Placement, Ring, Tier, place, ring_key
 
 log = logging.getLogger("loraplane.router")
 trace_log = logging.getLogger("loraplane.router.trace")
@@ -128,8 +123,9 @@ class RouteTrace:
         return asdict(self)
 
 
-@dataclass(frozen=True)
-class Decision:
+class Decision(NamedTuple):
+    """What `Dispatcher.decide` chose (one per request: a tuple, the cheapest to build)."""
+
     tenant: TenantRef
     tier: str
     key: str
@@ -146,6 +142,11 @@ class Asked:
     adapter: pb.AdapterRef
     base_model: str | None = None
     """The base model the caller named (HTTP `model`); None = any base (gRPC)."""
+
+
+def _on_device(_: str) -> Tier:
+    """Where a request without an adapter finds it: nothing to load, every worker is warm."""
+    return "device"
 
 
 def authorize(principal: Principal, signature: pb.TenantSignature) -> TenantRef:
@@ -185,6 +186,28 @@ def _authorize(principal: Principal, *asked: str) -> TenantRef:
     return _tenant(values[0], values[1], values[2])
 
 
+class Caller(NamedTuple):
+    """Who a request runs as, and the names the request path keys on."""
+
+    tenant: TenantRef
+    tenant_key: str
+    """`tenant.key`: the limits' and metrics' name of the tenant."""
+    tier: str
+    """The QoS tier: the token's, or lower where the request asks for less."""
+    ring_key: str
+
+
+@functools.lru_cache(maxsize=65536)
+def _caller(principal: Principal, org: str, team: str, project: str, qos_tier: int,
+            compliance_scope: str, region_hint: str) -> Caller:
+    """Steps that depend only on the token and the signature, done once per distinct pair
+    (a refusal, an exception, is never cached)."""
+    tenant = _authorize(principal, org, team, project)
+    tier = lower_tier(principal.qos_tier or DEFAULT_TIER, tier_of(qos_tier))
+    return Caller(tenant, tenant.key, tier, ring_key(tenant.org, tenant.team, tenant.project,
+                                                     compliance_scope, region_hint))
+
+
 @functools.lru_cache(maxsize=65536)
 def _tenant(org: str, team: str, project: str) -> TenantRef:
     """Validated once per tenant: requests repeat the same few tenants many times."""
@@ -204,6 +227,9 @@ class Dispatcher:
         self.metrics = metrics or RouterMetrics()
         self.clock = clock
         self.catalog = CatalogState(stale_after_s=settings.stale_lease_threshold_s)
+        self.resolutions = ResolutionCache(self.catalog)
+        self._epsilon = settings.router_load_epsilon
+        self._window = settings.router_affinity_window
         self.membership = Membership(interval_s=settings.heartbeat_interval_s,
                                      misses=settings.router_missed_heartbeats)
         self.ring = Ring(vnodes=settings.router_ring_vnodes)
@@ -218,6 +244,16 @@ class Dispatcher:
         self._channels: dict[str, tuple[str, grpc.aio.Channel]] = {}
         self._hinted: dict[tuple[str, str, int], float] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+
+    def start_serving(self) -> None:
+        """The log is replayed: answer requests from now on. The replayed state is most of the
+        heap and lives as long as the process, so it is frozen out of the cyclic garbage
+        collector (`router_gc_freeze`): a full collection that walked it stalled every
+        request in flight for ~200 ms with 10,000 tenants (`bench/router.py`)."""
+        if self.settings.router_gc_freeze:
+            gc.collect()
+            gc.freeze()
+        self.ready = True
 
     # --- folding the log (on the event loop's thread) -------------------------------------
 
@@ -259,56 +295,51 @@ class Dispatcher:
     # --- the request path ------------------------------------------------------------------
 
     def decide(self, principal: Principal, asked: Asked, now: float) -> Decision:
-        """Steps 1-4 of the module doc: no I/O; raises `RouteError`."""
+        """Steps 1-4 of the module doc: no I/O; raises `RouteError`. Every request of both
+        fronts pays for this, so it keeps to cached lookups (authorisation per token and
+        tenant, resolution per tenant and name, the ring's walk per key) and builds tuples."""
         if not self.ready:
             raise RouteError(grpc.StatusCode.UNAVAILABLE, "router is replaying the log",
                              "not_ready", retry_after_s=1.0, retry_after="1")
         sig = asked.signature
-        tenant = authorize(principal, sig)
-        tier = lower_tier(principal.qos_tier or DEFAULT_TIER, tier_of(sig.qos_tier))
+        tenant, tenant_key, tier, key = _caller(
+            principal, sig.org_id, sig.team_id, sig.project_id, sig.qos_tier,
+            sig.compliance_scope, sig.region_hint)
         choice, base_digest = self._resolve(tenant, sig.user_id, asked)
-        key = ring_key(tenant.org, tenant.team, tenant.project, sig.compliance_scope,
-                       sig.region_hint)
-        eligible = self.membership.eligible(base_digest)
-        merged = self._merged_workers(choice) if choice is not None else ()
+        membership = self.membership
+        eligible, pool_in_flight = membership.pool(base_digest)
+        merged = (self._merged_workers(choice)
+                  if choice is not None and membership.merged_for(choice.adapter_id) else ())
         if not eligible and not merged:
             raise RouteError(grpc.StatusCode.UNAVAILABLE,
                              "no live worker serves this base model", "no_worker",
-                             retry_after_s=self.membership.interval_s, retry_after="1")
-        in_flight = self.membership.in_flight
-        if choice is None:
-            def holding(_: str) -> str:
-                return "device"
-        else:
-            sha, membership = choice.sha256, self.membership
-
-            def holding(worker: str) -> str | None:  # type: ignore[misc]
-                return membership.tier(worker, sha, now)
+                             retry_after_s=membership.interval_s, retry_after="1")
+        in_flight = membership.in_flight
+        holding = _on_device if choice is None else membership.holding(choice.sha256, now)
         general = None
         if eligible:
             general = place(self.ring, key, eligible=eligible.__contains__, loads=in_flight,
-                            holding=holding, epsilon=self.settings.router_load_epsilon,
-                            window=self.settings.router_affinity_window,
-                            eligible_count=len(eligible),
-                            total_in_flight=self.membership.pool_in_flight(base_digest))
+                            holding=holding, epsilon=self._epsilon, window=self._window,
+                            eligible_count=len(eligible), total_in_flight=pool_in_flight)
         placement = general
         if merged:
             placement = place(self.ring, key, eligible=frozenset(merged).__contains__,
-                              loads=in_flight, holding=lambda _: "device",
-                              epsilon=self.settings.router_load_epsilon, window=1,
-                              eligible_count=len(merged),
+                              loads=in_flight, holding=_on_device, epsilon=self._epsilon,
+                              window=1, eligible_count=len(merged),
                               total_in_flight=sum(in_flight.get(w, 0) for w in merged))
             if placement is not None and placement.fallback is None and general is not None:
-                placement = dataclasses.replace(placement, fallback=general.worker)
+                placement = placement._replace(fallback=general.worker)
             placement = placement or general
         if placement is None:  # a worker seen alive but not yet in the ring
             raise RouteError(grpc.StatusCode.UNAVAILABLE, "no worker in the ring serves this "
                              "base model yet", "no_worker", retry_after_s=1.0, retry_after="1")
-        refusal = self.limits.admit(
-            now, tenant=tenant.key, tenant_tier=tier,
-            adapter=choice.adapter_id if choice else None,
-            adapter_tier=choice.qos_tier if choice else None,
-            cold=choice is not None and placement.cold)
+        if choice is None:
+            refusal = self.limits.admit(now, tenant=tenant_key, tenant_tier=tier)
+        else:
+            refusal = self.limits.admit(now, tenant=tenant_key, tenant_tier=tier,
+                                        adapter=choice.adapter_id,
+                                        adapter_tier=choice.qos_tier,
+                                        cold=placement.cold)
         if refusal is not None:
             raise RouteError(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal.message,
                              refusal.reason, retry_after_s=refusal.retry_after_s,
@@ -337,6 +368,7 @@ class Dispatcher:
 
     def _resolve(self, tenant: TenantRef, user_id: str, asked: Asked
                  ) -> tuple[ServingChoice | None, str | None]:
+        """The version (by `services.catalog.serving`'s rule, memoised) and its base model."""
         base_digest = None
         if asked.base_model is not None:
             base = self.catalog.base_models.get(asked.base_model)
@@ -350,18 +382,18 @@ class Dispatcher:
             return None, base_digest
         try:
             if which == "alias":
-                choice = resolve_reference(self.catalog, tenant, ref.alias, user_id,
-                                           base_digest=base_digest)
+                choice = self.resolutions.reference(tenant, ref.alias, user_id,
+                                                    base_digest=base_digest)
             else:
-                if ref.pinned.version == 0:
+                pinned = ref.pinned
+                if pinned.version == 0:
                     raise Refusal("invalid", "a pinned version starts at 1")
-                choice = resolve_pinned(self.catalog, tenant, ref.pinned.adapter_id,
-                                        ref.pinned.version, base_digest=base_digest)
+                choice = self.resolutions.pinned(tenant, pinned.adapter_id, pinned.version,
+                                                 base_digest=base_digest)
         except Refusal as refusal:
             raise RouteError(_REFUSAL_CODES[refusal.kind], refusal.message,
                              refusal.kind) from None
-        version = self.catalog.adapters[choice.adapter_id].versions[choice.version]
-        return choice, version.published.base_model_digest
+        return choice, choice.base_model_digest
 
     async def generate(self, principal: Principal, request: pb.GenerateRequest, *,
                        timeout_s: float | None, front: str, base_model: str | None = None

@@ -25,30 +25,34 @@ RejectReason = Literal["tenant_rate", "adapter_rate", "cold_load_cap"]
 DEFAULT_TIER = "silver"
 
 
-@dataclass
 class TokenBucket:
-    rate: float
-    """Tokens per second."""
-    capacity: float
-    tokens: float
-    updated: float
+    __slots__ = ("capacity", "rate", "tokens", "updated")
 
-    def _refill(self, now: float) -> None:
+    def __init__(self, rate: float, capacity: float, tokens: float, updated: float) -> None:
+        self.rate = rate
+        """Tokens per second."""
+        self.capacity = capacity
+        self.tokens = tokens
+        self.updated = updated
+
+    def level(self, now: float) -> float:
+        """Tokens there at `now` (refilled up to it); takes nothing."""
         if now > self.updated:
             self.tokens = min(self.capacity, self.tokens + (now - self.updated) * self.rate)
             self.updated = now
+        return self.tokens
 
     def wait(self, now: float, n: float = 1.0) -> float:
         """Seconds until `n` tokens are there (0 = now); takes nothing."""
-        self._refill(now)
-        if self.tokens >= n:
+        tokens = self.level(now)
+        if tokens >= n:
             return 0.0
         if self.rate <= 0 or n > self.capacity:
             return math.inf
-        return (n - self.tokens) / self.rate
+        return (n - tokens) / self.rate
 
     def take(self, now: float, n: float = 1.0) -> None:
-        self._refill(now)
+        self.level(now)
         self.tokens -= n
 
 
@@ -66,6 +70,9 @@ class Rejection:
 
 
 class Limits:
+    """The buckets of every tenant and adapter seen lately. A request's admission is a few
+    dict lookups and one refill per bucket (it runs on every request)."""
+
     def __init__(self, *, tenant_rate: Mapping[str, float], adapter_rate: Mapping[str, float],
                  cold_load_rate: Mapping[str, float], burst_s: float = 2.0,
                  overrides: Mapping[str, float] | None = None, max_buckets: int = 200_000
@@ -77,20 +84,31 @@ class Limits:
         self.overrides = dict(overrides or {})
         self.max_buckets = max_buckets
         self._buckets: dict[tuple[str, str], TokenBucket] = {}
+        """(kind, name) → bucket."""
+        self._rates: dict[tuple[str, str | None], float] = {}
+        """(kind, tier) → rate, as `_rate` answers it (the settings do not change)."""
 
-    def _rate(self, rates: Mapping[str, float], tier: str | None) -> float:
-        return rates.get(tier or DEFAULT_TIER, rates.get(DEFAULT_TIER, 0.0))
+    def _rate(self, kind: str, tier: str | None) -> float:
+        rate = self._rates.get((kind, tier))
+        if rate is None:
+            rates = {"tenant": self.tenant_rate, "adapter": self.adapter_rate,
+                     "cold": self.cold_load_rate}[kind]
+            rate = self._rates[(kind, tier)] = rates.get(tier or DEFAULT_TIER,
+                                                         rates.get(DEFAULT_TIER, 0.0))
+        return rate
 
     def _bucket(self, kind: str, name: str, rate: float, now: float) -> TokenBucket:
         key = (kind, name)
         bucket = self._buckets.get(key)
+        if bucket is not None and bucket.rate == rate:
+            return bucket
         capacity = max(1.0, rate * self.burst_s)
         if bucket is None:
             if len(self._buckets) >= self.max_buckets:
                 self._forget_full(now)
             bucket = self._buckets[key] = TokenBucket(rate, capacity, capacity, now)
-        elif bucket.rate != rate:  # the tier of an adapter changed with a new version
-            bucket._refill(now)
+        else:  # the tier of an adapter changed with a new version
+            bucket.level(now)
             bucket.rate, bucket.capacity = rate, capacity
             bucket.tokens = min(bucket.tokens, capacity)
         return bucket
@@ -98,8 +116,7 @@ class Limits:
     def _forget_full(self, now: float) -> None:
         """A full bucket is the same as no bucket: drop those to bound memory."""
         for key, bucket in list(self._buckets.items()):
-            bucket._refill(now)
-            if bucket.tokens >= bucket.capacity:
+            if bucket.level(now) >= bucket.capacity:
                 del self._buckets[key]
 
     def admit(self, now: float, *, tenant: str, tenant_tier: str | None,
@@ -107,32 +124,41 @@ class Limits:
               cold: bool = False) -> Rejection | None:
         """Take a token from each bucket the request needs (tenant, adapter, and the cold-load
         cap when `cold`), or refuse and take none."""
-        overrides = self.overrides
-        t_rate = self._rate(self.tenant_rate, tenant_tier)
-        a_rate = self._rate(self.adapter_rate, adapter_tier)
-        if overrides:
-            t_rate = overrides.get(f"tenant:{tenant}", t_rate)
-            a_rate = overrides.get(f"adapter:{adapter}", a_rate)
-        t_bucket = self._bucket("tenant", tenant, t_rate, now)
-        if (wait := t_bucket.wait(now)) > 0:
-            return Rejection("tenant_rate", wait, f"tenant {tenant} is over its rate limit "
-                                                  f"of {t_rate:g} requests/s")
+        t_rate = self._rates.get(("tenant", tenant_tier)) or self._rate("tenant", tenant_tier)
+        if self.overrides:
+            t_rate = self.overrides.get(f"tenant:{tenant}", t_rate)
+        t_bucket = self._fresh("tenant", tenant, t_rate, now)
+        if t_bucket.tokens < 1.0:
+            return Rejection("tenant_rate", t_bucket.wait(now),
+                             f"tenant {tenant} is over its rate limit of {t_rate:g} requests/s")
         a_bucket = c_bucket = None
         if adapter is not None:
-            a_bucket = self._bucket("adapter", adapter, a_rate, now)
-            if (wait := a_bucket.wait(now)) > 0:
-                return Rejection("adapter_rate", wait, f"adapter {adapter} is over its rate "
-                                                       f"limit of {a_rate:g} requests/s")
+            a_rate = (self._rates.get(("adapter", adapter_tier))
+                      or self._rate("adapter", adapter_tier))
+            if self.overrides:
+                a_rate = self.overrides.get(f"adapter:{adapter}", a_rate)
+            a_bucket = self._fresh("adapter", adapter, a_rate, now)
+            if a_bucket.tokens < 1.0:
+                return Rejection("adapter_rate", a_bucket.wait(now), f"adapter {adapter} is "
+                                 f"over its rate limit of {a_rate:g} requests/s")
         if cold:
-            c_rate = self._rate(self.cold_load_rate, tenant_tier)
-            c_bucket = self._bucket("cold", tenant, c_rate, now)
-            if (wait := c_bucket.wait(now)) > 0:
-                return Rejection("cold_load_cap", wait, f"tenant {tenant} is over its cap of "
-                                 f"{c_rate:g} cold adapter loads/s; retry, or use an adapter "
-                                 "a worker already holds")
-        t_bucket.take(now)
+            c_rate = self._rates.get(("cold", tenant_tier)) or self._rate("cold", tenant_tier)
+            c_bucket = self._fresh("cold", tenant, c_rate, now)
+            if c_bucket.tokens < 1.0:
+                return Rejection("cold_load_cap", c_bucket.wait(now), f"tenant {tenant} is "
+                                 f"over its cap of {c_rate:g} cold adapter loads/s; retry, or "
+                                 "use an adapter a worker already holds")
+        t_bucket.tokens -= 1.0  # each was refilled to `now` just above
         if a_bucket is not None:
-            a_bucket.take(now)
+            a_bucket.tokens -= 1.0
         if c_bucket is not None:
-            c_bucket.take(now)
+            c_bucket.tokens -= 1.0
         return None
+
+    def _fresh(self, kind: str, name: str, rate: float, now: float) -> TokenBucket:
+        """The bucket, refilled up to `now`."""
+        bucket = self._buckets.get((kind, name))
+        if bucket is None or bucket.rate != rate:
+            bucket = self._bucket(kind, name, rate, now)
+        bucket.level(now)
+        return bucket

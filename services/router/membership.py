@@ -22,7 +22,7 @@ else: it is never in a base model's general pool (`eligible`, `serves_base`), on
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from services.contracts.events import (
@@ -134,15 +134,25 @@ class Membership:
         self._merged = None
 
     def tier(self, worker: str, sha256: str, now: float) -> Tier | None:
-        view = self.workers.get(worker)
-        if view is None:
-            return None
-        tier = view.held.get(sha256)
-        if tier is not None and tier != "disk":
-            return tier
-        sent = view.sent.get(sha256)
-        if sent is not None and now - sent <= self.timeout_s:
-            return "loading"
+        return self.holding(sha256, now)(worker)
+
+    def holding(self, sha256: str, now: float) -> Callable[[str], Tier | None]:
+        """Worker → where it holds this adapter at `now` (`loading`: sent there cold a moment
+        ago); what placement asks of the few workers it looks at, one request at a time."""
+        workers, timeout_s = self.workers, self.timeout_s
+
+        def tier(worker: str) -> Tier | None:
+            view = workers.get(worker)
+            if view is None:
+                return None
+            held = view.held.get(sha256)
+            if held is not None and held != "disk":
+                return held
+            sent = view.sent.get(sha256)
+            if sent is not None and now - sent <= timeout_s:
+                return "loading"
+            return held
+
         return tier
 
     def note_sent(self, worker: str, sha256: str, now: float) -> None:
@@ -170,6 +180,11 @@ class Membership:
                     index.setdefault(mode.adapter_id, []).append(worker)
             self._merged = {a: tuple(ws) for a, ws in index.items()}
         return self._merged.get(adapter_id, ())
+
+    def pool(self, base_digest: str | None) -> tuple[frozenset[str], int]:
+        """`eligible` and `pool_in_flight` in one lookup (the request path wants both)."""
+        workers, total = self._pool(base_digest)
+        return workers, total[0]
 
     def eligible(self, base_digest: str | None) -> frozenset[str]:
         """Live workers on this base model (any base for None); cached until a change."""

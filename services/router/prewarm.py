@@ -12,13 +12,14 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from services.router.ring import Ring
 
 
-@dataclass(frozen=True)
-class RecentAdapter:
+class RecentAdapter(NamedTuple):
+    """Touched on every request: a tuple hashes and compares in C."""
+
     adapter_id: str
     version: int
     sha256: str
@@ -43,8 +44,10 @@ class RecentUse:
                 self._by_key.popitem(last=False)
         else:
             self._by_key.move_to_end(key)
+            if adapter in recent:
+                recent.move_to_end(adapter)
+                return
         recent[adapter] = None
-        recent.move_to_end(adapter)
         if len(recent) > self.per_key:
             recent.popitem(last=False)
 

@@ -31,8 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from uhashring import HashRing
 
@@ -122,8 +121,9 @@ class Ring:
         return next(self.walk(key), None)
 
 
-@dataclass(frozen=True)
-class Placement:
+class Placement(NamedTuple):
+    """One per request: a tuple, the cheapest immutable object Python builds."""
+
     worker: str
     tier: Tier | None
     """Where `worker` holds the adapter; None = not at all (a cold load)."""
@@ -171,12 +171,13 @@ def place(ring: Ring, key: str, *, eligible: Callable[[str], bool],
     under: list[str] = []  # eligible workers under the bound, in ring order
     home_tier: Tier | None = None
     best: tuple[int, str, Tier] | None = None
+    load = loads.get
     for worker in order:
         if not eligible(worker):
             continue
         if first is None:
             first = worker
-        if loads.get(worker, 0) >= bound:
+        if load(worker, 0) >= bound:
             continue
         under.append(worker)
         if len(under) == 1:
@@ -207,10 +208,11 @@ def _fallback(chosen: str, order: tuple[str, ...], eligible: Callable[[str], boo
               loads: Mapping[str, int], bound: int) -> str | None:
     """The first other eligible worker of the walk under the bound, else any other one."""
     spare = None
+    load = loads.get
     for worker in order:
         if worker == chosen or not eligible(worker):
             continue
-        if loads.get(worker, 0) < bound:
+        if load(worker, 0) < bound:
             return worker
         if spare is None:
             spare = worker

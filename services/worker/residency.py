@@ -102,7 +102,8 @@ def version_choice(key: VersionKey, version: AdapterVersion,
                    tenant: TenantRef | None) -> ServingChoice:
     """A version's identity and load facts, whether or not it may be served now."""
     p = version.published
-    return ServingChoice(key[0], key[1], p.sha256, p.config_sha256, p.qos_tier, tenant)
+    return ServingChoice(key[0], key[1], p.sha256, p.config_sha256, p.qos_tier, tenant,
+                         base_model_digest=p.base_model_digest)
 
 
 class Residency:

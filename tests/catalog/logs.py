@@ -60,9 +60,13 @@ PLAN = RolloutPlan(stages=[10, 50, 100], min_stage_s=1, window_s=1, max_error_ra
 
 
 @st.composite
-def catalog_logs(draw: st.DrawFn, max_ops: int = 40) -> dict[tuple[str, int], list[Placed]]:
-    """Partition → its events in log order. Timestamps may repeat (ties must not matter)."""
-    ops = draw(st.lists(st.tuples(st.sampled_from(OPS), st.integers(0, 2), st.integers(1, 3),
+def catalog_logs(draw: st.DrawFn, max_ops: int = 40, kinds: list[str] = OPS, spread: int = 3
+                 ) -> dict[tuple[str, int], list[Placed]]:
+    """Partition → its events in log order. Timestamps may repeat (ties must not matter).
+    `kinds`: the operations drawn from (a list with repeats weighs some more); `spread`:
+    how many adapters, aliases and versions the operations pick among (at most 3)."""
+    ops = draw(st.lists(st.tuples(st.sampled_from(kinds), st.integers(0, spread - 1),
+                                  st.integers(1, spread),
                                   st.booleans(), st.sampled_from([None, "k1", "k2"])),
                         min_size=1, max_size=max_ops))
     clock = datetime(2026, 1, 1, tzinfo=UTC)

@@ -27,6 +27,7 @@ from services.contracts.events import (
     ReleaseOverridden,
     SplitEntry,
     TenantRef,
+    TrafficSplitChanged,
     WorkerHeartbeat,
 )
 from services.registry.domain import set_split, switch_active
@@ -189,7 +190,6 @@ def test_switch_split_and_serving_all_refuse_an_ungated_version() -> None:
     set_split(state, "bot-prod", [split[0].model_copy(update={"weight": 0}),
                                   split[1].model_copy(update={"weight": 100})])
     # a split written before the rule (or by hand into the log) still never serves it
-    from services.contracts.events import TrafficSplitChanged
     state.apply(event(TrafficSplitChanged(alias="bot-prod", split=split), at(20),
                       stream="alias/bot-prod"))
     for user in range(200):
@@ -237,3 +237,24 @@ def test_overdue_gates() -> None:
     assert [o.cause for o in overdue_gates(nobody, at(0))] == ["no_worker"]
     state.apply(event(completed(), at(10)))
     assert overdue_gates(state, at(100)) == []
+
+
+def test_the_resolution_cache_follows_a_gate_from_pending_to_passed_and_overridden() -> None:
+    from services.catalog.serving import ResolutionCache
+
+    state = state_with_gate(event(TrafficSplitChanged(alias="bot-prod", split=[
+        SplitEntry(adapter_id="bot", version=2, weight=100)]), at(5), stream="alias/bot-prod"))
+    cache = ResolutionCache(state)
+    for ask in (lambda: cache.pinned(TENANT, "bot", 2),
+                lambda: cache.reference(TENANT, "bot-prod", "u")):
+        with pytest.raises(Refusal, match="pending"):
+            ask()
+    state.apply(event(completed(), at(10), stream="worker/w1", actor="w1"))
+    assert cache.pinned(TENANT, "bot", 2).version == 2
+    assert cache.reference(TENANT, "bot-prod", "u").version == 2
+    state.apply(event(QualityGateRequested(adapter_id="bot", version=2, gate=request("g2")),
+                      at(20)))
+    with pytest.raises(Refusal, match="g2 is pending"):
+        cache.pinned(TENANT, "bot", 2)
+    state.apply(event(ReleaseOverridden(adapter_id="bot", version=2, reason="ok"), at(30)))
+    assert cache.pinned(TENANT, "bot", 2).version == 2
