@@ -51,27 +51,24 @@ def walked(state: CatalogState, tenant: object, name: str, user: str,
         return ("refused", ("forbidden", f"alias {name!r} belongs to another tenant"))
     ordered = split_order(alias.split)
     start = entry_at(alias.split, user_point(name, tenant, user))  # type: ignore[arg-type]
-    reasons = []
-    for step in range(len(ordered)):
-        entry = ordered[(start + step) % len(ordered)]
-        if entry.weight == 0:
-            continue
-        adapter = state.adapters.get(entry.adapter_id)
-        version = adapter.versions.get(entry.version) if adapter else None
-        if adapter is None or version is None:
-            reasons.append(f"{entry.adapter_id}@{entry.version} does not exist")
-            continue
-        reason = unservable_reason(adapter, entry.version, version)
-        if reason:
-            reasons.append(reason)
-            continue
-        pinned = f"{entry.adapter_id}@{entry.version}"
-        if base is not None and version.published.base_model_digest != base:
-            return ("refused", ("precondition", f"{pinned} was built for base model "
-                                f"{version.published.base_model!r}, not this one"))
-        return ("pinned", (pinned, version.published.sha256))
-    return ("refused", ("precondition",
-                        f"alias {name!r} has no servable version ({'; '.join(reasons)})"))
+    around = [e for e in ordered[start:] + ordered[:start] if e.weight > 0]
+
+    def why_not(adapter_id: str, number: int) -> str | None:
+        adapter = state.adapters.get(adapter_id)
+        if adapter is None or number not in adapter.versions:
+            return f"{adapter_id}@{number} does not exist"
+        return unservable_reason(adapter, number, adapter.versions[number])
+
+    reasons = [why_not(e.adapter_id, e.version) for e in around]
+    if all(reasons):
+        return ("refused", ("precondition", f"alias {name!r} has no servable version "
+                                            f"({'; '.join(reasons)})"))  # type: ignore[arg-type]
+    first = around[reasons.index(None)]
+    published = state.adapters[first.adapter_id].versions[first.version].published
+    if base is not None and published.base_model_digest != base:
+        return ("refused", ("precondition", f"{first.adapter_id}@{first.version} was built "
+                            f"for base model {published.base_model!r}, not this one"))
+    return ("pinned", (f"{first.adapter_id}@{first.version}", published.sha256))
 
 
 @settings(max_examples=100, deadline=None)
