@@ -249,7 +249,7 @@ class Dispatcher:
         """The log is replayed: answer requests from now on. The replayed state is most of the
         heap and lives as long as the process, so it is frozen out of the cyclic garbage
         collector (`router_gc_freeze`): a full collection that walked it stalled every
-        request in flight for ~200 ms with 10,000 tenants (`bench/router.py`)."""
+        request in flight for 120-150 ms with 10,000 tenants (`bench/router.py`)."""
         if self.settings.router_gc_freeze:
             gc.collect()
             gc.freeze()
