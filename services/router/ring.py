@@ -201,6 +201,11 @@ def place(ring: Ring, key: str, *, eligible: Callable[[str], bool],
         worker, tier = home, home_tier
     else:
         worker, tier = best[1], best[2]
+    # `under` is every eligible worker under the bound up to where the walk stopped, in ring
+    # order: the fallback is its first other worker; only short of one is the walk resumed.
+    for other in under:
+        if other != worker:
+            return Placement(worker, tier, home, other)
     return Placement(worker, tier, home, _fallback(worker, order, eligible, loads, bound))
 
 
