@@ -64,7 +64,17 @@ class ServingChoice:
 
 def user_point(scope: str, tenant: TenantRef, user_id: str) -> int:
     """A user's fixed place on the assignment line of `scope` (an alias or adapter id)."""
-    digest = hashlib.sha256(f"{scope}\x1f{tenant.key}\x1f{user_id}".encode()).digest()
+    return _point(line_prefix(scope, tenant), user_id)
+
+
+def line_prefix(scope: str, tenant: TenantRef) -> bytes:
+    """What every user's point on one line is hashed after: the same for all its users, so
+    a `Resolution` keeps it instead of spelling it on every request."""
+    return f"{scope}\x1f{tenant.key}\x1f".encode()
+
+
+def _point(prefix: bytes, user_id: str) -> int:
+    digest = hashlib.sha256(prefix + user_id.encode()).digest()
     return int.from_bytes(digest[:8], "big") % POINTS
 
 
@@ -163,12 +173,16 @@ class Resolution:
     tenant: TenantRef
     edges: tuple[int, ...]
     outcomes: tuple[ServingChoice | Refusal, ...]
+    prefix: bytes = field(init=False, repr=False, compare=False)
+    """`line_prefix(scope, tenant)`, spelled once."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prefix", line_prefix(self.scope, self.tenant))
 
     def pick(self, user_id: str) -> ServingChoice:
         outcome = self.outcomes[0]
         if self.edges:
-            outcome = self.outcomes[_entry_index(
-                self.edges, user_point(self.scope, self.tenant, user_id))]
+            outcome = self.outcomes[_entry_index(self.edges, _point(self.prefix, user_id))]
         if isinstance(outcome, Refusal):  # a new exception each time: no traceback grows
             raise Refusal(outcome.kind, outcome.message)
         return outcome
@@ -260,7 +274,8 @@ class ResolutionCache:
     def reference(self, tenant: TenantRef, name: str, user_id: str, *,
                   base_digest: str | None = None) -> ServingChoice:
         """`resolve_reference(state, tenant, name, user_id, base_digest=...)`."""
-        self._current()
+        if self.state.serving_generation != self._generation:  # every request: no frame
+            self._current()
         key = (tenant.org, tenant.team, tenant.project, name, base_digest)
         found = self._references.get(key)
         if found is None:
@@ -273,7 +288,8 @@ class ResolutionCache:
     def pinned(self, tenant: TenantRef, adapter_id: str, number: int, *,
                base_digest: str | None = None) -> ServingChoice:
         """`resolve_pinned(state, tenant, adapter_id, number, base_digest=...)`."""
-        self._current()
+        if self.state.serving_generation != self._generation:
+            self._current()
         key = (tenant.org, tenant.team, tenant.project, adapter_id, number, base_digest)
         found = self._pins.get(key)
         if found is None:
