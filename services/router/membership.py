@@ -219,8 +219,8 @@ class Membership:
 
     def pool(self, base_digest: str | None) -> tuple[frozenset[str], int]:
         """`eligible` and `pool_in_flight` in one lookup (the request path wants both)."""
-        workers, total = self._pool(base_digest)
-        return workers, total[0]
+        found = self._eligible.get(base_digest) or self._pool(base_digest)
+        return found[0], found[1][0]
 
     def eligible(self, base_digest: str | None) -> frozenset[str]:
         """Live workers on this base model (any base for None); cached until a change."""

@@ -29,6 +29,7 @@ that failed before its first token is retried.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Literal, NamedTuple
@@ -142,8 +143,10 @@ class Placement(NamedTuple):
         return self.worker != self.home
 
 
+@functools.lru_cache(maxsize=4096)
 def load_bound(total_in_flight: int, workers: int, epsilon: float) -> int:
-    """A worker may take the next request only while its in-flight count is below this."""
+    """A worker may take the next request only while its in-flight count is below this.
+    Remembered: every placement asks, and the answer moves only with the in-flight total."""
     return math.ceil((1.0 + epsilon) * (total_in_flight + 1) / workers)
 
 
