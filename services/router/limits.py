@@ -123,35 +123,28 @@ class Limits:
               adapter: str | None = None, adapter_tier: str | None = None,
               cold: bool = False) -> Rejection | None:
         """Take a token from each bucket the request needs (tenant, adapter, and the cold-load
-        cap when `cold`), or refuse and take none. Runs on every request: one dict lookup per
-        rate and per bucket, one refill per bucket, no other Python frame on the usual path."""
-        rates, buckets, overrides = self._rates, self._buckets, self.overrides
-        t_rate = rates.get(("tenant", tenant_tier)) or self._rate("tenant", tenant_tier)
-        if overrides:
-            t_rate = overrides.get(f"tenant:{tenant}", t_rate)
-        t_bucket = buckets.get(("tenant", tenant))
-        if t_bucket is None or t_bucket.rate != t_rate:
-            t_bucket = self._bucket("tenant", tenant, t_rate, now)
-        if t_bucket.level(now) < 1.0:
+        cap when `cold`), or refuse and take none."""
+        t_rate = self._rates.get(("tenant", tenant_tier)) or self._rate("tenant", tenant_tier)
+        if self.overrides:
+            t_rate = self.overrides.get(f"tenant:{tenant}", t_rate)
+        t_bucket = self._fresh("tenant", tenant, t_rate, now)
+        if t_bucket.tokens < 1.0:
             return Rejection("tenant_rate", t_bucket.wait(now),
                              f"tenant {tenant} is over its rate limit of {t_rate:g} requests/s")
         a_bucket = c_bucket = None
         if adapter is not None:
-            a_rate = rates.get(("adapter", adapter_tier)) or self._rate("adapter", adapter_tier)
-            if overrides:
-                a_rate = overrides.get(f"adapter:{adapter}", a_rate)
-            a_bucket = buckets.get(("adapter", adapter))
-            if a_bucket is None or a_bucket.rate != a_rate:
-                a_bucket = self._bucket("adapter", adapter, a_rate, now)
-            if a_bucket.level(now) < 1.0:
+            a_rate = (self._rates.get(("adapter", adapter_tier))
+                      or self._rate("adapter", adapter_tier))
+            if self.overrides:
+                a_rate = self.overrides.get(f"adapter:{adapter}", a_rate)
+            a_bucket = self._fresh("adapter", adapter, a_rate, now)
+            if a_bucket.tokens < 1.0:
                 return Rejection("adapter_rate", a_bucket.wait(now), f"adapter {adapter} is "
                                  f"over its rate limit of {a_rate:g} requests/s")
         if cold:
-            c_rate = rates.get(("cold", tenant_tier)) or self._rate("cold", tenant_tier)
-            c_bucket = buckets.get(("cold", tenant))
-            if c_bucket is None or c_bucket.rate != c_rate:
-                c_bucket = self._bucket("cold", tenant, c_rate, now)
-            if c_bucket.level(now) < 1.0:
+            c_rate = self._rates.get(("cold", tenant_tier)) or self._rate("cold", tenant_tier)
+            c_bucket = self._fresh("cold", tenant, c_rate, now)
+            if c_bucket.tokens < 1.0:
                 return Rejection("cold_load_cap", c_bucket.wait(now), f"tenant {tenant} is "
                                  f"over its cap of {c_rate:g} cold adapter loads/s; retry, or "
                                  "use an adapter a worker already holds")
@@ -161,3 +154,11 @@ class Limits:
         if c_bucket is not None:
             c_bucket.tokens -= 1.0
         return None
+
+    def _fresh(self, kind: str, name: str, rate: float, now: float) -> TokenBucket:
+        """The bucket, refilled up to `now`."""
+        bucket = self._buckets.get((kind, name))
+        if bucket is None or bucket.rate != rate:
+            bucket = self._bucket(kind, name, rate, now)
+        bucket.level(now)
+        return bucket
