@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 from services.contracts.events import (
     AdapterLoaded,
     AdapterUnloaded,
@@ -109,3 +111,45 @@ def test_in_flight_counts() -> None:
     m.release("w1")
     m.release("w1")
     assert m.in_flight["w1"] == 0
+
+
+def test_the_holder_index_agrees_with_every_worker_view_under_any_sequence() -> None:
+    """Placement reads holdings from an index by adapter sha; it must answer what the
+    workers' own views say after any mix of heartbeats, loads, unloads, sends and expiries."""
+    rnd = random.Random(5)
+    shas = [c * 64 for c in "abcdef"]
+    workers = ["w1", "w2", "w3"]
+    tiers = ["device", "host", "disk"]
+    m = Membership(interval_s=1.0, misses=2)
+    now = 0.0
+
+    def reference(worker: str, sha: str) -> str | None:
+        view = m.workers.get(worker)
+        if view is None:
+            return None
+        held = view.held.get(sha)
+        if held is not None and held != "disk":
+            return held
+        sent = view.sent.get(sha)
+        return "loading" if sent is not None and now - sent <= m.timeout_s else held
+
+    for _ in range(3000):
+        now += rnd.random() * 0.3
+        worker, sha, move = rnd.choice(workers), rnd.choice(shas), rnd.randrange(5)
+        if move == 0:
+            m.observe(beat(worker, loaded={s: rnd.choice(tiers) for s in
+                                           rnd.sample(shas, rnd.randrange(4))}), now)
+        elif move == 1:
+            m.observe(ev(AdapterLoaded(worker_id=worker, adapter_id="x", version=1,
+                                       sha256=sha, load_ms=1, tier=rnd.choice(tiers))), now)
+        elif move == 2:
+            m.observe(ev(AdapterUnloaded(worker_id=worker, adapter_id="x", version=1,
+                                         sha256=sha, reason="evicted")), now)
+        elif move == 3:
+            m.note_sent(worker, sha, now)
+        else:
+            m.expire(now)
+        for s in shas:
+            for w in workers:
+                assert m.tier(w, s, now) == reference(w, s), (w, s)
+            assert sorted(m.holders(s)) == sorted(w for w in m.live if s in m.workers[w].held)
