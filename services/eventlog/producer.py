@@ -26,7 +26,6 @@ lease in the log and turns read-only too, so the log never has two writers.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -203,9 +202,8 @@ class EventProducer:
     def _replace(self, left: Callable[[], float]) -> None:
         """A new client under the same id. Initialising it also settles, on the broker, the
         transaction the lost one left (an open one is aborted, a prepared commit completes),
-        so nothing stays unsettled here."""
-        with contextlib.suppress(KafkaException):  # a fatal client may refuse even this
-            self._producer.purge()
+        so nothing stays unsettled here. The lost client is only dropped: purging in-flight
+        messages of an idempotent client is what librdkafka warns against."""
         self._producer = Producer(self._config)
         self._init_transactions(left())
         self._lost = False

@@ -177,7 +177,9 @@ def mutations(document: Json, schema: dict[str, Any], root: dict[str, Any],
             out.append(("at exclusive minimum", path, name, schema["exclusiveMinimum"]))
         if "maximum" in schema:
             out.append(("above maximum", path, name, schema["maximum"] + 1))
-        out.append(("a float for an integer", path, name, float(document) + 0.5))
+        # a float that is not integral (past 2**52 adding 0.5 rounds back to a whole number)
+        fraction = float(document) + 0.5 if abs(document) < 2**52 else 0.5
+        out.append(("a float for an integer", path, name, fraction))
         out.append(("a boolean for an integer", path, name, True))
     if kind == "number" and "maximum" in schema:
         out.append(("above maximum", path, name, schema["maximum"] * 2 + 1))

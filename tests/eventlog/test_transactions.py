@@ -130,6 +130,7 @@ class RefusedAbort:
                                         txn_requires_abort=True))
 
     def abort_transaction(self, *args: Any) -> None:
+        self._inner.abort_transaction(*args)  # the client dropped afterwards holds nothing open
         raise KafkaException(KafkaError(
             KafkaError.INVALID_TXN_STATE,
             "injected: Producer attempted a transactional operation in an invalid state",
