@@ -218,17 +218,14 @@ class Membership:
         return self._merged.get(adapter_id, ())
 
     def pool(self, base_digest: str | None) -> tuple[frozenset[str], int]:
-        """`eligible` and `pool_in_flight` in one lookup (the request path wants both)."""
+        """`eligible` and the requests in flight over those workers (kept as requests come
+        and go), in one lookup: the request path wants both."""
         found = self._eligible.get(base_digest) or self._pool(base_digest)
         return found[0], found[1][0]
 
     def eligible(self, base_digest: str | None) -> frozenset[str]:
         """Live workers on this base model (any base for None); cached until a change."""
         return self._pool(base_digest)[0]
-
-    def pool_in_flight(self, base_digest: str | None) -> int:
-        """Requests in flight over `eligible(base_digest)`, kept as requests come and go."""
-        return self._pool(base_digest)[1][0]
 
     def _pool(self, base_digest: str | None) -> tuple[frozenset[str], list[int]]:
         found = self._eligible.get(base_digest)
