@@ -179,10 +179,14 @@ class Resolution:
     def __post_init__(self) -> None:
         object.__setattr__(self, "prefix", line_prefix(self.scope, self.tenant))
 
+    def entry(self, user_id: str) -> int:
+        """Index in `outcomes` of the user's outcome (0 where there is no line)."""
+        if not self.edges:
+            return 0
+        return _entry_index(self.edges, _point(self.prefix, user_id))
+
     def pick(self, user_id: str) -> ServingChoice:
-        outcome = self.outcomes[0]
-        if self.edges:
-            outcome = self.outcomes[_entry_index(self.edges, _point(self.prefix, user_id))]
+        outcome = self.outcomes[self.entry(user_id)]
         if isinstance(outcome, Refusal):  # a new exception each time: no traceback grows
             raise Refusal(outcome.kind, outcome.message)
         return outcome
@@ -274,7 +278,13 @@ class ResolutionCache:
     def reference(self, tenant: TenantRef, name: str, user_id: str, *,
                   base_digest: str | None = None) -> ServingChoice:
         """`resolve_reference(state, tenant, name, user_id, base_digest=...)`."""
-        if self.state.serving_generation != self._generation:  # every request: no frame
+        return self.resolution(tenant, name, base_digest=base_digest).pick(user_id)
+
+    def resolution(self, tenant: TenantRef, name: str, *,
+                   base_digest: str | None = None) -> Resolution:
+        """`resolution(state, tenant, name, base_digest=...)`: every user's answer at once,
+        valid while the fold's `serving_generation` stays where it is."""
+        if self.state.serving_generation != self._generation:
             self._current()
         key = (tenant.org, tenant.team, tenant.project, name, base_digest)
         found = self._references.get(key)
@@ -283,7 +293,7 @@ class ResolutionCache:
                 self._references.clear()
             found = self._references[key] = resolution(self.state, tenant, name,
                                                        base_digest=base_digest)
-        return found.pick(user_id)
+        return found
 
     def pinned(self, tenant: TenantRef, adapter_id: str, number: int, *,
                base_digest: str | None = None) -> ServingChoice:

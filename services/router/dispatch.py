@@ -40,7 +40,13 @@ from typing import NamedTuple
 
 import grpc
 
-from services.catalog.serving import MergeSpec, ResolutionCache, ServingChoice, merge_target
+from services.catalog.serving import (
+    MergeSpec,
+    Resolution,
+    ResolutionCache,
+    ServingChoice,
+    merge_target,
+)
 from services.catalog.state import CatalogState, Refusal
 from services.config import Settings
 from services.contracts.events import SLUG_PATTERN, Envelope, TenantRef
@@ -48,11 +54,11 @@ from services.contracts.grpc import inference_pb2 as pb
 from services.contracts.grpc import inference_pb2_grpc as pb_grpc
 from services.contracts.qos import TIER_TO_PROTO, lower_tier, tier_of
 from services.registry.auth import TENANT_SCOPED, Principal
-from services.router.limits import DEFAULT_TIER, Limits
+from services.router.limits import DEFAULT_TIER, Admission, Limits
 from services.router.membership import Membership
 from services.router.metrics import RouterMetrics
 from services.router.prewarm import RecentAdapter, RecentUse, plan
-from services.router.ring import Placement, Ring, Tier, place, ring_key
+from services.router.ring import Placement, Ring, Tier, place_on, ring_key
 
 log = logging.getLogger("loraplane.router")
 trace_log = logging.getLogger("loraplane.router.trace")
@@ -218,6 +224,65 @@ def _tenant(org: str, team: str, project: str) -> TenantRef:
     return TenantRef(org=org, team=team, project=project)
 
 
+MAX_ROUTES = 65_536
+"""Callers' routes kept at most (then all are dropped and rebuilt as callers come back)."""
+
+
+class Target(NamedTuple):
+    """What one caller's requests that resolve to the same outcome share."""
+
+    choice: ServingChoice | None
+    base_digest: str | None
+    pool: tuple[frozenset[str], list[int]]
+    """`Membership.pool_entry` of the base model: eligible workers, [their in-flight sum]."""
+    merged: bool
+    """Workers in merged mode serve this adapter: placement takes the long way."""
+    admission: Admission
+    recent: RecentAdapter | None
+
+
+class CallerRoute:
+    """Everything a request's decision reuses from the previous request of the same caller
+    (token, tenant signature less the user, adapter reference, base model): valid while the
+    fold's serving generation, the ring and the worker pools stay as they were; `Limits`
+    re-binds its buckets itself. `targets` follow the resolution's `outcomes` (built on
+    first use)."""
+
+    __slots__ = ("base_digest", "key", "order", "outcomes", "pools", "principal",
+                 "resolution", "ring", "serving", "targets", "tenant", "tenant_key", "tier")
+
+    def __init__(self, principal: Principal, serving: int, ring: int, pools: int,
+                 tenant: TenantRef, tenant_key: str, tier: str, key: str,
+                 order: tuple[str, ...], base_digest: str | None,
+                 resolution: Resolution | None,
+                 outcomes: tuple[ServingChoice | Refusal | None, ...]) -> None:
+        self.principal = principal
+        self.serving, self.ring, self.pools = serving, ring, pools
+        self.tenant, self.tenant_key, self.tier, self.key = tenant, tenant_key, tier, key
+        self.order = order
+        """The ring's walk from `key`."""
+        self.base_digest = base_digest
+        """The base model the request named (None = any)."""
+        self.resolution = resolution
+        """The canary line users are placed on; None where every user gets `outcomes[0]`."""
+        self.outcomes = outcomes
+        self.targets: list[Target | None] = [None] * len(outcomes)
+
+
+def _refused(refusal: Refusal) -> RouteError:
+    return RouteError(_REFUSAL_CODES[refusal.kind], refusal.message, refusal.kind)
+
+
+def _no_worker(pooled: bool, interval_s: float) -> RouteError:
+    """No worker for the request: none live on its base model, or (`pooled`) live ones
+    the ring does not have yet."""
+    if not pooled:
+        return RouteError(grpc.StatusCode.UNAVAILABLE, "no live worker serves this base "
+                          "model", "no_worker", retry_after_s=interval_s, retry_after="1")
+    return RouteError(grpc.StatusCode.UNAVAILABLE, "no worker in the ring serves this base "
+                      "model yet", "no_worker", retry_after_s=1.0, retry_after="1")
+
+
 class Dispatcher:
     """The router's state (catalog, membership, ring) and its request path."""
 
@@ -244,6 +309,7 @@ class Dispatcher:
         self._channels: dict[str, tuple[str, grpc.aio.Channel]] = {}
         self._hinted: dict[tuple[str, str, int], float] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._routes: dict[tuple[object, ...], CallerRoute] = {}
 
     def start_serving(self) -> None:
         """The log is replayed: answer requests from now on. The replayed state is most of the
@@ -296,58 +362,143 @@ class Dispatcher:
 
     def decide(self, principal: Principal, asked: Asked, now: float) -> Decision:
         """Steps 1-4 of the module doc: no I/O; raises `RouteError`. Every request of both
-        fronts pays for this, so it keeps to cached lookups (authorisation per token and
-        tenant, resolution per tenant and name, the ring's walk per key) and builds tuples."""
+        fronts pays for this, so a caller that asked before (same token, signature, adapter
+        reference and base model) costs one lookup of its `CallerRoute`, then straight-line
+        code: the user's pick on a canary line, the walk, one admission, tuples."""
         if not self.ready:
             raise RouteError(grpc.StatusCode.UNAVAILABLE, "router is replaying the log",
                              "not_ready", retry_after_s=1.0, retry_after="1")
         sig = asked.signature
-        tenant, tenant_key, tier, key = _caller(
-            principal, sig.org_id, sig.team_id, sig.project_id, sig.qos_tier,
-            sig.compliance_scope, sig.region_hint)
-        choice, base_digest = self._resolve(tenant, sig.user_id, asked)
+        ref = asked.adapter
+        which = ref.WhichOneof("ref")
+        named: str | tuple[str, int] | None = None
+        if which == "alias":
+            named = ref.alias
+        elif which is not None:
+            pinned = ref.pinned
+            named = (pinned.adapter_id, pinned.version)
+        key = (principal.token_id, sig.org_id, sig.team_id, sig.project_id, sig.qos_tier,
+               sig.compliance_scope, sig.region_hint, named, asked.base_model)
+        route = self._routes.get(key)
         membership = self.membership
-        eligible, pool_in_flight = membership.pool(base_digest)
-        merged = (self._merged_workers(choice)
-                  if choice is not None and membership.merged_for(choice.adapter_id) else ())
-        if not eligible and not merged:
-            raise RouteError(grpc.StatusCode.UNAVAILABLE,
-                             "no live worker serves this base model", "no_worker",
-                             retry_after_s=membership.interval_s, retry_after="1")
-        in_flight = membership.in_flight
-        holding = _on_device if choice is None else membership.holding(choice.sha256, now)
-        general = None
+        if (route is None or route.principal is not principal
+                or route.serving != self.catalog.serving_generation
+                or route.ring != self.ring.version or route.pools != membership.generation):
+            route = self._route(principal, asked, key, now)
+        resolution = route.resolution
+        index = 0 if resolution is None else resolution.entry(sig.user_id)
+        target = route.targets[index]
+        if target.__class__ is not Target:
+            target = self._target(route, index, now)
+        choice, base_digest, (eligible, in_pool), merged, admission, recent = target
+        placement = None
         if eligible:
-            general = place(self.ring, key, eligible=eligible.__contains__, loads=in_flight,
-                            holding=holding, epsilon=self._epsilon, window=self._window,
-                            eligible_count=len(eligible), total_in_flight=pool_in_flight)
-        placement = general
+            placement = place_on(route.order, eligible=eligible.__contains__,
+                                 loads=membership.in_flight,
+                                 holding=_on_device if choice is None else
+                                 membership.holding(choice.sha256, now),
+                                 epsilon=self._epsilon, window=self._window,
+                                 eligible_count=len(eligible), total_in_flight=in_pool[0])
         if merged:
-            placement = place(self.ring, key, eligible=frozenset(merged).__contains__,
-                              loads=in_flight, holding=_on_device, epsilon=self._epsilon,
-                              window=1, eligible_count=len(merged),
-                              total_in_flight=sum(in_flight.get(w, 0) for w in merged))
-            if placement is not None and placement.fallback is None and general is not None:
-                placement = placement._replace(fallback=general.worker)
-            placement = placement or general
-        if placement is None:  # a worker seen alive but not yet in the ring
-            raise RouteError(grpc.StatusCode.UNAVAILABLE, "no worker in the ring serves this "
-                             "base model yet", "no_worker", retry_after_s=1.0, retry_after="1")
-        if choice is None:
-            refusal = self.limits.admit(now, tenant=tenant_key, tenant_tier=tier)
-        else:
-            refusal = self.limits.admit(now, tenant=tenant_key, tenant_tier=tier,
-                                        adapter=choice.adapter_id,
-                                        adapter_tier=choice.qos_tier,
-                                        cold=placement.cold)
+            placement = self._merged_placement(route, choice, placement, bool(eligible))
+        elif placement is None:
+            raise _no_worker(bool(eligible), membership.interval_s)
+        refusal = self.limits.admit_with(now, admission, placement.cold)
         if refusal is not None:
             raise RouteError(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal.message,
                              refusal.reason, retry_after_s=refusal.retry_after_s,
                              retry_after=refusal.retry_after_header)
-        if choice is not None:
-            self.recent.touch(key, RecentAdapter(choice.adapter_id, choice.version,
-                                                 choice.sha256, base_digest or ""))
-        return Decision(tenant, tier, key, choice, base_digest, placement)
+        if recent is not None:
+            self.recent.touch(route.key, recent)
+        return Decision(route.tenant, route.tier, route.key, choice, base_digest, placement)
+
+    def _route(self, principal: Principal, asked: Asked,
+               key: tuple[object, ...], now: float) -> CallerRoute:
+        """Build (and keep) a caller's route: tenant from the token, the version by
+        `services.catalog.serving`'s rule for every user at once, the ring's walk. A
+        refusal raises here and is not kept."""
+        sig = asked.signature
+        tenant, tenant_key, tier, ring_key_ = _caller(
+            principal, sig.org_id, sig.team_id, sig.project_id, sig.qos_tier,
+            sig.compliance_scope, sig.region_hint)
+        base_digest = None
+        if asked.base_model is not None:
+            base = self.catalog.base_models.get(asked.base_model)
+            if base is None:
+                raise RouteError(grpc.StatusCode.NOT_FOUND,
+                                 f"base model {asked.base_model!r} does not exist", "not_found")
+            base_digest = base.digest
+        ref = asked.adapter
+        which = ref.WhichOneof("ref")
+        resolution = None
+        outcomes: tuple[ServingChoice | Refusal | None, ...] = (None,)
+        try:
+            if which == "alias":
+                found = self.resolutions.resolution(tenant, ref.alias, base_digest=base_digest)
+                outcomes = found.outcomes
+                resolution = found if found.edges else None
+            elif which is not None:
+                pinned = ref.pinned
+                if pinned.version == 0:
+                    raise Refusal("invalid", "a pinned version starts at 1")
+                outcomes = (self.resolutions.pinned(tenant, pinned.adapter_id, pinned.version,
+                                                    base_digest=base_digest),)
+        except Refusal as refusal:
+            raise _refused(refusal) from None
+        ring = self.ring
+        route = CallerRoute(principal, self.catalog.serving_generation, ring.version,
+                            self.membership.generation, tenant, tenant_key, tier, ring_key_,
+                            ring.order(ring_key_) if ring.members else (), base_digest,
+                            resolution, outcomes)
+        if len(self._routes) >= MAX_ROUTES:
+            self._routes.clear()
+        self._routes[key] = route
+        return route
+
+    def _target(self, route: CallerRoute, index: int, now: float) -> Target:
+        """What the route's requests with outcome `index` share (built on the first)."""
+        outcome = route.outcomes[index]
+        if isinstance(outcome, Refusal):
+            raise _refused(outcome)
+        membership = self.membership
+        if outcome is None:
+            target = Target(None, route.base_digest, membership.pool_entry(route.base_digest),
+                            False, self.limits.admission(now, tenant=route.tenant_key,
+                                                         tenant_tier=route.tier), None)
+        else:
+            digest = outcome.base_model_digest
+            target = Target(outcome, digest, membership.pool_entry(digest),
+                            bool(membership.merged_for(outcome.adapter_id)),
+                            self.limits.admission(now, tenant=route.tenant_key,
+                                                  tenant_tier=route.tier,
+                                                  adapter=outcome.adapter_id,
+                                                  adapter_tier=outcome.qos_tier),
+                            RecentAdapter(outcome.adapter_id, outcome.version, outcome.sha256,
+                                          digest or ""))
+        route.targets[index] = target
+        return target
+
+    def _merged_placement(self, route: CallerRoute, choice: ServingChoice | None,
+                          general: Placement | None, pooled: bool) -> Placement:
+        """Placement when workers in merged mode serve the adapter: those of them that serve
+        this version now take it, the general placement is their fallback."""
+        assert choice is not None
+        merged = self._merged_workers(choice)
+        if not merged:
+            if general is None:
+                raise _no_worker(pooled, self.membership.interval_s)
+            return general
+        in_flight = self.membership.in_flight
+        placement = place_on(route.order, eligible=frozenset(merged).__contains__,
+                             loads=in_flight, holding=_on_device, epsilon=self._epsilon,
+                             window=1, eligible_count=len(merged),
+                             total_in_flight=sum(in_flight.get(w, 0) for w in merged))
+        if placement is not None and placement.fallback is None and general is not None:
+            placement = placement._replace(fallback=general.worker)
+        placement = placement or general
+        if placement is None:
+            raise _no_worker(True, self.membership.interval_s)
+        return placement
 
     def _merged_workers(self, choice: ServingChoice) -> tuple[str, ...]:
         """Live workers in merged mode that serve this version now, by the merge rule on
@@ -365,35 +516,6 @@ class Dispatcher:
             if target.version == choice.version:
                 found.append(worker)
         return tuple(found)
-
-    def _resolve(self, tenant: TenantRef, user_id: str, asked: Asked
-                 ) -> tuple[ServingChoice | None, str | None]:
-        """The version (by `services.catalog.serving`'s rule, memoised) and its base model."""
-        base_digest = None
-        if asked.base_model is not None:
-            base = self.catalog.base_models.get(asked.base_model)
-            if base is None:
-                raise RouteError(grpc.StatusCode.NOT_FOUND,
-                                 f"base model {asked.base_model!r} does not exist", "not_found")
-            base_digest = base.digest
-        ref = asked.adapter
-        which = ref.WhichOneof("ref")
-        if which is None:
-            return None, base_digest
-        try:
-            if which == "alias":
-                choice = self.resolutions.reference(tenant, ref.alias, user_id,
-                                                    base_digest=base_digest)
-            else:
-                pinned = ref.pinned
-                if pinned.version == 0:
-                    raise Refusal("invalid", "a pinned version starts at 1")
-                choice = self.resolutions.pinned(tenant, pinned.adapter_id, pinned.version,
-                                                 base_digest=base_digest)
-        except Refusal as refusal:
-            raise RouteError(_REFUSAL_CODES[refusal.kind], refusal.message,
-                             refusal.kind) from None
-        return choice, choice.base_model_digest
 
     async def generate(self, principal: Principal, request: pb.GenerateRequest, *,
                        timeout_s: float | None, front: str, base_model: str | None = None

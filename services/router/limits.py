@@ -56,6 +56,24 @@ class TokenBucket:
         self.tokens -= n
 
 
+class Admission:
+    """Direct references to the buckets one caller's requests take from (tenant, adapter,
+    cold-load cap) and their rates, kept by the request path per caller and adapter."""
+
+    __slots__ = ("a_bucket", "a_rate", "adapter", "adapter_tier", "c_bucket", "c_rate",
+                 "generation", "t_bucket", "t_rate", "tenant", "tenant_tier")
+
+    def __init__(self, tenant: str, tenant_tier: str | None, adapter: str | None,
+                 adapter_tier: str | None) -> None:
+        self.tenant, self.tenant_tier = tenant, tenant_tier
+        self.adapter, self.adapter_tier = adapter, adapter_tier
+        self.t_bucket: TokenBucket
+        self.t_rate = self.a_rate = self.c_rate = 0.0
+        self.a_bucket: TokenBucket | None = None
+        self.c_bucket: TokenBucket | None = None
+        self.generation = -1
+
+
 @dataclass(frozen=True)
 class Rejection:
     reason: RejectReason
@@ -87,6 +105,8 @@ class Limits:
         """(kind, name) → bucket."""
         self._rates: dict[tuple[str, str | None], float] = {}
         """(kind, tier) → rate, as `_rate` answers it (the settings do not change)."""
+        self.generation = 0
+        """Moves when buckets are forgotten: an `Admission` bound before is bound again."""
 
     def _rate(self, kind: str, tier: str | None) -> float:
         rate = self._rates.get((kind, tier))
@@ -118,47 +138,89 @@ class Limits:
         for key, bucket in list(self._buckets.items()):
             if bucket.level(now) >= bucket.capacity:
                 del self._buckets[key]
+                self.generation += 1
+
+    def admission(self, now: float, *, tenant: str, tenant_tier: str | None,
+                  adapter: str | None = None, adapter_tier: str | None = None) -> Admission:
+        """One caller's buckets and rates, for `admit_with` on each of its requests: built
+        once per caller and adapter (the request path keeps it), so a warm admission looks
+        nothing up."""
+        entry = Admission(tenant, tenant_tier, adapter, adapter_tier)
+        self._bind(entry, now)
+        return entry
+
+    def _bind(self, entry: Admission, now: float) -> None:
+        """Point `entry` at the buckets as they are now (again after `_forget_full`, which
+        making a bucket here may itself run: then once more)."""
+        generation = -1
+        while generation != self.generation:
+            generation = self.generation
+            entry.t_rate = self._rate("tenant", entry.tenant_tier)
+            if self.overrides:
+                entry.t_rate = self.overrides.get(f"tenant:{entry.tenant}", entry.t_rate)
+            entry.t_bucket = self._bucket("tenant", entry.tenant, entry.t_rate, now)
+            if entry.adapter is not None:
+                entry.a_rate = self._rate("adapter", entry.adapter_tier)
+                if self.overrides:
+                    entry.a_rate = self.overrides.get(f"adapter:{entry.adapter}",
+                                                      entry.a_rate)
+                entry.a_bucket = self._bucket("adapter", entry.adapter, entry.a_rate, now)
+            entry.c_rate = self._rate("cold", entry.tenant_tier)
+            entry.c_bucket = None  # taken only by cold placements: looked up on the first
+        entry.generation = generation
 
     def admit(self, now: float, *, tenant: str, tenant_tier: str | None,
               adapter: str | None = None, adapter_tier: str | None = None,
               cold: bool = False) -> Rejection | None:
         """Take a token from each bucket the request needs (tenant, adapter, and the cold-load
         cap when `cold`), or refuse and take none."""
-        t_rate = self._rates.get(("tenant", tenant_tier)) or self._rate("tenant", tenant_tier)
-        if self.overrides:
-            t_rate = self.overrides.get(f"tenant:{tenant}", t_rate)
-        t_bucket = self._fresh("tenant", tenant, t_rate, now)
+        return self.admit_with(now, self.admission(now, tenant=tenant, tenant_tier=tenant_tier,
+                                                   adapter=adapter, adapter_tier=adapter_tier),
+                               cold)
+
+    def admit_with(self, now: float, entry: Admission, cold: bool) -> Rejection | None:
+        """`admit` for a kept `Admission`. Runs on every request: each bucket's refill
+        (`TokenBucket.level`) is written out here rather than called."""
+        if entry.generation != self.generation:  # buckets were forgotten since it was bound
+            self._bind(entry, now)
+        t_bucket = entry.t_bucket
+        if t_bucket.rate != entry.t_rate:  # another caller of the tenant, at another tier
+            self._bucket("tenant", entry.tenant, entry.t_rate, now)
+        if now > t_bucket.updated:
+            tokens = t_bucket.tokens + (now - t_bucket.updated) * t_bucket.rate
+            t_bucket.tokens = tokens if tokens < t_bucket.capacity else t_bucket.capacity
+            t_bucket.updated = now
         if t_bucket.tokens < 1.0:
-            return Rejection("tenant_rate", t_bucket.wait(now),
-                             f"tenant {tenant} is over its rate limit of {t_rate:g} requests/s")
-        a_bucket = c_bucket = None
-        if adapter is not None:
-            a_rate = (self._rates.get(("adapter", adapter_tier))
-                      or self._rate("adapter", adapter_tier))
-            if self.overrides:
-                a_rate = self.overrides.get(f"adapter:{adapter}", a_rate)
-            a_bucket = self._fresh("adapter", adapter, a_rate, now)
+            return Rejection("tenant_rate", t_bucket.wait(now), f"tenant {entry.tenant} is "
+                             f"over its rate limit of {entry.t_rate:g} requests/s")
+        a_bucket = entry.a_bucket
+        if a_bucket is not None:
+            if a_bucket.rate != entry.a_rate:  # the adapter's tier changed with a version
+                self._bucket("adapter", entry.adapter or "", entry.a_rate, now)
+            if now > a_bucket.updated:
+                tokens = a_bucket.tokens + (now - a_bucket.updated) * a_bucket.rate
+                a_bucket.tokens = tokens if tokens < a_bucket.capacity else a_bucket.capacity
+                a_bucket.updated = now
             if a_bucket.tokens < 1.0:
-                return Rejection("adapter_rate", a_bucket.wait(now), f"adapter {adapter} is "
-                                 f"over its rate limit of {a_rate:g} requests/s")
+                return Rejection("adapter_rate", a_bucket.wait(now), f"adapter "
+                                 f"{entry.adapter} is over its rate limit of "
+                                 f"{entry.a_rate:g} requests/s")
+        c_bucket = None
         if cold:
-            c_rate = self._rates.get(("cold", tenant_tier)) or self._rate("cold", tenant_tier)
-            c_bucket = self._fresh("cold", tenant, c_rate, now)
-            if c_bucket.tokens < 1.0:
-                return Rejection("cold_load_cap", c_bucket.wait(now), f"tenant {tenant} is "
-                                 f"over its cap of {c_rate:g} cold adapter loads/s; retry, or "
-                                 "use an adapter a worker already holds")
+            c_bucket = entry.c_bucket
+            if c_bucket is None or c_bucket.rate != entry.c_rate:
+                c_bucket = self._bucket("cold", entry.tenant, entry.c_rate, now)
+                if entry.generation != self.generation:  # making it forgot full buckets
+                    self._bind(entry, now)
+                    t_bucket, a_bucket = entry.t_bucket, entry.a_bucket
+                entry.c_bucket = c_bucket
+            if c_bucket.level(now) < 1.0:
+                return Rejection("cold_load_cap", c_bucket.wait(now), f"tenant {entry.tenant} "
+                                 f"is over its cap of {entry.c_rate:g} cold adapter loads/s; "
+                                 "retry, or use an adapter a worker already holds")
         t_bucket.tokens -= 1.0  # each was refilled to `now` just above
         if a_bucket is not None:
             a_bucket.tokens -= 1.0
         if c_bucket is not None:
             c_bucket.tokens -= 1.0
         return None
-
-    def _fresh(self, kind: str, name: str, rate: float, now: float) -> TokenBucket:
-        """The bucket, refilled up to `now`."""
-        bucket = self._buckets.get((kind, name))
-        if bucket is None or bucket.rate != rate:
-            bucket = self._bucket(kind, name, rate, now)
-        bucket.level(now)
-        return bucket

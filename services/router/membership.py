@@ -69,6 +69,8 @@ class Membership:
         self.live: set[str] = set()
         """Workers in the ring now; changed only by `observe` and `expire`."""
         self.in_flight: dict[str, int] = {}
+        self.generation = 0
+        """Moves whenever a pool (`pool_entry`) or `merged_for` may have changed."""
         self._eligible: dict[str | None, tuple[frozenset[str], list[int]]] = {}
         """Base digest (None = any) → (live workers on it, their total in-flight count)."""
         self._merged: dict[str, tuple[str, ...]] | None = None
@@ -162,6 +164,7 @@ class Membership:
 
     def _changed(self) -> None:
         """Who is live, on which base, in which mode changed: drop the cached pools."""
+        self.generation += 1
         self._eligible.clear()
         self._merged = None
 
@@ -220,14 +223,16 @@ class Membership:
     def pool(self, base_digest: str | None) -> tuple[frozenset[str], int]:
         """`eligible` and the requests in flight over those workers (kept as requests come
         and go), in one lookup: the request path wants both."""
-        found = self._eligible.get(base_digest) or self._pool(base_digest)
+        found = self._eligible.get(base_digest) or self.pool_entry(base_digest)
         return found[0], found[1][0]
 
     def eligible(self, base_digest: str | None) -> frozenset[str]:
         """Live workers on this base model (any base for None); cached until a change."""
-        return self._pool(base_digest)[0]
+        return self.pool_entry(base_digest)[0]
 
-    def _pool(self, base_digest: str | None) -> tuple[frozenset[str], list[int]]:
+    def pool_entry(self, base_digest: str | None) -> tuple[frozenset[str], list[int]]:
+        """The cached pool itself: its list's one item is the in-flight total, kept current
+        by `acquire` and `release`, so a holder reads it there until `generation` moves."""
         found = self._eligible.get(base_digest)
         if found is None:
             workers = frozenset(w for w in self.live if self.serves_base(w, base_digest))

@@ -56,6 +56,8 @@ class Ring:
         self.vnodes = vnodes
         self._hash = HashRing(nodes=sorted(set(workers)), vnodes=vnodes)
         self._points: list[str] = []
+        self.version = 0
+        """Moves with every change of the members: a walk (`order`) kept since is stale."""
         self._reindex()
 
     def _reindex(self) -> None:
@@ -64,6 +66,7 @@ class Ring:
         self._around = self._points + self._points  # the ring unrolled twice: no modulo
         self._orders: dict[str, tuple[str, ...]] = {}
         self._by_position: dict[int, tuple[str, ...]] = {}
+        self.version += 1
 
     def order(self, key: str) -> tuple[str, ...]:
         """Every worker once, in ring order from `key`'s position. Remembered per key and per
@@ -166,10 +169,19 @@ def place(ring: Ring, key: str, *, eligible: Callable[[str], bool],
         members = [w for w in ring.members if eligible(w)]
         eligible_count = len(members)
         total_in_flight = sum(loads.get(w, 0) for w in members)
+    return place_on(ring.order(key) if ring.members else (), eligible=eligible, loads=loads,
+                    holding=holding, epsilon=epsilon, window=window,
+                    eligible_count=eligible_count, total_in_flight=total_in_flight)
+
+
+def place_on(order: tuple[str, ...], *, eligible: Callable[[str], bool],
+             loads: Mapping[str, int], holding: Callable[[str], Tier | None],
+             epsilon: float, window: int, eligible_count: int, total_in_flight: int
+             ) -> Placement | None:
+    """`place` on the key's walk (`Ring.order`) as a caller keeps it between requests."""
     if eligible_count == 0:
         return None
     bound = load_bound(total_in_flight, eligible_count, epsilon)
-    order = ring.order(key) if ring.members else ()
     first: str | None = None  # the first eligible worker of the walk
     under: list[str] = []  # eligible workers under the bound, in ring order
     home_tier: Tier | None = None
