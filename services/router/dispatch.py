@@ -232,6 +232,8 @@ class Target(NamedTuple):
     """What one caller's requests that resolve to the same outcome share."""
 
     choice: ServingChoice | None
+    sha256: str | None
+    """`choice.sha256`, kept here: one object fewer to read per request."""
     base_digest: str | None
     pool: tuple[frozenset[str], list[int]]
     """`Membership.pool_entry` of the base model: eligible workers, [their in-flight sum]."""
@@ -390,13 +392,13 @@ class Dispatcher:
         target = route.targets[index]
         if target.__class__ is not Target:
             target = self._target(route, index, now)
-        choice, base_digest, (eligible, in_pool), merged, admission, recent = target
+        choice, sha256, base_digest, (eligible, in_pool), merged, admission, recent = target
         placement = None
         if eligible:
             placement = place_on(route.order, eligible=eligible.__contains__,
                                  loads=membership.in_flight,
-                                 holding=_on_device if choice is None else
-                                 membership.holding(choice.sha256, now),
+                                 holding=_on_device if sha256 is None else
+                                 membership.holding(sha256, now),
                                  epsilon=self._epsilon, window=self._window,
                                  eligible_count=len(eligible), total_in_flight=in_pool[0])
         if merged:
@@ -462,12 +464,12 @@ class Dispatcher:
             raise _refused(outcome)
         membership = self.membership
         if outcome is None:
-            target = Target(None, route.base_digest, membership.pool_entry(route.base_digest),
+            target = Target(None, None, route.base_digest, membership.pool_entry(route.base_digest),
                             False, self.limits.admission(now, tenant=route.tenant_key,
                                                          tenant_tier=route.tier), None)
         else:
             digest = outcome.base_model_digest
-            target = Target(outcome, digest, membership.pool_entry(digest),
+            target = Target(outcome, outcome.sha256, digest, membership.pool_entry(digest),
                             bool(membership.merged_for(outcome.adapter_id)),
                             self.limits.admission(now, tenant=route.tenant_key,
                                                   tenant_tier=route.tier,
