@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import struct
 from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -73,9 +74,12 @@ def line_prefix(scope: str, tenant: TenantRef) -> bytes:
     return f"{scope}\x1f{tenant.key}\x1f".encode()
 
 
+_FIRST_8_BYTES = struct.Struct(">Q").unpack_from
+"""The digest's first 8 bytes as a big-endian unsigned integer, without slicing a copy."""
+
+
 def _point(prefix: bytes, user_id: str) -> int:
-    digest = hashlib.sha256(prefix + user_id.encode()).digest()
-    return int.from_bytes(digest[:8], "big") % POINTS
+    return _FIRST_8_BYTES(hashlib.sha256(prefix + user_id.encode()).digest())[0] % POINTS
 
 
 def split_order(split: Sequence[SplitEntry]) -> list[SplitEntry]:
