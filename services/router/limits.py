@@ -150,23 +150,20 @@ class Limits:
         return entry
 
     def _bind(self, entry: Admission, now: float) -> None:
-        """Point `entry` at the buckets as they are now (again after `_forget_full`, which
-        making a bucket here may itself run: then once more)."""
-        generation = -1
-        while generation != self.generation:
-            generation = self.generation
-            entry.t_rate = self._rate("tenant", entry.tenant_tier)
+        """Point `entry` at the buckets as they are now. Making a bucket here may forget
+        others (`_forget_full`), this entry's too: then it is bound again on its next use."""
+        generation = self.generation
+        entry.t_rate = self._rate("tenant", entry.tenant_tier)
+        if self.overrides:
+            entry.t_rate = self.overrides.get(f"tenant:{entry.tenant}", entry.t_rate)
+        entry.t_bucket = self._bucket("tenant", entry.tenant, entry.t_rate, now)
+        if entry.adapter is not None:
+            entry.a_rate = self._rate("adapter", entry.adapter_tier)
             if self.overrides:
-                entry.t_rate = self.overrides.get(f"tenant:{entry.tenant}", entry.t_rate)
-            entry.t_bucket = self._bucket("tenant", entry.tenant, entry.t_rate, now)
-            if entry.adapter is not None:
-                entry.a_rate = self._rate("adapter", entry.adapter_tier)
-                if self.overrides:
-                    entry.a_rate = self.overrides.get(f"adapter:{entry.adapter}",
-                                                      entry.a_rate)
-                entry.a_bucket = self._bucket("adapter", entry.adapter, entry.a_rate, now)
-            entry.c_rate = self._rate("cold", entry.tenant_tier)
-            entry.c_bucket = None  # taken only by cold placements: looked up on the first
+                entry.a_rate = self.overrides.get(f"adapter:{entry.adapter}", entry.a_rate)
+            entry.a_bucket = self._bucket("adapter", entry.adapter, entry.a_rate, now)
+        entry.c_rate = self._rate("cold", entry.tenant_tier)
+        entry.c_bucket = None  # taken only by cold placements: looked up on the first
         entry.generation = generation
 
     def admit(self, now: float, *, tenant: str, tenant_tier: str | None,
@@ -209,11 +206,8 @@ class Limits:
         if cold:
             c_bucket = entry.c_bucket
             if c_bucket is None or c_bucket.rate != entry.c_rate:
-                c_bucket = self._bucket("cold", entry.tenant, entry.c_rate, now)
-                if entry.generation != self.generation:  # making it forgot full buckets
-                    self._bind(entry, now)
-                    t_bucket, a_bucket = entry.t_bucket, entry.a_bucket
-                entry.c_bucket = c_bucket
+                c_bucket = entry.c_bucket = self._bucket("cold", entry.tenant, entry.c_rate,
+                                                         now)
             if c_bucket.level(now) < 1.0:
                 return Rejection("cold_load_cap", c_bucket.wait(now), f"tenant {entry.tenant} "
                                  f"is over its cap of {entry.c_rate:g} cold adapter loads/s; "

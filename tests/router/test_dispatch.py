@@ -4,13 +4,17 @@ gRPC tests check that what it decides is what workers receive.)"""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 from typing import Any
 
 import grpc
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from services.catalog.serving import resolve_reference
 from services.catalog.state import adapter_stream, alias_stream
 from services.config import Settings
 from services.contracts.events import (
@@ -245,3 +249,119 @@ def test_merged_mode_workers_get_their_version_and_nothing_else(d: Dispatcher) -
     with pytest.raises(RouteError) as err:
         decide(d, "other")
     assert err.value.code == grpc.StatusCode.UNAVAILABLE and err.value.reason == "no_worker"
+
+
+# --- the per-caller route cache ------------------------------------------------------------
+
+OPS = st.one_of(
+    st.tuples(st.just("publish"), st.sampled_from(["sup", "bot"]), st.integers(1, 3)),
+    st.tuples(st.just("switch"), st.sampled_from(["sup", "bot"]), st.integers(1, 3)),
+    st.tuples(st.just("disable"), st.sampled_from(["sup", "bot"]), st.integers(1, 3)),
+    st.tuples(st.just("split"), st.integers(0, 100), st.sampled_from(["sup", "bot"])),
+    st.tuples(st.just("heartbeat"), st.sampled_from(["w1", "w2", "w3", "w4", "m1"]),
+              st.lists(st.tuples(st.sampled_from(["sup", "bot"]), st.integers(1, 3),
+                                 st.sampled_from(["device", "host", "disk"])), max_size=3)),
+    st.tuples(st.just("quiet"), st.floats(0.0, 5.0)),
+    st.tuples(st.just("ask"), st.sampled_from(["support", "sup", "bot", "nothing", None,
+                                               ("sup", 1), ("sup", 2), ("bot", 3)]),
+              st.sampled_from(["", "alice", "bob", "u7"]),
+              st.sampled_from([CALLER, RIVAL_CALLER, Principal("t1", "inference",
+                                                               ("acme", "search", "prod"))]),
+              st.sampled_from([None, "tiny"]), st.integers(0, 2)),
+)
+
+
+def _outcome(d: Dispatcher, principal: Principal, asked: Asked, now: float) -> object:
+    try:
+        return d.decide(principal, asked, now)
+    except RouteError as error:
+        return (error.code, error.reason, error.message, error.retry_after)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(OPS, max_size=50))
+def test_kept_routes_decide_what_building_each_afresh_decides(ops: list[Any]) -> None:
+    """A router that keeps callers' routes and one that rebuilds the route for every request
+    (low rate limits, so admission refuses too) decide the same over any event sequence,
+    and the version is the serving rule's own."""
+    low = {t: 2.0 for t in ("platinum", "gold", "silver", "bronze")}
+    kept, fresh = (Dispatcher(Settings(router_tenant_rate=low, router_adapter_rate=low,
+                                       router_cold_load_rate={"gold": 1.0}, router_burst_s=1.0),
+                              clock=lambda: 0.0) for _ in range(2))
+    now = 0.0
+    for d in (kept, fresh):
+        d.fold(_event(BaseModelRegistered(name="tiny", digest=BASE, config={}),
+                      "base-model/t", None), 0.0)
+        d.limits.max_buckets = 4  # buckets are forgotten now and then
+        d.ready = True
+    for op in ops:
+        if op[0] == "ask":
+            _, ref_of, user, principal, base, tier = op
+            ref = pb.AdapterRef()
+            if isinstance(ref_of, str):
+                ref.alias = ref_of
+            elif ref_of is not None:
+                ref.pinned.adapter_id, ref.pinned.version = ref_of
+            asked = Asked(sig(user=user, tier=tier), ref, base)
+            fresh._routes.clear()
+            got = _outcome(kept, principal, asked, now)
+            assert got == _outcome(fresh, principal, asked, now)
+            if isinstance(ref_of, str) and not isinstance(got, tuple):
+                assert got.choice == resolve_reference(  # type: ignore[attr-defined]
+                    kept.catalog, got.tenant, ref_of, user,  # type: ignore[attr-defined]
+                    base_digest=BASE if base else None)
+            continue
+        for d in (kept, fresh):
+            if op[0] == "publish":
+                adapter = d.catalog.adapters.get(op[1])
+                if adapter is None or op[2] not in adapter.versions:
+                    publish(d, op[1], op[2], activate=False)
+            elif op[0] == "switch":
+                d.fold(_event(AdapterVersionSwitched(adapter_id=op[1], from_version=None,
+                                                     to_version=op[2]),
+                              adapter_stream(op[1])), 0.0)
+            elif op[0] == "disable":
+                d.fold(_event(AdapterDisabled(adapter_id=op[1], version=op[2], reason="x"),
+                              adapter_stream(op[1])), 0.0)
+            elif op[0] == "split":
+                weights = {1: op[1], 2: 100 - op[1]}
+                split(d, "support", {v: w for v, w in weights.items() if w}, op[2])
+            elif op[0] == "heartbeat":
+                worker, held = op[1], op[2]
+                d.fold(_event(WorkerHeartbeat(
+                    worker_id=worker, address=f"{worker}:1", base_model="tiny",
+                    base_model_digest=BASE, loaded=[LoadedAdapter(
+                        adapter_id=a, version=v, sha256=sha(a, v), tier=t) for a, v, t in held],
+                    merged_mode=MergedMode(adapter_id="sup", pinned_version=1)
+                    if worker == "m1" else None), f"worker/{worker}", None), now)
+            elif op[0] == "quiet":
+                d.tick(now + op[1])
+        if op[0] == "quiet":
+            now += op[1]
+
+
+def test_a_route_is_kept_until_one_of_its_inputs_moves(d: Dispatcher) -> None:
+    split(d, "support", {1: 90, 2: 10})
+    decide(d, "support")
+    (route,) = d._routes.values()
+    decide(d, "support", user="someone else")
+    assert list(d._routes.values()) == [route]  # the user is not part of the route
+    changes = [
+        lambda: split(d, "support", {1: 50, 2: 50}),  # the serving generation
+        lambda: d.fold(_event(WorkerHeartbeat(worker_id="w9", address="w9:1", base_model="tiny",
+                                              base_model_digest=BASE), "worker/w9", None),
+                       0.0),  # a worker joins: the ring and the pools
+        lambda: d.ring.add("w8"),  # the ring alone (its walk)
+        lambda: d.membership.expire(100.0),  # workers leave the pools
+    ]
+    for change in changes:
+        before = d._routes[next(iter(d._routes))]
+        change()
+        with contextlib.suppress(RouteError):
+            decide(d, "support")
+        assert d._routes[next(iter(d._routes))] is not before
+    other = Principal("t1", "inference", ("acme", "search", "prod"), "bronze")
+    route = next(iter(d._routes.values()))
+    with contextlib.suppress(RouteError):
+        decide(d, "support", caller=other)  # the same token id, another principal
+    assert next(iter(d._routes.values())) is not route

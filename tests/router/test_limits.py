@@ -74,3 +74,19 @@ def test_full_buckets_are_forgotten_to_bound_memory() -> None:
     for i in range(50):
         lim.admit(float(i), tenant=f"t{i}", tenant_tier="gold")
     assert len(lim._buckets) <= 11
+
+
+def test_a_kept_admission_follows_forgotten_and_re_rated_buckets() -> None:
+    """What the request path keeps per caller takes from the buckets `admit` would."""
+    lim = limits(max_buckets=2)
+    kept = lim.admission(0.0, tenant="t", tenant_tier="gold")
+    assert lim.admit(0.0, tenant="v", tenant_tier="gold") is None
+    assert lim.admit(10.0, tenant="u", tenant_tier="gold") is None  # t and v full: forgotten
+    assert ("tenant", "t") not in lim._buckets
+    assert all(lim.admit_with(10.0, kept, False) is None for _ in range(4))  # gold: 4/s
+    refusal = lim.admit(10.0, tenant="t", tenant_tier="gold")
+    assert refusal is not None and refusal.reason == "tenant_rate"
+    assert lim.admit(10.0, tenant="t", tenant_tier="silver") is not None  # re-rated ...
+    assert lim._buckets[("tenant", "t")].rate == 2.0
+    refusal = lim.admit_with(10.0, kept, False)  # ... and back by the kept admission
+    assert refusal is not None and lim._buckets[("tenant", "t")].rate == 4.0
