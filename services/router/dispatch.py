@@ -245,30 +245,37 @@ class Target(NamedTuple):
 
 class CallerRoute:
     """Everything a request's decision reuses from the previous request of the same caller
-    (token, tenant signature less the user, adapter reference, base model): valid while the
-    fold's serving generation, the ring and the worker pools stay as they were; `Limits`
-    re-binds its buckets itself. `targets` follow the resolution's `outcomes` (built on
-    first use)."""
+    (token, tenant signature less the user, adapter reference, base model). Built again when
+    the ring or the worker pools change or another principal comes with the token id;
+    resolved again when the fold's serving generation moves; `Limits` re-binds its buckets
+    itself. `targets` follow the resolution's `outcomes` (each built on first use)."""
 
     __slots__ = ("base_digest", "key", "order", "outcomes", "pools", "principal",
                  "resolution", "ring", "serving", "targets", "tenant", "tenant_key", "tier")
 
     def __init__(self, principal: Principal, serving: int, ring: int, pools: int,
                  tenant: TenantRef, tenant_key: str, tier: str, key: str,
-                 order: tuple[str, ...], base_digest: str | None,
-                 resolution: Resolution | None,
-                 outcomes: tuple[ServingChoice | Refusal | None, ...]) -> None:
+                 order: tuple[str, ...]) -> None:
         self.principal = principal
         self.serving, self.ring, self.pools = serving, ring, pools
         self.tenant, self.tenant_key, self.tier, self.key = tenant, tenant_key, tier, key
         self.order = order
         """The ring's walk from `key`."""
-        self.base_digest = base_digest
+        self.base_digest: str | None = None
         """The base model the request named (None = any)."""
-        self.resolution = resolution
+        self.resolution: Resolution | None = None
         """The canary line users are placed on; None where every user gets `outcomes[0]`."""
-        self.outcomes = outcomes
-        self.targets: list[Target | None] = [None] * len(outcomes)
+        self.outcomes: tuple[ServingChoice | Refusal | None, ...] = ()
+        self.targets: list[Target | None] = []
+
+
+def _same(kept: tuple[object, ...], fresh: tuple[object, ...]) -> bool:
+    """Do two resolutions' outcomes give every user the same target? (A refusal is never
+    the same: its target is not kept anyway.)"""
+    return len(kept) == len(fresh) and all(
+        (a is None and b is None) or (isinstance(a, ServingChoice) and isinstance(
+            b, ServingChoice) and a == b and a.base_model_digest == b.base_model_digest)
+        for a, b in zip(kept, fresh, strict=True))
 
 
 def _refused(refusal: Refusal) -> RouteError:
@@ -383,10 +390,11 @@ class Dispatcher:
                sig.compliance_scope, sig.region_hint, named, asked.base_model)
         route = self._routes.get(key)
         membership = self.membership
-        if (route is None or route.principal is not principal
-                or route.serving != self.catalog.serving_generation
-                or route.ring != self.ring.version or route.pools != membership.generation):
-            route = self._route(principal, asked, key, now)
+        if (route is None or route.principal is not principal or route.ring != self.ring.version
+                or route.pools != membership.generation):
+            route = self._route(principal, asked, key)
+        elif route.serving != self.catalog.serving_generation:
+            self._resolve(route, asked)
         resolution = route.resolution
         index = 0 if resolution is None else resolution.entry(sig.user_id)
         target = route.targets[index]
@@ -414,8 +422,8 @@ class Dispatcher:
             self.recent.touch(route.key, recent)
         return Decision(route.tenant, route.tier, route.key, choice, base_digest, placement)
 
-    def _route(self, principal: Principal, asked: Asked,
-               key: tuple[object, ...], now: float) -> CallerRoute:
+    def _route(self, principal: Principal, asked: Asked, key: tuple[object, ...]
+               ) -> CallerRoute:
         """Build (and keep) a caller's route: tenant from the token, the version by
         `services.catalog.serving`'s rule for every user at once, the ring's walk. A
         refusal raises here and is not kept."""
@@ -423,6 +431,20 @@ class Dispatcher:
         tenant, tenant_key, tier, ring_key_ = _caller(
             principal, sig.org_id, sig.team_id, sig.project_id, sig.qos_tier,
             sig.compliance_scope, sig.region_hint)
+        ring = self.ring
+        route = CallerRoute(principal, -1, ring.version, self.membership.generation, tenant,
+                            tenant_key, tier, ring_key_,
+                            ring.order(ring_key_) if ring.members else ())
+        self._resolve(route, asked)
+        if len(self._routes) >= MAX_ROUTES:
+            self._routes.clear()
+        self._routes[key] = route
+        return route
+
+    def _resolve(self, route: CallerRoute, asked: Asked) -> None:
+        """(Re)resolve the route's version on the fold as it is now. Any catalog event moves
+        the serving generation, and most leave this caller's outcomes as they were: its
+        targets (pools, admissions) are kept then."""
         base_digest = None
         if asked.base_model is not None:
             base = self.catalog.base_models.get(asked.base_model)
@@ -436,26 +458,22 @@ class Dispatcher:
         outcomes: tuple[ServingChoice | Refusal | None, ...] = (None,)
         try:
             if which == "alias":
-                found = self.resolutions.resolution(tenant, ref.alias, base_digest=base_digest)
+                found = self.resolutions.resolution(route.tenant, ref.alias,
+                                                    base_digest=base_digest)
                 outcomes = found.outcomes
                 resolution = found if found.edges else None
             elif which is not None:
                 pinned = ref.pinned
                 if pinned.version == 0:
                     raise Refusal("invalid", "a pinned version starts at 1")
-                outcomes = (self.resolutions.pinned(tenant, pinned.adapter_id, pinned.version,
-                                                    base_digest=base_digest),)
+                outcomes = (self.resolutions.pinned(route.tenant, pinned.adapter_id,
+                                                    pinned.version, base_digest=base_digest),)
         except Refusal as refusal:
             raise _refused(refusal) from None
-        ring = self.ring
-        route = CallerRoute(principal, self.catalog.serving_generation, ring.version,
-                            self.membership.generation, tenant, tenant_key, tier, ring_key_,
-                            ring.order(ring_key_) if ring.members else (), base_digest,
-                            resolution, outcomes)
-        if len(self._routes) >= MAX_ROUTES:
-            self._routes.clear()
-        self._routes[key] = route
-        return route
+        if base_digest != route.base_digest or not _same(route.outcomes, outcomes):
+            route.targets = [None] * len(outcomes)
+        route.base_digest, route.resolution, route.outcomes = base_digest, resolution, outcomes
+        route.serving = self.catalog.serving_generation
 
     def _target(self, route: CallerRoute, index: int, now: float) -> Target:
         """What the route's requests with outcome `index` share (built on the first)."""

@@ -284,7 +284,7 @@ def test_kept_routes_decide_what_building_each_afresh_decides(ops: list[Any]) ->
     """A router that keeps callers' routes and one that rebuilds the route for every request
     (low rate limits, so admission refuses too) decide the same over any event sequence,
     and the version is the serving rule's own."""
-    low = {t: 2.0 for t in ("platinum", "gold", "silver", "bronze")}
+    low = {"platinum": 4.0, "gold": 3.0, "silver": 2.0, "bronze": 1.0}
     kept, fresh = (Dispatcher(Settings(router_tenant_rate=low, router_adapter_rate=low,
                                        router_cold_load_rate={"gold": 1.0}, router_burst_s=1.0),
                               clock=lambda: 0.0) for _ in range(2))
@@ -346,8 +346,16 @@ def test_a_route_is_kept_until_one_of_its_inputs_moves(d: Dispatcher) -> None:
     (route,) = d._routes.values()
     decide(d, "support", user="someone else")
     assert list(d._routes.values()) == [route]  # the user is not part of the route
+    targets = route.targets
+    split(d, "support", {1: 50, 2: 50})  # the serving generation: resolved again in place
+    decide(d, "support")
+    assert list(d._routes.values()) == [route] and route.targets is targets
+    assert route.resolution is not None and route.resolution.edges == (5000, 10000)
+    d.fold(_event(AdapterDisabled(adapter_id="sup", version=2, reason="bad"), "adapter/sup"),
+           0.0)  # ... and the outcomes changed: the targets go
+    decide(d, "support")
+    assert route.targets is not targets and route.serving == d.catalog.serving_generation
     changes = [
-        lambda: split(d, "support", {1: 50, 2: 50}),  # the serving generation
         lambda: d.fold(_event(WorkerHeartbeat(worker_id="w9", address="w9:1", base_model="tiny",
                                               base_model_digest=BASE), "worker/w9", None),
                        0.0),  # a worker joins: the ring and the pools
@@ -365,3 +373,21 @@ def test_a_route_is_kept_until_one_of_its_inputs_moves(d: Dispatcher) -> None:
     with contextlib.suppress(RouteError):
         decide(d, "support", caller=other)  # the same token id, another principal
     assert next(iter(d._routes.values())) is not route
+
+
+def test_another_principal_under_the_same_token_id_gets_its_own_admission() -> None:
+    d = Dispatcher(Settings(router_tenant_rate={"gold": 3.0, "bronze": 1.0},
+                            router_adapter_rate=HIGH, router_cold_load_rate=HIGH,
+                            router_burst_s=1.0), clock=lambda: 0.0)
+    d.fold(_event(BaseModelRegistered(name="tiny", digest=BASE, config={}), "base-model/t",
+                  None), 0.0)
+    d.fold(_event(WorkerHeartbeat(worker_id="w1", address="w1:1", base_model="tiny",
+                                  base_model_digest=BASE), "worker/w1", None), 0.0)
+    publish(d, "sup", 1)
+    d.ready = True
+    decide(d, "sup")  # gold: 3 a second
+    bronze = Principal("t1", "inference", ("acme", "search", "prod"), "bronze")
+    decide(d, "sup", caller=bronze)  # the tenant's bucket, re-rated to 1 a second
+    with pytest.raises(RouteError) as err:
+        decide(d, "sup", caller=bronze)
+    assert err.value.reason == "tenant_rate"
