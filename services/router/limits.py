@@ -88,8 +88,9 @@ class Rejection:
 
 
 class Limits:
-    """The buckets of every tenant and adapter seen lately. A request's admission is a few
-    dict lookups and one refill per bucket (it runs on every request)."""
+    """The buckets of every tenant and adapter seen lately. The request path keeps one
+    `Admission` per caller and adapter, so a request's admission looks nothing up: one
+    refill per bucket it takes from."""
 
     def __init__(self, *, tenant_rate: Mapping[str, float], adapter_rate: Mapping[str, float],
                  cold_load_rate: Mapping[str, float], burst_s: float = 2.0,
