@@ -22,6 +22,8 @@ from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
 metadata = MetaData()
 
 events = Table(
+    # `canonical` is stored uncompressed (0004) and inline up to ~8 KB (0008:
+    # toast_tuple_target 8160), so a request trace is one heap tuple, not two
     "events",
     metadata,
     Column("id", BigInteger, Identity(), primary_key=True),

@@ -50,6 +50,17 @@ def test_verify_passes_on_an_untouched_store(audit_settings: Settings, filled: E
     assert out.startswith("OK:") and "checkpoints" in out
 
 
+def test_event_bytes_over_the_toast_threshold_stay_in_their_row(filled: Engine) -> None:
+    """Revision 0008: a sealed trace (~2.5 KB) is one heap tuple, not a second in TOAST."""
+    with filled.connect() as conn:
+        largest = conn.execute(text("SELECT max(octet_length(canonical)) FROM events")).scalar()
+        toasted = conn.execute(text(
+            "SELECT pg_relation_size(reltoastrelid) FROM pg_class "
+            "WHERE oid = 'events'::regclass")).scalar()
+    assert largest > 2100  # past the TOAST threshold (~2 KB): 0004 stored these out of line
+    assert toasted == 0
+
+
 @pytest.mark.parametrize("edit", [
     "UPDATE events SET stream = stream || '-x' WHERE {row}",
     "UPDATE events SET type = 'AdapterDisabled' WHERE {row}",

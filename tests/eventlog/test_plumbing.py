@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import uuid
 
 import pytest
 from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
@@ -12,6 +13,7 @@ from services.config import Settings
 from services.contracts.codec import EventValidationError
 from services.contracts.events import AdapterDisabled, Envelope, TenantRef
 from services.eventlog import EventConsumer, EventProducer
+from services.eventlog.consumer import RecentIds
 
 pytestmark = pytest.mark.slow
 
@@ -157,3 +159,13 @@ def test_run_loop_stops_cleanly(any_broker_settings: Settings) -> None:
     consumer.close()
     assert not thread.is_alive()
     assert [e.payload.version for e in got] == [1]
+
+
+def test_batch_dedupe_agrees_with_one_by_one_and_stays_bounded() -> None:
+    ids = [uuid.UUID(int=n) for n in (1, 2, 1, 3, 4, 2, 5, 1)]
+    one_by_one, batched = RecentIds(10), RecentIds(10)
+    assert batched.add_all(ids) == [one_by_one.add(i) for i in ids]
+    assert batched.add_all(ids[:3]) == [one_by_one.add(i) for i in ids[:3]] == [False] * 3
+    small = RecentIds(3)  # trimmed once a batch: within it, every id is remembered
+    assert small.add_all(ids) == [True, True, False, True, True, False, True, False]
+    assert len(small._ids) == 3
