@@ -326,24 +326,26 @@ class EventConsumer(Generic[E]):
         decode = self._decode
         reading: dict[TopicPartitionKey, Message] = {}
         decoded: list[Record[E]] = []
-        for message in messages:
-            if message.error() is not None:
-                self._settle(reading)
-                self._accept(message)
-                continue
-            key = (message.topic(), message.partition())
-            reading[key] = message
-            value = message.value()
-            try:
-                envelope: E = decode(value)
-            except EventValidationError as exc:
-                self._reject(Rejected(key[0], key[1], message.offset(), message.key(), value,
-                                      str(exc)))
-                continue
-            if not envelope.is_barrier:
-                decoded.append(Record(key[0], key[1], message.offset(), envelope,
-                                      value or b""))
-        self._settle(reading)
+        try:
+            for message in messages:
+                if message.error() is not None:
+                    self._settle(reading)
+                    self._accept(message)
+                    continue
+                key = (message.topic(), message.partition())
+                reading[key] = message
+                value = message.value()
+                try:
+                    envelope: E = decode(value)
+                except EventValidationError as exc:
+                    self._reject(Rejected(key[0], key[1], message.offset(), message.key(),
+                                          value, str(exc)))
+                    continue
+                if not envelope.is_barrier:
+                    decoded.append(Record(key[0], key[1], message.offset(), envelope,
+                                          value or b""))
+        finally:  # whatever raised, the positions cover what was read, as `_accept`'s do
+            self._settle(reading)
         new = self._seen.add_all([r.envelope.event_id for r in decoded])
         return [r for r, is_new in zip(decoded, new, strict=True) if is_new]
 
