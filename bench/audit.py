@@ -81,14 +81,15 @@ CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def _postmaster(url: str) -> int | None:
-    """The pid of the server when it runs on this machine (the parent of our backend)."""
+    """The pid of the server when it runs on this machine (the parent of our backend),
+    read while the backend lives: once the connection closes its process may be gone."""
     with psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://")
                          .split("?")[0]) as conn:
         backend = conn.execute("SELECT pg_backend_pid()").fetchone()[0]  # type: ignore[index]
-    try:
-        return int(Path(f"/proc/{backend}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
+        try:
+            return int(Path(f"/proc/{backend}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return None
 
 
 def _server_cpu_s(pid: int | None) -> float | None:
