@@ -21,6 +21,7 @@ from .config import ModelConfig
 from .kv_cache import KVStorage
 from .lora_ops import Runs, Segments
 from .rope import RotaryEmbedding, apply_rotary
+from .workspace import Workspace
 
 
 @dataclass
@@ -79,15 +80,26 @@ class LayerWeights:
     down: torch.Tensor
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in float32, as transformers does, then cast back."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm computed in float32, as transformers does, then cast back.
+
+    With `out` the result is written there (same products, so the same bits as without).
+    """
     xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    inv = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if out is None:
+        return weight * (xf * inv).to(x.dtype)
+    if x.dtype == xf.dtype:
+        torch.mul(xf, inv, out=out)
+    else:
+        out.copy_(xf * inv)
+    return out.mul_(weight)
 
 
 class LlamaModel:
-    """Weights plus a forward over `ForwardBatch`; stateless between steps."""
+    """Weights plus a forward over `ForwardBatch`; stateless between steps (the workspace
+    holds scratch only, overwritten by every step)."""
 
     def __init__(
         self,
@@ -121,6 +133,8 @@ class LlamaModel:
             )
         self.rope = RotaryEmbedding(cfg)
         self.scale = cfg.head_dim**-0.5
+        self.workspace = Workspace(self.dtype, self.device)
+        """Step activations are written into reused buffers (see `Workspace`)."""
 
     def projection_weight(self, layer: int, module: str) -> torch.Tensor:
         """The [out, in] weight of one projection: a view into the fused q|k|v or gate|up
@@ -159,20 +173,22 @@ class LlamaModel:
         idx, seg, slots = batch.lora_indices, batch.lora_segments, list(batch.lora_slots)
         runs, split = batch.lora_runs, batch.fused_from
 
+        ws = self.workspace
+
         def project(layer: int, x: torch.Tensor, weight: torch.Tensor,
-                    modules: tuple[tuple[str, int], ...]) -> torch.Tensor:
+                    modules: tuple[tuple[str, int], ...], role: str) -> torch.Tensor:
             """Base projection plus LoRA deltas (at column offsets of packed outputs)."""
+            y = ws.take(role, t, weight.shape[0])
             if split is None:
-                y = F.linear(x, weight)
+                torch.mm(x, weight.t(), out=y)
                 if use_lora:
                     for module, off in modules:
                         if adapters.layer_has_lora(layer, module, slots):  # type: ignore[union-attr]
                             adapters.apply(layer, module, y, x, idx, seg, off, runs)  # type: ignore[union-attr,arg-type]
                 return y
             # two-level batching: large buckets separate, small ones fused (rows >= split)
-            y = torch.empty(t, weight.shape[0], dtype=x.dtype, device=x.device)
             if split:
-                y[:split] = F.linear(x[:split], weight)
+                torch.mm(x[:split], weight.t(), out=y[:split])
                 for module, off in modules:
                     if adapters.layer_has_lora(layer, module, slots):  # type: ignore[union-attr]
                         adapters.apply(layer, module, y[:split], x[:split], idx[:split], seg,  # type: ignore[union-attr,index]
@@ -183,24 +199,31 @@ class LlamaModel:
                     batch.fused_segments, off)  # type: ignore[arg-type]
             return y
 
+        heads, kv_heads, dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         qkv_mods = (("q_proj", 0), ("k_proj", qs), ("v_proj", qs + ks))
         gate_up_mods = (("gate_proj", 0), ("up_proj", inter))
-        h = self.embed[batch.input_ids]
+        h = torch.index_select(self.embed, 0, batch.input_ids,
+                               out=ws.take("hidden", t, cfg.hidden_size))
         for li, w in enumerate(self.layers):
-            x = rms_norm(h, w.input_norm, cfg.rms_norm_eps)
-            qkv = project(li, x, w.qkv, qkv_mods)
-            q = qkv[:, :qs].view(t, cfg.num_attention_heads, cfg.head_dim)
-            k = qkv[:, qs : qs + ks].view(t, cfg.num_key_value_heads, cfg.head_dim)
-            v = qkv[:, qs + ks :].view(t, cfg.num_key_value_heads, cfg.head_dim)
-            q = apply_rotary(q, cos, sin)
-            k = apply_rotary(k, cos, sin)
+            x = rms_norm(h, w.input_norm, cfg.rms_norm_eps, out=ws.take("norm", *h.shape))
+            qkv = project(li, x, w.qkv, qkv_mods, "qkv")
+            q = apply_rotary(qkv[:, :qs].view(t, heads, dim), cos, sin,
+                             out=ws.take("q", t, heads, dim),
+                             scratch=ws.take("rope", t, heads, dim))
+            k = apply_rotary(qkv[:, qs : qs + ks].view(t, kv_heads, dim), cos, sin,
+                             out=ws.take("k", t, kv_heads, dim),
+                             scratch=ws.take("rope", t, kv_heads, dim))
+            v = qkv[:, qs + ks :].view(t, kv_heads, dim)
             kv.write(li, batch.slot_mapping, k, v)
-            attn = paged_attention(q, k, v, kv.k[li], kv.v[li], batch.attention, self.scale)
-            attn = attn.reshape(t, qs)
-            h = h + project(li, attn, w.o, (("o_proj", 0),))
-            x = rms_norm(h, w.post_norm, cfg.rms_norm_eps)
-            gu = project(li, x, w.gate_up, gate_up_mods)
-            act = F.silu(gu[:, :inter]) * gu[:, inter:]
-            h = h + project(li, act, w.down, (("down_proj", 0),))
+            attn = paged_attention(q, k, v, kv.k[li], kv.v[li], batch.attention, self.scale,
+                                   workspace=ws)
+            h.add_(project(li, attn.view(t, qs), w.o, (("o_proj", 0),), "delta"))
+            x = rms_norm(h, w.post_norm, cfg.rms_norm_eps, out=ws.take("norm", *h.shape))
+            gu = project(li, x, w.gate_up, gate_up_mods, "gate_up")
+            act = ws.take("act", t, inter)
+            act.copy_(gu[:, :inter])
+            F.silu(act, inplace=True)
+            act.mul_(gu[:, inter:])
+            h.add_(project(li, act, w.down, (("down_proj", 0),), "delta"))
         last = rms_norm(h[batch.logits_rows], self.norm, cfg.rms_norm_eps)
         return F.linear(last, self.lm_head).float()

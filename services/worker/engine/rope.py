@@ -82,8 +82,20 @@ class RotaryEmbedding:
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate [T, heads, head_dim] by per-token cos/sin [T, head_dim] (rotate-half layout)."""
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+                 out: torch.Tensor | None = None,
+                 scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotate [T, heads, head_dim] by per-token cos/sin [T, head_dim] (rotate-half layout).
+
+    With `out` and `scratch` (both shaped like `x`) nothing is allocated; the products and
+    the one sum are the same as without them (negating a product is exact), so the bits
+    are too.
+    """
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    if out is None or scratch is None:
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos[:, None, :] + rotated * sin[:, None, :]
+    torch.mul(x, cos[:, None, :], out=out)
+    torch.mul(x[..., half:], sin[:, None, :half], out=scratch[..., :half]).neg_()
+    torch.mul(x[..., :half], sin[:, None, half:], out=scratch[..., half:])
+    return out.add_(scratch)
