@@ -1,9 +1,9 @@
 """Ragged causal attention over the paged KV cache for one mixed step.
 
 A step holds decode tokens (one query per sequence) and prefill chunks (many queries per
-sequence). Decodes are batched into one grouped matmul over their gathered block tables;
-each prefill chunk is one SDPA call (flash path when it has no cached prefix). There is no
-per-token Python loop.
+sequence). Decodes are batched, in a few groups of similar context length, into grouped
+matmuls over their gathered block tables; each prefill chunk is one SDPA call (flash path
+when it has no cached prefix). There is no per-token Python loop.
 """
 
 from __future__ import annotations
@@ -30,12 +30,25 @@ class PrefillSpan:
 
 
 @dataclass
+class DecodeGroup:
+    """Decodes of similar context length, attended as one padded batch."""
+
+    rows: torch.Tensor  # [B] rows of decode tokens
+    slots: torch.Tensor  # [B, L] flat slots, padded to the group's longest context
+    mask: torch.Tensor  # [1, B, 1, L] additive float mask
+
+
+DECODE_GROUP_MIN = 8
+"""Fewest decodes in a length group: below that one more gather and matmul per layer cost
+more than the padding they would skip."""
+
+
+@dataclass
 class AttentionMetadata:
     """Per-step layout, built once and shared by every layer."""
 
-    decode_rows: torch.Tensor | None = None  # [B] rows of decode tokens
-    decode_slots: torch.Tensor | None = None  # [B, Lmax] flat slots, padded
-    decode_mask: torch.Tensor | None = None  # [1, B, 1, Lmax] additive float mask
+    decode_rows: torch.Tensor | None = None  # [B] rows of all decode tokens
+    decodes: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillSpan] = field(default_factory=list)
 
     def finalize(
@@ -45,8 +58,15 @@ class AttentionMetadata:
         decode_lens: list[int],
         block_size: int,
         dtype: torch.dtype,
+        groups: int = 4,
     ) -> None:
-        """Build masks for prefill spans and the padded slot table for decodes."""
+        """Build masks for prefill spans and the padded slot tables for decodes.
+
+        Decodes are sorted by context length and cut into up to `groups` groups of at
+        least `DECODE_GROUP_MIN`, each padded only to its own longest context: with
+        contexts of 16 to 640 tokens one table padded to the longest gathered and
+        multiplied about twice the K/V there is.
+        """
         for span in self.prefills:
             if span.prefix_len:
                 total = span.prefix_len + span.q_len
@@ -54,17 +74,19 @@ class AttentionMetadata:
                 span.mask = torch.arange(total)[None, :] <= q_pos
         if not decode_rows:
             return
-        width = max(len(t) for t in decode_tables)
-        tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables],
-                              dtype=torch.long)
-        lmax = max(decode_lens)
-        slots = (tables[:, :, None] * block_size + torch.arange(block_size)).flatten(1)
-        lens = torch.tensor(decode_lens, dtype=torch.long)
-        mask = torch.zeros(len(decode_rows), lmax, dtype=dtype)
-        mask.masked_fill_(torch.arange(lmax)[None, :] >= lens[:, None], float("-inf"))
         self.decode_rows = torch.tensor(decode_rows, dtype=torch.long)
-        self.decode_slots = slots[:, :lmax].contiguous()
-        self.decode_mask = mask[None, :, None, :]
+        order = sorted(range(len(decode_rows)), key=lambda i: decode_lens[i])
+        size = max(DECODE_GROUP_MIN, -(-len(order) // groups))
+        for lo in range(0, len(order), size):
+            part = order[lo:lo + size]
+            if len(order) - (lo + size) < DECODE_GROUP_MIN // 2:  # no tiny tail group
+                part = order[lo:]
+            self.decodes.append(_decode_group([decode_rows[i] for i in part],
+                                              [decode_tables[i] for i in part],
+                                              [decode_lens[i] for i in part], block_size,
+                                              dtype))
+            if len(part) > size:
+                break
 
     def to(self, device: torch.device) -> AttentionMetadata:
         """Move the index and mask tensors next to the KV cache (no-op on CPU)."""
@@ -75,11 +97,25 @@ class AttentionMetadata:
                 span.ctx_slots = span.ctx_slots.to(device, non_blocking=True)
             if span.mask is not None:
                 span.mask = span.mask.to(device, non_blocking=True)
-        for name in ("decode_rows", "decode_slots", "decode_mask"):
-            t = getattr(self, name)
-            if t is not None:
-                setattr(self, name, t.to(device, non_blocking=True))
+        if self.decode_rows is not None:
+            self.decode_rows = self.decode_rows.to(device, non_blocking=True)
+        self.decodes = [DecodeGroup(*(t.to(device, non_blocking=True)
+                                      for t in (g.rows, g.slots, g.mask)))
+                        for g in self.decodes]
         return self
+
+
+def _decode_group(rows: list[int], tables: list[list[int]], lens: list[int],
+                  block_size: int, dtype: torch.dtype) -> DecodeGroup:
+    width = max(len(t) for t in tables)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+    lmax = max(lens)
+    slots = (table[:, :, None] * block_size + torch.arange(block_size)).flatten(1)
+    length = torch.tensor(lens, dtype=torch.long)
+    mask = torch.zeros(len(rows), lmax, dtype=dtype)
+    mask.masked_fill_(torch.arange(lmax)[None, :] >= length[:, None], float("-inf"))
+    return DecodeGroup(torch.tensor(rows, dtype=torch.long), slots[:, :lmax].contiguous(),
+                       mask[None, :, None, :])
 
 
 def paged_attention(
@@ -116,17 +152,16 @@ def paged_attention(
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span.mask, scale=scale,
                                                enable_gqa=True)
         out[rows] = o[0].transpose(0, 1)
-    if meta.decode_rows is not None:
-        assert meta.decode_slots is not None and meta.decode_mask is not None
-        b = meta.decode_rows.shape[0]
+    for g in meta.decodes:
+        b = g.rows.shape[0]
         # kv-head-major throughout: gathers land contiguous, K^T is a free transpose
-        qd = q[meta.decode_rows].view(b, kv_heads, group, dim).transpose(0, 1)  # [KVH,B,G,D]
-        kd = gather_slots(k_cache, meta.decode_slots, workspace, "decode_k")  # [KVH, B, L, D]
-        vd = gather_slots(v_cache, meta.decode_slots, workspace, "decode_v")
-        scores = torch.matmul(qd, kd.transpose(-1, -2)) * scale + meta.decode_mask.to(qd.dtype)
+        qd = q[g.rows].view(b, kv_heads, group, dim).transpose(0, 1)  # [KVH,B,G,D]
+        kd = gather_slots(k_cache, g.slots, workspace, "decode_k")  # [KVH, B, L, D]
+        vd = gather_slots(v_cache, g.slots, workspace, "decode_v")
+        scores = torch.matmul(qd, kd.transpose(-1, -2)) * scale + g.mask.to(qd.dtype)
         probs = torch.softmax(scores.float(), dim=-1).to(qd.dtype)
         ctx = torch.matmul(probs, vd)  # [KVH, B, G, D]
-        out[meta.decode_rows] = ctx.transpose(0, 1).reshape(b, heads, dim)
+        out[g.rows] = ctx.transpose(0, 1).reshape(b, heads, dim)
     return out
 
 
