@@ -81,13 +81,16 @@ class LayerWeights:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             out: torch.Tensor | None = None) -> torch.Tensor:
+             out: torch.Tensor | None = None, scratch: torch.Tensor | None = None
+             ) -> torch.Tensor:
     """RMSNorm computed in float32, as transformers does, then cast back.
 
-    With `out` the result is written there (same products, so the same bits as without).
+    With `out` the result is written there and with `scratch` (float32, shaped like `x`)
+    the squares too: the same ops, so the same bits as without.
     """
     xf = x.float()
-    inv = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    sq = xf.pow(2) if scratch is None else torch.pow(xf, 2, out=scratch)
+    inv = torch.rsqrt(sq.mean(-1, keepdim=True) + eps)
     if out is None:
         return weight * (xf * inv).to(x.dtype)
     if x.dtype == xf.dtype:
@@ -205,7 +208,8 @@ class LlamaModel:
         h = torch.index_select(self.embed, 0, batch.input_ids,
                                out=ws.take("hidden", t, cfg.hidden_size))
         for li, w in enumerate(self.layers):
-            x = rms_norm(h, w.input_norm, cfg.rms_norm_eps, out=ws.take("norm", *h.shape))
+            x = rms_norm(h, w.input_norm, cfg.rms_norm_eps, out=ws.take("norm", *h.shape),
+                         scratch=ws.take("norm_sq", *h.shape, dtype=torch.float32))
             qkv = project(li, x, w.qkv, qkv_mods, "qkv")
             q = apply_rotary(qkv[:, :qs].view(t, heads, dim), cos, sin,
                              out=ws.take("q", t, heads, dim),
@@ -218,12 +222,11 @@ class LlamaModel:
             attn = paged_attention(q, k, v, kv.k[li], kv.v[li], batch.attention, self.scale,
                                    workspace=ws)
             h.add_(project(li, attn.view(t, qs), w.o, (("o_proj", 0),), "delta"))
-            x = rms_norm(h, w.post_norm, cfg.rms_norm_eps, out=ws.take("norm", *h.shape))
+            x = rms_norm(h, w.post_norm, cfg.rms_norm_eps, out=ws.take("norm", *h.shape),
+                         scratch=ws.take("norm_sq", *h.shape, dtype=torch.float32))
             gu = project(li, x, w.gate_up, gate_up_mods, "gate_up")
-            act = ws.take("act", t, inter)
-            act.copy_(gu[:, :inter])
-            F.silu(act, inplace=True)
-            act.mul_(gu[:, inter:])
+            act = torch.mul(F.silu(gu[:, :inter], inplace=True), gu[:, inter:],
+                            out=ws.take("act", t, inter))
             h.add_(project(li, act, w.down, (("down_proj", 0),), "delta"))
         last = rms_norm(h[batch.logits_rows], self.norm, cfg.rms_norm_eps)
         return F.linear(last, self.lm_head).float()
