@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from .threads import one_thread
+
 Runs = tuple[tuple[int, int, int], ...]
 """Host-side ``(slot, start, end)`` token runs, one per contiguous group of a slot."""
 
@@ -156,20 +158,35 @@ def runs_of(indices: Tensor) -> Runs:
     return tuple(runs)
 
 
+SMALL_RUN_ROWS = 16
+"""Runs of fewer rows (decodes: one or two sequences per adapter) are computed in one
+thread. Measured on 2 cores with OMP_WAIT_POLICY=PASSIVE, a shrink + expand over 2 rows
+took 57-114 us on two threads and 19-71 us on one (wall), and 32 such runs (SmolLM2's
+MLP, 32 adapters) 3.8 ms against 2.1 ms of CPU time; from about 64 rows on, the second
+thread pays for itself."""
+
+
 def apply_runs(y: Tensor, x: Tensor, w: PagedLora, runs: Runs, out_offset: int = 0) -> None:
     """The torch path: per run of one slot, ``y += scale * (x @ A.T) @ Bt`` in place.
 
     Two BLAS calls per run: the shrink into a small ``[t, rank]`` tensor and an ``addmm_``
     that scales and accumulates into the output slice, so no temporary of the output's
     size is made. Computed in the activations' dtype (float32 accumulation inside BLAS).
+    Small runs go first, in one thread (`SMALL_RUN_ROWS`); runs cover disjoint rows, so
+    the order does not change the result.
     """
-    n = w.out_features
+    live = [r for r in runs if r[0] >= 0 and r[2] > r[1] and w.a_views[r[0]] is not None]
+    small = [r for r in live if r[2] - r[1] < SMALL_RUN_ROWS]
+    if small:
+        with one_thread():
+            _apply(y, x, w, small, out_offset)
+    if len(small) < len(live):
+        _apply(y, x, w, [r for r in live if r[2] - r[1] >= SMALL_RUN_ROWS], out_offset)
+
+
+def _apply(y: Tensor, x: Tensor, w: PagedLora, runs: list[tuple[int, int, int]],
+           out_offset: int) -> None:
+    out = y[:, out_offset:out_offset + w.out_features]
     for slot, start, end in runs:
-        if slot < 0 or end == start:
-            continue
-        a = w.a_views[slot]
-        if a is None:
-            continue
-        h = torch.mm(x[start:end], a.T)
-        out = y[start:end, out_offset:out_offset + n]
-        out.addmm_(h, w.bt_views[slot], alpha=w.host_scales[slot])
+        h = torch.mm(x[start:end], w.a_views[slot].T)  # type: ignore[union-attr]
+        out[start:end].addmm_(h, w.bt_views[slot], alpha=w.host_scales[slot])

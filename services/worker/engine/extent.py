@@ -10,12 +10,15 @@ compute offsets here, so they cannot disagree.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from kernels.threads import one_thread
+
+__all__ = ["one_thread"]  # re-exported: the pool and the parser copy in one thread
 
 ALIGN = 16
 """Each A / B.T starts on a 16-element boundary (64 bytes in fp32): aligned vector loads."""
@@ -58,22 +61,3 @@ def host_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """
     itemsize = torch.empty((), dtype=dtype).element_size()
     return torch.from_numpy(np.empty(numel * itemsize, dtype=np.uint8)).view(dtype)
-
-
-@contextlib.contextmanager
-def one_thread() -> Iterator[None]:
-    """Run torch's CPU copies in the calling thread only.
-
-    Copies of a few hundred KB each, hundreds of them: waking torch's intra-op threads costs
-    more than they save at that size (measured 2-6x slower on 2 cores). OpenMP keeps the
-    limit per thread, so another running thread's matmuls keep their own team.
-    """
-    threads = torch.get_num_threads()
-    if threads == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
