@@ -34,3 +34,31 @@ def test_a_projection_without_shared_tables_keeps_its_own() -> None:
     assert w.ranks.tolist() == [0, 3] and w.host_scales == [0.0, 2.0]
     w.clear(1)
     assert w.ranks.tolist() == [0, 0] and w.a_views[1] is None
+
+
+def test_small_and_large_runs_both_land_and_the_thread_count_is_restored() -> None:
+    """Runs under SMALL_RUN_ROWS take the one-thread pass, the rest the threaded one; each
+    row gets exactly its own slot's delta, base rows and unadapted slots none."""
+    from kernels.paged import SMALL_RUN_ROWS, apply_runs
+
+    g = torch.Generator().manual_seed(0)
+    fin, fout = 8, 6
+    pool = torch.randn(1000, generator=g)
+    w = PagedLora(pool, fin, fout, 3)
+    w.point(0, 0, 100, 4, 0.5)
+    w.point(2, 200, 300, 2, 2.0)
+    big = SMALL_RUN_ROWS + 3
+    runs = ((0, 0, 2), (2, 2, 2 + big), (-1, 2 + big, 4 + big), (1, 4 + big, 5 + big),
+            (0, 5 + big, 6 + big))
+    x = torch.randn(6 + big, fin, generator=g)
+    y = torch.zeros(6 + big, fout + 3)
+    threads = torch.get_num_threads()
+    apply_runs(y, x, w, runs, out_offset=3)
+    assert torch.get_num_threads() == threads
+    want = torch.zeros_like(y)
+    for slot, lo, hi in runs:
+        if slot >= 0 and w.a_views[slot] is not None:
+            a, bt = w.a_views[slot], w.bt_views[slot]
+            want[lo:hi, 3:] = w.host_scales[slot] * (x[lo:hi] @ a.T) @ bt
+    torch.testing.assert_close(y, want)
+    assert not y[:, :3].any() and not y[2 + big:4 + big].any()
