@@ -776,6 +776,27 @@ def figures(result: dict[str, Any]) -> list[Figure]:
                           f"{mixed['output_tokens']} output tokens, {mixed['dtype']} "
                           f"{run['device']}, {run['threads']} threads, clock {run['clock']}"),
                 load_average=None))
+        roof = (mixed or {}).get("roofline", {}).get("all")
+        if roof:
+            loads = mixed.get("load_after", {})
+            out.append(Figure(
+                f"roofline: engine FLOP rate, mixed adapters, {label}", roof["engine_gflops"],
+                "GFLOP per CPU-s" if run["clock"] == "cpu" else "GFLOP/s",
+                baseline="dense F.linear of the same steps' shapes alone, same process",
+                baseline_value=roof["dense_matmul_gflops"], target="ratio >= 0.85",
+                meets_target=roof["fraction_of_dense"] >= 0.85, model=model,
+                settings=(f"{mixed['requests']} requests over {part['adapters']} adapters; "
+                          "useful FLOPs: base linears of every token and the LM head of "
+                          "sampled rows; prefill steps "
+                          f"{mixed['roofline']['prefill']['fraction_of_dense']:.0%}, decode "
+                          f"steps {mixed['roofline']['decode']['fraction_of_dense']:.0%}"),
+                load_average=[loads["engine_32"]] if "engine_32" in loads else None))
+            out.append(Figure(
+                f"one adapter vs 32 distinct, mixed workload, {label}",
+                mixed["one_adapter_vs_32"], "x (time with 32 / time with 1)", better="lower",
+                target="<= 1.10", meets_target=mixed["one_adapter_vs_32"] <= 1.10, model=model,
+                settings=f"the same {mixed['requests']} requests, every one on adapter 0",
+                load_average=[loads["engine_1"]] if "engine_1" in loads else None))
         tenant = part.get("tenant_prefix")
         if tenant and "engine_no_cache_tok_s" in tenant:
             out.append(Figure(
