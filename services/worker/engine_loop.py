@@ -843,6 +843,7 @@ class EngineLoop:
             epoch = self.follower.lease_epoch
         stats = self.engine.stats()
         self.metrics.free_kv_blocks.set(stats.free_kv_blocks)
+        self.metrics.workspace_bytes.set(stats.workspace_bytes)
         self.metrics.events_unsent.set(self.events.unsent)
         return WorkerHeartbeat(
             worker_id=self.worker_id, address=self.settings.worker_advertised,

@@ -74,6 +74,10 @@ class WorkerMetrics:
                            "registered", registry=r)
         self.free_kv_blocks = Gauge("loraplane_worker_free_kv_blocks", "Free KV blocks",
                                     registry=r)
+        self.workspace_bytes = Gauge(
+            "loraplane_worker_step_workspace_bytes",
+            "Engine step scratch buffers kept between steps (grown to the largest step)",
+            registry=r)
         self.events_unsent = Gauge("loraplane_worker_events_unsent",
                                    "Worker events waiting for the broker", registry=r)
         self.merged_version = Gauge(

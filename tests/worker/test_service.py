@@ -119,6 +119,7 @@ def test_publish_then_served_with_its_digest(stack: Stack,
     metrics = stack.workers["w1"].metrics()
     assert 'loraplane_worker_adapter_load_seconds_count{adapter="support",tier=' in metrics
     assert "loraplane_worker_time_to_first_token_seconds_count" in metrics
+    assert "loraplane_worker_step_workspace_bytes" in metrics
 
 
 def test_client_router_worker(stack: Stack) -> None:

@@ -68,6 +68,9 @@ class EngineStats:
     prefix_cache_hits_by_tenant: dict[str, int] = field(default_factory=dict)
     deferred_admissions: int = 0
     """Admissions postponed because a running request was computing the same prefix."""
+    workspace_bytes: int = 0
+    """Step scratch buffers kept between steps (`Workspace`): memory the KV budget does not
+    count, so it is reported beside it."""
 
 
 class Engine:
@@ -580,4 +583,5 @@ class Engine:
             prefix_cache_cross_tenant_hits=self.blocks.cross_tenant_hits,
             prefix_cache_hits_by_tenant=dict(self.blocks.hits_by_tenant),
             deferred_admissions=self.scheduler.deferred_admissions,
+            workspace_bytes=self.model.workspace.nbytes,
         )

@@ -36,5 +36,6 @@ class Workspace:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held between steps (reported so the memory figure stays honest)."""
+        """Bytes held between steps: `EngineStats.workspace_bytes` and the worker's
+        `loraplane_worker_step_workspace_bytes` gauge report it beside the KV budget."""
         return sum(b.numel() * b.element_size() for b in self._buffers.values())

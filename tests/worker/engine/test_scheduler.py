@@ -176,3 +176,11 @@ def test_abort(tiny):
     assert eng.abort("x")
     assert eng.result("x").finish_reason is FinishReason.ABORT
     assert not eng.has_work and eng.blocks.num_available == eng.blocks.num_blocks
+
+
+def test_step_scratch_memory_is_reported_once_a_step_ran(tiny):
+    eng = make_engine(tiny)
+    assert eng.stats().workspace_bytes == 0
+    eng.generate([GenerationRequest(prompt_token_ids=PROMPTS[0], sampling=greedy(2))])
+    held = eng.stats().workspace_bytes
+    assert held == eng.model.workspace.nbytes > 0
