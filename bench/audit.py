@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import gc
 import os
 import pstats
 import sys
@@ -140,14 +141,19 @@ def project_once(settings: Settings, produced: int, kept: int, server_pid: int |
     profiler = cProfile.Profile() if profile else None
     preparer_profiler = cProfile.Profile() if profile else None
     spent = {"poll": 0.0, "prepare": 0.0, "write": 0.0}
-    _account(projector, spent, preparer_profiler)
+    threads: dict[str, float] = {}
+    _account(projector, spent, preparer_profiler, threads)
+    collections = _GarbageCollections()
     load_before = os.getloadavg()
+    wal0 = _server_stats(settings.database_url)
     cpu0, server0, t0 = time.process_time(), _server_cpu_s(server_pid), time.perf_counter()
     if profiler:
         profiler.enable()
-    projector.run(stop)  # what `loraplane serve audit` runs: reader thread + writer
+    with collections:
+        projector.run(stop)  # what `loraplane serve audit` runs: reader thread + writer
     project_s = time.perf_counter() - t0
     cpu, server1 = time.process_time() - cpu0, _server_cpu_s(server_pid)
+    wal1 = _server_stats(settings.database_url)
     if profiler and preparer_profiler:
         profiler.disable()
         print("--- writer thread ---")
@@ -172,24 +178,87 @@ def project_once(settings: Settings, produced: int, kept: int, server_pid: int |
             step: round(seconds / produced * 1e6) for step, seconds in
             {**spent, "other (librdkafka threads, garbage collector, thread hand-off)":
              cpu - sum(spent.values())}.items()},
+        "thread_cpu_us_per_event": {name: round(seconds / produced * 1e6)
+                                    for name, seconds in threads.items()},
+        "garbage_collector": collections.summary(produced),
+        "postgres_per_event": {name: round((wal1[name] - wal0[name]) / produced, 2)
+                               for name in wal0},
         "load_average_before": [round(x, 2) for x in load_before],
         "load_average_after": [round(x, 2) for x in os.getloadavg()],
     }
 
 
+class _GarbageCollections:
+    """Count and time the cyclic garbage collector's passes per generation (all threads)."""
+
+    def __init__(self) -> None:
+        self.count = [0, 0, 0]
+        self.seconds = [0.0, 0.0, 0.0]
+        self._started = 0.0
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.count[info["generation"]] += 1
+            self.seconds[info["generation"]] += time.perf_counter() - self._started
+
+    def __enter__(self) -> _GarbageCollections:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def summary(self, produced: int) -> dict[str, object]:
+        return {"collections_per_generation": self.count,
+                "us_per_event_per_generation": [round(s / produced * 1e6, 2)
+                                                for s in self.seconds]}
+
+
+SERVER_STATS = """
+    SELECT w.wal_records, w.wal_fpi, w.wal_bytes, c.num_timed + c.num_requested,
+           c.buffers_written, (SELECT sum(writes) FROM pg_stat_io
+                               WHERE backend_type = 'client backend')
+    FROM pg_stat_wal w, pg_stat_checkpointer c"""
+
+
+def _server_stats(url: str | None) -> dict[str, float]:
+    """WAL records, full-page images and bytes, checkpoints, the checkpointer's and the
+    client backends' buffer writes so far (server-wide: the bench is the only writer)."""
+    assert url
+    with psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://")
+                         .split("?")[0]) as conn:
+        row = conn.execute(SERVER_STATS).fetchone()
+    assert row is not None
+    names = ("wal_records", "wal_full_page_images", "wal_bytes", "checkpoints",
+             "checkpointer_buffers_written", "backend_buffers_written")
+    return {name: float(value or 0) for name, value in zip(names, row, strict=True)}
+
+
 def _account(projector: AuditProjector, spent: dict[str, float],
-             profiler: cProfile.Profile | None) -> None:
+             profiler: cProfile.Profile | None, threads: dict[str, float]) -> None:
     """Add each step's thread CPU time to `spent` (poll: consume and decode; prepare: the
-    rest of the Python work; write: the transaction), profiling the preparer's steps."""
+    rest of the Python work; write: the transaction), profiling the preparer's steps, and
+    each Python thread's whole CPU time (steps, waits, hand-off, collections) to
+    `threads`."""
+    seen: dict[str, float] = {}
+
     def timed(step: str, method: Any) -> Any:
         def run(*args: Any, **kwargs: Any) -> Any:
             if profiler is not None and step != "write":
                 profiler.enable()
-            started = time.thread_time()
+            started, wall = time.thread_time(), time.perf_counter()
+            thread = "writer" if step == "write" else "preparer"
+            seen.setdefault(thread, started)
             try:
                 return method(*args, **kwargs)
             finally:
-                spent[step] += time.thread_time() - started
+                now = time.thread_time()
+                spent[step] += now - started
+                threads[thread] = now - seen[thread]
+                threads[f"{thread} wall in steps"] = threads.get(
+                    f"{thread} wall in steps", 0.0) + time.perf_counter() - wall
                 if profiler is not None and step != "write":
                     profiler.disable()
         return run

@@ -32,6 +32,7 @@ The generated envelopes answer what the code reading events asks of one (`type`,
 
 from __future__ import annotations
 
+import contextlib
 import re
 import types
 import uuid
@@ -272,9 +273,93 @@ def envelope_struct(event_type: str) -> type[EventStruct]:
     return cls  # type: ignore[return-value]
 
 
+REPEATED_LISTS: dict[str, str] = {"WorkerHeartbeat": "loaded"}
+"""Payload lists a stream sends again and again unchanged: a worker's heartbeat lists every
+version it holds (hundreds once its disk tier fills, 20-30 KB of JSON) and the list
+changes only when it loads or evicts one. The envelope is decoded with that field left as
+raw bytes; the list is decoded and validated on its own, once per distinct byte string
+per stream (`_repeated_list`)."""
+REMEMBERED_STREAMS = 10_000
+"""Streams whose last list is remembered; past that the memory starts again."""
+
+
+def _payload_model(event_type: str) -> type[BaseModel]:
+    return typed_envelope(event_type).model_fields["payload"].annotation  # type: ignore[return-value]
+
+
+@cache
+def _deferred_envelope(event_type: str) -> type[EventStruct]:
+    """`envelope_struct(event_type)` with its repeated list kept as `msgspec.Raw` (None when
+    absent) and no after-validators: `_complete` builds the real Struct from it, which runs
+    them on the decoded values."""
+    name = REPEATED_LISTS[event_type]
+    payload = msgspec.defstruct(
+        f"{event_type}DeferredPayload",
+        [(name, msgspec.Raw, None) if f[0] == name else f
+         for f in _fields(_payload_model(event_type))], **_STRUCT_OPTIONS)
+    fields = [("payload", payload) if f[0] == "payload" else f
+              for f in _fields(typed_envelope(event_type), skip=("type",))]
+    return msgspec.defstruct(  # type: ignore[return-value]
+        f"{event_type}Deferred", fields, bases=(EventStruct,), tag=event_type,
+        namespace={"type": event_type}, **_STRUCT_OPTIONS)
+
+
+@cache
+def _list_decoder(event_type: str) -> msgspec.json.Decoder[Any]:
+    """The repeated list's own type, constraints and all, as the real Struct declares it."""
+    name = REPEATED_LISTS[event_type]
+    (tp,) = [f[1] for f in _fields(_payload_model(event_type)) if f[0] == name]
+    return msgspec.json.Decoder(tp, dec_hook=_dec_hook)
+
+
+_remembered: dict[tuple[str, str], tuple[bytes, Any]] = {}
+
+
+def _repeated_list(event_type: str, stream: str, raw: msgspec.Raw) -> Any:
+    """The decoded list: the one decoded last for this stream when the bytes are equal
+    (decoding is a pure function of them), else decoded and remembered. The bytes are
+    compared in full, so a changed list is never served from memory. Events that sent the
+    same bytes share one list; readers never change it."""
+    data = bytes(raw)
+    key = (event_type, stream)
+    last = _remembered.get(key)
+    if last is not None and last[0] == data:
+        return last[1]
+    value = _list_decoder(event_type).decode(data)
+    if len(_remembered) >= REMEMBERED_STREAMS:
+        _remembered.clear()
+    _remembered[key] = (data, value)
+    return value
+
+
+def _complete(deferred: EventStruct) -> EventStruct:
+    """The real envelope Struct of a deferred one; raises `msgspec.ValidationError` (or an
+    after-validator's ValueError) where decoding the record whole would have refused it."""
+    event_type = deferred.type
+    name = REPEATED_LISTS[event_type]
+    payload = deferred.payload  # type: ignore[attr-defined]
+    values = {f: getattr(payload, f) for f in payload.__struct_fields__}
+    raw = values.pop(name)
+    if raw is not None:  # absent: the real Struct's default
+        values[name] = _repeated_list(event_type, deferred.stream,  # type: ignore[attr-defined]
+                                      raw)
+    envelope = {f: getattr(deferred, f) for f in deferred.__struct_fields__}
+    envelope["payload"] = struct_of(_payload_model(event_type))(**values)
+    return envelope_struct(event_type)(**envelope)
+
+
 @cache
 def _decoder() -> msgspec.json.Decoder[Any]:
+    """Every envelope Struct, whole."""
     union = Union[tuple(envelope_struct(t) for t in PAYLOAD_TYPES)]  # noqa: UP007
+    return msgspec.json.Decoder(union, dec_hook=_dec_hook)
+
+
+@cache
+def _deferring_decoder() -> msgspec.json.Decoder[Any]:
+    """`_decoder` with the `REPEATED_LISTS` left raw (what `decode` reads with)."""
+    union = Union[tuple(_deferred_envelope(t) if t in REPEATED_LISTS  # noqa: UP007
+                        else envelope_struct(t) for t in PAYLOAD_TYPES)]
     return msgspec.json.Decoder(union, dec_hook=_dec_hook)
 
 
@@ -308,12 +393,16 @@ def decode(value: bytes | None) -> AnyEnvelope:
     """
     if value is not None and not models_only(value):
         try:
-            envelope: EventStruct = _decoder().decode(value)
+            envelope: EventStruct = _deferring_decoder().decode(value)
         except (msgspec.ValidationError, msgspec.DecodeError):
             pass
         else:
             if value.endswith(_tag_suffix(envelope.type)):
-                return envelope
+                if envelope.type not in REPEATED_LISTS:
+                    return envelope
+                with contextlib.suppress(msgspec.ValidationError, msgspec.DecodeError,
+                                         ValueError, TypeError):
+                    return _complete(envelope)
     return decode_model(value)
 
 

@@ -349,3 +349,49 @@ def test_the_pattern_cache_is_bounded_and_refuses_what_the_pattern_refuses(
     for bad in ("abcd", "a\n", "A", 5, None, ["a"], {"a": 1}):
         with pytest.raises(ValueError):
             structs._dec_hook(slug, bad)
+
+
+def _heartbeat(loaded: list[dict[str, Any]] | None, worker: str = "w1") -> bytes:
+    document: dict[str, Any] = {
+        "actor": worker, "event_id": "01a22de7-18a3-7328-b7e8-c7aa6fe90435",
+        "occurred_at": "2026-11-29T19:20:49.672257Z",
+        "payload": {"address": f"{worker}:8781", "base_model": "tiny-llama",
+                    "base_model_digest": "a" * 64, "worker_id": worker},
+        "schema_version": 1, "seq": 1, "stream": f"worker/{worker}", "tenant": None,
+        "type": "WorkerHeartbeat"}
+    if loaded is not None:
+        document["payload"]["loaded"] = loaded
+    return canonical_bytes(document)
+
+
+def test_a_repeated_list_is_decoded_once_per_change_and_still_validated(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker's heartbeats repeat its list of held versions: equal bytes give the list
+    decoded before (the same object), changed or broken bytes are decoded and checked
+    again, and every result equals what the models read."""
+    monkeypatch.setattr(structs, "_remembered", {})
+    one = [{"adapter_id": "a1", "version": 1, "sha256": "b" * 64, "tier": "disk"}]
+    two = [*one, {"adapter_id": "a2", "version": 3, "sha256": "c" * 64}]
+    first, again = structs.decode(_heartbeat(one)), structs.decode(_heartbeat(one))
+    assert again.payload.loaded is first.payload.loaded  # type: ignore[union-attr]
+    changed = structs.decode(_heartbeat(two))
+    assert [a.adapter_id for a in changed.payload.loaded] == ["a1", "a2"]  # type: ignore[union-attr]
+    for value in (_heartbeat(one), _heartbeat(two), _heartbeat(None), _heartbeat([])):
+        fast = structs.decode(value)
+        assert isinstance(fast, structs.EventStruct)
+        assert structs.plain(fast) == structs.plain(decode_model(value))
+    broken = [{**one[0], "sha256": "not a digest"}]
+    with pytest.raises(EventValidationError) as fast_exc:
+        structs.decode(_heartbeat(broken))
+    with pytest.raises(EventValidationError) as model_exc:
+        decode_model(_heartbeat(broken))
+    assert str(fast_exc.value) == str(model_exc.value)
+    for bad in (b"null", b'{"a":1}', b"[1]"):  # not a list of versions: refused alike
+        value = _heartbeat(one).replace(json.dumps(one, separators=(",", ":"),
+                                                   sort_keys=True).encode(), bad)
+        with pytest.raises(EventValidationError):
+            structs.decode(value)
+    monkeypatch.setattr(structs, "REMEMBERED_STREAMS", 2)
+    for worker in ("w1", "w2", "w3"):
+        structs.decode(_heartbeat(one, worker))
+    assert len(structs._remembered) <= 2
