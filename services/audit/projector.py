@@ -60,7 +60,7 @@ from services.audit.chain import GENESIS, link
 from services.audit.keys import KeyRing, load_kek, vacuum_keys, write_key_changes
 from services.audit.merkle import CompactRange, leaf_hash
 from services.audit.metrics import ProjectorMetrics
-from services.audit.pgcopy import CopyFormat, copy_data
+from services.audit.pgcopy import CopyData, CopyFormat, copy_data
 from services.audit.publication import CheckpointFolder
 from services.audit.sealing import ERASED, seal
 from services.audit.signing import CheckpointSigner, load_signer, log_origin
@@ -159,7 +159,7 @@ class PreparedBatch:
     positions: dict[PartitionKey, int]
     """Consumer offsets this batch moves."""
     rejected: list[Rejected]
-    events: bytes
+    events: CopyData
     """COPY data of the event rows (with their chain links), in chain order."""
     heads: list[dict[str, Any]]
     checkpoints: list[dict[str, Any]]
@@ -167,7 +167,7 @@ class PreparedBatch:
     """Current-state rows to overwrite, per table."""
     worker_sets: list[str]
     """Workers whose `worker_adapters` rows are replaced by those in `appends`."""
-    appends: list[tuple[str, bytes]]
+    appends: list[tuple[str, CopyData]]
     """(COPY statement, COPY data) of the rows appended to state and history tables."""
     purges: list[dict[str, Any]]
     purge_blobs: list[dict[str, Any]]

@@ -279,8 +279,10 @@ version it holds (hundreds once its disk tier fills, 20-30 KB of JSON) and the l
 changes only when it loads or evicts one. The envelope is decoded with that field left as
 raw bytes; the list is decoded and validated on its own, once per distinct byte string
 per stream (`_repeated_list`)."""
-REMEMBERED_STREAMS = 10_000
-"""Streams whose last list is remembered; past that the memory starts again."""
+REMEMBERED_STREAMS = 1_024
+"""Streams whose last list is remembered (its bytes and its values, ~60 KB for a list of
+200 versions); past that the memory starts again, and a larger fleet decodes every list
+as before."""
 
 
 def _payload_model(event_type: str) -> type[BaseModel]:
