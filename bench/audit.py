@@ -52,12 +52,13 @@ RESULTS = REPO / "bench" / "results" / "audit.json"
 
 
 @contextlib.contextmanager
-def services(workdir: Path) -> Iterator[tuple[str, str, int | None]]:
-    """(kafka bootstrap, database url, server pid if started here): from the environment
-    or started here."""
+def services(workdir: Path) -> Iterator[tuple[str, str, int | None, int | None]]:
+    """(kafka bootstrap, database url, database server pid, broker pid if started here):
+    from the environment or started here."""
     with contextlib.ExitStack() as stack:
         bootstrap = os.environ.get("LORAPLANE_KAFKA_BOOTSTRAP")
         url = os.environ.get("LORAPLANE_DATABASE_URL")
+        broker_pid = None
         if not bootstrap:
             from services.stack.brokers import ApacheKafka
 
@@ -65,7 +66,7 @@ def services(workdir: Path) -> Iterator[tuple[str, str, int | None]]:
                                           topic_partitions=3), workdir / "kafka")
             broker.start()
             stack.callback(broker.stop)
-            bootstrap = broker.bootstrap
+            bootstrap, broker_pid = broker.bootstrap, broker.pid
         if not url:
             from services.stack.postgres import LocalPostgres
 
@@ -73,7 +74,7 @@ def services(workdir: Path) -> Iterator[tuple[str, str, int | None]]:
             server.start()
             stack.callback(server.stop)
             url = server.url
-        yield bootstrap, url, _postmaster(url)
+        yield bootstrap, url, _postmaster(url), broker_pid
 
 
 DURABILITY = ("fsync", "full_page_writes", "synchronous_commit", "wal_compression",
@@ -94,7 +95,8 @@ def _postmaster(url: str) -> int | None:
 
 
 def _server_cpu_s(pid: int | None) -> float | None:
-    """CPU seconds of a PostgreSQL server we started (postmaster and its children)."""
+    """CPU seconds of a server we started (PostgreSQL: the postmaster and its children;
+    the broker: its one process, all its threads)."""
     if pid is None:
         return None
     total = 0
@@ -118,7 +120,7 @@ def _schema_url(url: str, tag: str) -> str:
 
 
 def project_once(settings: Settings, produced: int, kept: int, server_pid: int | None,
-                 profile: bool) -> dict[str, object]:
+                 profile: bool, broker_pid: int | None = None) -> dict[str, object]:
     """One projector draining all `produced` events (`kept` of them stored one by one, the
     rest liveness summaries) into a fresh schema."""
     assert settings.database_url
@@ -146,6 +148,7 @@ def project_once(settings: Settings, produced: int, kept: int, server_pid: int |
     collections = _GarbageCollections()
     load_before = os.getloadavg()
     wal0 = _server_stats(settings.database_url)
+    broker0 = _server_cpu_s(broker_pid)
     cpu0, server0, t0 = time.process_time(), _server_cpu_s(server_pid), time.perf_counter()
     if profiler:
         profiler.enable()
@@ -153,6 +156,7 @@ def project_once(settings: Settings, produced: int, kept: int, server_pid: int |
         projector.run(stop)  # what `loraplane serve audit` runs: reader thread + writer
     project_s = time.perf_counter() - t0
     cpu, server1 = time.process_time() - cpu0, _server_cpu_s(server_pid)
+    broker1 = _server_cpu_s(broker_pid)
     wal1 = _server_stats(settings.database_url)
     if profiler and preparer_profiler:
         profiler.disable()
@@ -174,6 +178,8 @@ def project_once(settings: Settings, produced: int, kept: int, server_pid: int |
         "postgres_cpu_us_per_event": (round((server1 - server0) / produced * 1e6)
                                       if server0 is not None and server1 is not None
                                       else None),
+        "broker_cpu_us_per_event": (round((broker1 - broker0) / produced * 1e6)
+                                    if broker0 is not None and broker1 is not None else None),
         "cpu_us_per_event_by_step": {
             step: round(seconds / produced * 1e6) for step, seconds in
             {**spent, "other (librdkafka threads, garbage collector, thread hand-off)":
@@ -284,7 +290,8 @@ def main() -> None:
     args.events = args.events or (10_000 if args.quick else 50_000)
     args.runs = args.runs or (1 if args.quick else 3)
 
-    with tempfile.TemporaryDirectory() as tmp, services(Path(tmp)) as (bootstrap, url, pid):
+    with tempfile.TemporaryDirectory() as tmp, \
+            services(Path(tmp)) as (bootstrap, url, pid, broker_pid):
         tag = uuid.uuid4().hex[:8]
         settings = Settings(
             kafka_bootstrap=bootstrap, adapter_events_topic=f"bench{tag}.adapter-events",
@@ -312,10 +319,12 @@ def main() -> None:
         for run in range(args.runs):
             url_of_run = _schema_url(url, f"{tag}_{run}")
             runs.append(project_once(settings.model_copy(update={"database_url": url_of_run}),
-                                     produced, kept, pid, args.profile and run == 0))
+                                     produced, kept, pid, args.profile and run == 0,
+                                     broker_pid))
             print(f"run {run + 1}: {runs[-1]['events_per_second']:,} events/s "
                   f"(projector {runs[-1]['projector_cpu_us_per_event']} us CPU/event, "
                   f"PostgreSQL {runs[-1]['postgres_cpu_us_per_event']} us CPU/event, "
+                  f"broker {runs[-1]['broker_cpu_us_per_event']} us CPU/event, "
                   f"load {runs[-1]['load_average_before']})")
 
     rates = sorted(r["events_per_second"] for r in runs)  # type: ignore[type-var]

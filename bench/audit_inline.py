@@ -91,7 +91,7 @@ def main() -> None:
     n = args.events or (5_000 if args.quick else 30_000)
     rounds = args.rounds or (1 if args.quick else 3)
 
-    with tempfile.TemporaryDirectory() as tmp, services(Path(tmp)) as (bootstrap, url, _):
+    with tempfile.TemporaryDirectory() as tmp, services(Path(tmp)) as (bootstrap, url, *_):
         tag = uuid.uuid4().hex[:8]
         settings = Settings(
             kafka_bootstrap=bootstrap, adapter_events_topic=f"inl{tag}.adapter-events",

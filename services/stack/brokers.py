@@ -134,6 +134,11 @@ class ApacheKafka(ChildOwner):
     def bootstrap(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    @property
+    def pid(self) -> int | None:
+        """The broker's process while it runs (what a benchmark reads its CPU time from)."""
+        return self._child.pid if self._child is not None else None
+
     def _write_config(self) -> Path:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         props = {

@@ -151,7 +151,7 @@ def auditors(settings: Settings, engine: Engine, projector: AuditProjector,
 
 
 def main() -> None:
-    with tempfile.TemporaryDirectory() as tmp, services(Path(tmp)) as (bootstrap, url, _):
+    with tempfile.TemporaryDirectory() as tmp, services(Path(tmp)) as (bootstrap, url, *_):
         tag = uuid.uuid4().hex[:8]
         with psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://")
                              .split("?")[0], autocommit=True) as conn:

@@ -44,7 +44,7 @@ def show(title: str, body: str) -> None:
 
 def main() -> None:
     logging.basicConfig(level=logging.WARNING)
-    with tempfile.TemporaryDirectory() as tmp, services(Path(tmp)) as (bootstrap, url):
+    with tempfile.TemporaryDirectory() as tmp, services(Path(tmp)) as (bootstrap, url, *_):
         root = Path(tmp)
         plain = isolated_settings(bootstrap, url, audit_signing_key="42" * 32,
                                   state_dir=root / "state")
