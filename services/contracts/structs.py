@@ -338,16 +338,22 @@ def _complete(deferred: EventStruct) -> EventStruct:
     """The real envelope Struct of a deferred one; raises `msgspec.ValidationError` (or an
     after-validator's ValueError) where decoding the record whole would have refused it."""
     event_type = deferred.type
-    name = REPEATED_LISTS[event_type]
-    payload = deferred.payload  # type: ignore[attr-defined]
-    values = {f: getattr(payload, f) for f in payload.__struct_fields__}
+    name, envelope_cls, payload_cls = _completed_types(event_type)
+    values = msgspec.structs.asdict(deferred.payload)  # type: ignore[attr-defined]
     raw = values.pop(name)
     if raw is not None:  # absent: the real Struct's default
         values[name] = _repeated_list(event_type, deferred.stream,  # type: ignore[attr-defined]
                                       raw)
-    envelope = {f: getattr(deferred, f) for f in deferred.__struct_fields__}
-    envelope["payload"] = struct_of(_payload_model(event_type))(**values)
-    return envelope_struct(event_type)(**envelope)
+    envelope = msgspec.structs.asdict(deferred)
+    envelope["payload"] = payload_cls(**values)
+    return envelope_cls(**envelope)  # type: ignore[no-any-return]
+
+
+@cache
+def _completed_types(event_type: str) -> tuple[str, type[EventStruct], type[msgspec.Struct]]:
+    """(repeated field, real envelope Struct, real payload Struct) of a deferred type."""
+    return (REPEATED_LISTS[event_type], envelope_struct(event_type),
+            struct_of(_payload_model(event_type)))
 
 
 @cache
