@@ -374,11 +374,25 @@ def _deferring_decoder() -> msgspec.json.Decoder[Any]:
 _LONG_FRACTION = re.compile(rb"\.[0-9]{7}")
 
 
+SCAN_BY_DOTS = 4096
+"""Records at least this long are searched dot by dot (`bytes.find`, a vectorised scan)
+instead of by the regex, which steps through every byte: a large record is nearly all a
+heartbeat's list of held versions, which has no dot (28 KB: ~0.3 µs against ~10)."""
+
+
 def models_only(value: bytes) -> bool:
     """Seconds with more than six fractional digits, which pydantic truncates to
     microseconds and msgspec rounds: only pydantic may read such a record (the search
     also hits other long decimals; a false hit costs time only)."""
-    return _LONG_FRACTION.search(value) is not None
+    if len(value) < SCAN_BY_DOTS:
+        return _LONG_FRACTION.search(value) is not None
+    find, match = value.find, _LONG_FRACTION.match
+    at = find(b".")
+    while at >= 0:
+        if match(value, at):
+            return True
+        at = find(b".", at + 1)
+    return False
 
 
 @cache

@@ -395,3 +395,15 @@ def test_a_repeated_list_is_decoded_once_per_change_and_still_validated(
     for worker in ("w1", "w2", "w3"):
         structs.decode(_heartbeat(one, worker))
     assert len(structs._remembered) <= 2
+
+
+def test_long_records_are_searched_for_long_fractions_as_short_ones_are() -> None:
+    """`models_only` scans long records dot by dot: the same answer as the regex."""
+    many = [{"adapter_id": f"a{i}", "version": i + 1, "sha256": f"{i:064x}"} for i in range(60)]
+    long = _heartbeat(many)
+    assert len(long) >= structs.SCAN_BY_DOTS
+    pattern = structs._LONG_FRACTION
+    for value in (long, long.replace(b'.672257Z"', b'.6722571Z"'), long.replace(b".", b"x"),
+                  long.replace(b'"a59"', b'"1.1234567"'), long + b"1.", long + b".1234567",
+                  *(canonical_bytes(e.to_json()) for e in mixed(300))):
+        assert structs.models_only(value) == (pattern.search(value) is not None)
