@@ -12,12 +12,19 @@ same offsets, built once when the adapter is written, not per call.
 
 from __future__ import annotations
 
+import itertools
+import warnings
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from .threads import one_thread
+
+warnings.filterwarnings("ignore", message="The PyTorch API of nested tensors",
+                        category=UserWarning)
+"""torch warns (once) that nested tensors are a prototype API; the two ops used here,
+a view from a buffer and `bmm`, are tested against per-run products (tests/kernels)."""
 
 Runs = tuple[tuple[int, int, int], ...]
 """Host-side ``(slot, start, end)`` token runs, one per contiguous group of a slot."""
@@ -94,6 +101,9 @@ class PagedLora:
     """``A`` [rank, in] of each slot (a view into the pool), None where rank is 0."""
     bt_views: list[Tensor | None] = field(init=False)
     """``B.T`` [rank, out] of each slot, None where rank is 0."""
+    _grouped: tuple[tuple[int, ...], Tensor, Tensor] | None = field(init=False, default=None)
+    """The last `grouped_views` answer (a decode step's slots recur layer after layer and
+    step after step); dropped whenever a slot is re-pointed."""
 
     def __post_init__(self) -> None:
         n = self.num_slots
@@ -129,6 +139,7 @@ class PagedLora:
         self.host_scales[slot] = scale
         self.a_views[slot] = self.pool[a_offset:a_offset + rank * k].view(rank, k)
         self.bt_views[slot] = self.pool[b_offset:b_offset + rank * n].view(rank, n)
+        self._grouped = None
 
     def clear(self, slot: int) -> None:
         self.ranks[slot] = 0
@@ -141,6 +152,17 @@ class PagedLora:
         self.host_scales[slot] = 0.0
         self.a_views[slot] = None
         self.bt_views[slot] = None
+        self._grouped = None
+
+    def grouped_views(self, slots: tuple[int, ...]) -> tuple[Tensor, Tensor]:
+        """``A.T`` [in, rank] and ``B.T`` [rank, out] of `slots` (in that order, repeats
+        allowed) as two nested tensors over the pool: ragged ranks, no copy."""
+        if self._grouped is None or self._grouped[0] != slots:
+            a = [self.a_views[s] for s in slots]
+            bt = [self.bt_views[s] for s in slots]
+            self._grouped = (slots, ragged_view(self.pool, a).transpose(1, 2),  # type: ignore[arg-type]
+                             ragged_view(self.pool, bt))  # type: ignore[arg-type]
+        return self._grouped[1], self._grouped[2]
 
     def adapts(self, slot: int) -> bool:
         return slot >= 0 and self.host_ranks[slot] > 0
@@ -166,22 +188,40 @@ MLP, 32 adapters) 3.8 ms against 2.1 ms of CPU time; from about 64 rows on, the 
 thread pays for itself."""
 
 
-def apply_runs(y: Tensor, x: Tensor, w: PagedLora, runs: Runs, out_offset: int = 0) -> None:
-    """The torch path: per run of one slot, ``y += scale * (x @ A.T) @ Bt`` in place.
+def ragged_view(buffer: Tensor, parts: list[Tensor]) -> Tensor:
+    """A nested tensor whose components are `parts`, row-major 2-D views into `buffer`'s
+    storage (no copy): what lets one `torch.bmm` run many matmuls of ragged shapes."""
+    sizes = torch.tensor([p.shape for p in parts], dtype=torch.int64)
+    strides = torch.tensor([p.stride() for p in parts], dtype=torch.int64)
+    offsets = torch.tensor([p.storage_offset() for p in parts], dtype=torch.int64)
+    return torch._nested_view_from_buffer(buffer.view(-1), sizes, strides, offsets)
 
-    Two BLAS calls per run: the shrink into a small ``[t, rank]`` tensor and an ``addmm_``
-    that scales and accumulates into the output slice, so no temporary of the output's
-    size is made. Computed in the activations' dtype (float32 accumulation inside BLAS).
-    Small runs go first, in one thread (`SMALL_RUN_ROWS`); runs cover disjoint rows, so
-    the order does not change the result.
+
+def apply_runs(y: Tensor, x: Tensor, w: PagedLora, runs: Runs, out_offset: int = 0) -> None:
+    """The torch path: per run of one slot, ``y += scale * ((x @ A.T) @ Bt)`` in place.
+
+    Small runs (decodes: one or two rows per adapter) go first, in one thread
+    (`SMALL_RUN_ROWS`) and all in two nested-tensor `bmm` calls (`_apply_grouped`): one
+    Python-level call per projection instead of two per adapter, which on a step of 32
+    adapters was most of the LoRA time. Large runs (prefill chunks) keep one BLAS call pair
+    each: ``torch.mm`` for the shrink and an ``addmm_`` that scales and accumulates into
+    the output slice. Runs cover disjoint rows, so the order does not change the result.
     """
     live = [r for r in runs if r[0] >= 0 and r[2] > r[1] and w.a_views[r[0]] is not None]
     small = [r for r in live if r[2] - r[1] < SMALL_RUN_ROWS]
     if small:
         with one_thread():
-            _apply(y, x, w, small, out_offset)
+            if len(small) >= GROUPED_MIN_RUNS and x.is_contiguous():
+                _apply_grouped(y, x, w, small, out_offset, runs)
+            else:
+                _apply(y, x, w, small, out_offset)
     if len(small) < len(live):
         _apply(y, x, w, [r for r in live if r[2] - r[1] >= SMALL_RUN_ROWS], out_offset)
+
+
+GROUPED_MIN_RUNS = 4
+"""From this many small runs on, the nested `bmm` pair beats a loop of BLAS call pairs (its
+views cost tens of microseconds to build, a call pair about 20)."""
 
 
 def _apply(y: Tensor, x: Tensor, w: PagedLora, runs: list[tuple[int, int, int]],
@@ -190,3 +230,66 @@ def _apply(y: Tensor, x: Tensor, w: PagedLora, runs: list[tuple[int, int, int]],
     for slot, start, end in runs:
         h = torch.mm(x[start:end], w.a_views[slot].T)  # type: ignore[union-attr]
         out[start:end].addmm_(h, w.bt_views[slot], alpha=w.host_scales[slot])
+
+
+def _apply_grouped(y: Tensor, x: Tensor, w: PagedLora, runs: list[tuple[int, int, int]],
+                   out_offset: int, step: Runs) -> None:
+    """Every run's shrink in one ragged `bmm`, every expand in another, then one scaled
+    add of the packed deltas into their rows (PEFT's order: ``(x @ A.T) @ B.T * scale``)."""
+    slots = tuple(r[0] for r in runs)
+    a_t, bt = w.grouped_views(slots)
+    routing = _routing(x, tuple(runs), step)
+    delta = torch.bmm(torch.bmm(routing.x, a_t), bt).values().view(-1, w.out_features)
+    scales = [w.host_scales[s] for s in slots]
+    if scales.count(scales[0]) == len(scales):
+        delta.mul_(scales[0])
+    else:
+        delta.mul_(torch.tensor(scales, dtype=delta.dtype).repeat_interleave(
+            routing.lengths)[:, None])
+    out = y[:, out_offset:out_offset + w.out_features]
+    if routing.rows is None:
+        out[runs[0][1]:runs[-1][2]].add_(delta)
+    else:
+        out.index_add_(0, routing.rows, delta)
+
+
+@dataclass(frozen=True)
+class _Routing:
+    """The rows of a step's small runs as a nested view of the activations."""
+
+    x: Tensor
+    lengths: Tensor
+    rows: Tensor | None
+    """Row index of each packed delta row; None when the runs are one contiguous block."""
+
+
+_ROUTINGS: dict[tuple[int, int, tuple[int, ...], tuple[tuple[int, int, int], ...]],
+                tuple[Tensor, _Routing]] = {}
+"""Routings by (activation buffer address, dtype size, shape, runs). A step's projections
+read a few workspace buffers (the normed hidden state, attention output, SwiGLU output)
+layer after layer, so each routing is built once per step (and kept while decodes keep
+the same runs), not once per projection. An entry keeps its buffer alive, so an address
+seen again is the same buffer; the table is emptied whenever the step's runs change, so it
+holds at most the few buffers of one step."""
+
+_ROUTINGS_STEP: list[Runs] = [()]
+"""The step runs `_ROUTINGS` belongs to."""
+
+
+def _routing(x: Tensor, runs: tuple[tuple[int, int, int], ...], step: Runs) -> _Routing:
+    """`runs` (a projection's live small runs) of `step` (all the step's runs)."""
+    if step != _ROUTINGS_STEP[0]:
+        _ROUTINGS.clear()
+        _ROUTINGS_STEP[0] = step
+    key = (x.data_ptr(), x.element_size(), tuple(x.shape), runs)
+    hit = _ROUTINGS.get(key)
+    if hit is not None:
+        return hit[1]
+    parts = [x[start:end] for _, start, end in runs]
+    contiguous = all(a[2] == b[1] for a, b in itertools.pairwise(runs))
+    rows = None if contiguous else torch.cat(
+        [torch.arange(start, end) for _, start, end in runs])
+    routing = _Routing(ragged_view(x, parts),
+                       torch.tensor([end - start for _, start, end in runs]), rows)
+    _ROUTINGS[key] = (x, routing)
+    return routing

@@ -62,3 +62,44 @@ def test_small_and_large_runs_both_land_and_the_thread_count_is_restored() -> No
             want[lo:hi, 3:] = w.host_scales[slot] * (x[lo:hi] @ a.T) @ bt
     torch.testing.assert_close(y, want)
     assert not y[:, :3].any() and not y[2 + big:4 + big].any()
+
+
+def test_many_small_runs_take_the_nested_pass_and_match_per_run_products() -> None:
+    """Decode-sized runs of many slots (repeats, gaps, base rows, an unadapted slot, ragged
+    ranks and scales) go through two nested `bmm` calls; every row gets its own slot's
+    delta, as the per-run loop computes it, whether the runs are one block or not and
+    whether the activations start at the front of their buffer or not."""
+    from kernels.paged import GROUPED_MIN_RUNS, apply_runs
+
+    g = torch.Generator().manual_seed(1)
+    fin, fout, slots = 8, 6, 6
+    pool = torch.randn(2000, generator=g)
+    w = PagedLora(pool, fin, fout, slots)
+    for slot, rank in enumerate((1, 3, 0, 4, 2, 5)):
+        if rank:
+            w.point(slot, 100 * slot, 100 * slot + 50, rank, 0.5 + slot)
+    block = tuple((slot, 2 * i, 2 * i + 2) for i, slot in enumerate((0, 1, 3, 4, 5, 1)))
+    gapped = ((0, 0, 1), (-1, 1, 3), (3, 3, 5), (2, 5, 6), (4, 6, 7), (5, 7, 9), (0, 9, 10),
+              (3, 10, 12))
+    for runs in (block, gapped):
+        assert sum(1 for r in runs if w.adapts(r[0])) >= GROUPED_MIN_RUNS
+        rows = runs[-1][2]
+        x = torch.randn(rows + 3, fin, generator=g)[3:]  # not at its buffer's front
+        y = torch.randn(rows, fout + 2, generator=g)
+        want = y.clone()
+        for slot, lo, hi in runs:
+            if w.adapts(slot):
+                a, bt = w.a_views[slot], w.bt_views[slot]
+                want[lo:hi, 2:] += (x[lo:hi] @ a.T) @ bt * w.host_scales[slot]
+        for _ in range(2):  # the second call reuses the cached views
+            got = y.clone()
+            apply_runs(got, x, w, runs, out_offset=2)
+            torch.testing.assert_close(got, want)
+    w.point(3, 1500, 1550, 2, 3.0)  # re-pointing a slot drops its cached views
+    got, want = y.clone(), y.clone()
+    apply_runs(got, x, w, gapped, out_offset=2)
+    for slot, lo, hi in gapped:
+        if w.adapts(slot):
+            a, bt = w.a_views[slot], w.bt_views[slot]
+            want[lo:hi, 2:] += (x[lo:hi] @ a.T) @ bt * w.host_scales[slot]
+    torch.testing.assert_close(got, want)
