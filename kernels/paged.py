@@ -244,8 +244,8 @@ def _apply_grouped(y: Tensor, x: Tensor, w: PagedLora, runs: list[tuple[int, int
     if scales.count(scales[0]) == len(scales):
         delta.mul_(scales[0])
     else:
-        delta.mul_(torch.tensor(scales, dtype=delta.dtype).repeat_interleave(
-            routing.lengths)[:, None])
+        delta.mul_(torch.tensor(scales, dtype=delta.dtype, device=delta.device)
+                   .repeat_interleave(routing.lengths)[:, None])
     out = y[:, out_offset:out_offset + w.out_features]
     if routing.rows is None:
         out[runs[0][1]:runs[-1][2]].add_(delta)
@@ -288,8 +288,8 @@ def _routing(x: Tensor, runs: tuple[tuple[int, int, int], ...], step: Runs) -> _
     parts = [x[start:end] for _, start, end in runs]
     contiguous = all(a[2] == b[1] for a, b in itertools.pairwise(runs))
     rows = None if contiguous else torch.cat(
-        [torch.arange(start, end) for _, start, end in runs])
-    routing = _Routing(ragged_view(x, parts),
-                       torch.tensor([end - start for _, start, end in runs]), rows)
+        [torch.arange(start, end, device=x.device) for _, start, end in runs])
+    routing = _Routing(ragged_view(x, parts), torch.tensor(
+        [end - start for _, start, end in runs], device=x.device), rows)
     _ROUTINGS[key] = (x, routing)
     return routing
