@@ -211,7 +211,7 @@ def apply_runs(y: Tensor, x: Tensor, w: PagedLora, runs: Runs, out_offset: int =
     small = [r for r in live if r[2] - r[1] < SMALL_RUN_ROWS]
     if small:
         with one_thread():
-            if len(small) >= GROUPED_MIN_RUNS and x.is_contiguous():
+            if len(small) >= GROUPED_MIN_RUNS and NESTED_VIEWS and x.is_contiguous():
                 _apply_grouped(y, x, w, small, out_offset, runs)
             else:
                 _apply(y, x, w, small, out_offset)
@@ -222,6 +222,11 @@ def apply_runs(y: Tensor, x: Tensor, w: PagedLora, runs: Runs, out_offset: int =
 GROUPED_MIN_RUNS = 4
 """From this many small runs on, the nested `bmm` pair beats a loop of BLAS call pairs (its
 views cost tens of microseconds to build, a call pair about 20)."""
+
+
+NESTED_VIEWS = hasattr(torch, "_nested_view_from_buffer")
+"""`ragged_view` rests on a private torch function; a torch without it takes the loop of
+BLAS call pairs (same results, slower decodes) instead of failing."""
 
 
 def _apply(y: Tensor, x: Tensor, w: PagedLora, runs: list[tuple[int, int, int]],

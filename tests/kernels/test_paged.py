@@ -69,14 +69,18 @@ TOL = {torch.float32: {}, torch.bfloat16: {"atol": 0.1, "rtol": 0.02}}
 """bf16: the per-run reference rounds its shrink output, the nested pass may not."""
 
 
+@pytest.mark.parametrize("nested", [True, False], ids=["nested", "torch-without-nested-views"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_many_small_runs_take_the_nested_pass_and_match_per_run_products(
-        dtype: torch.dtype) -> None:
+        dtype: torch.dtype, nested: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Decode-sized runs of many slots (repeats, gaps, base rows, an unadapted slot, ragged
     ranks and scales) go through two nested `bmm` calls; every row gets its own slot's
     delta, as the per-run loop computes it, whether the runs are one block or not and
-    whether the activations start at the front of their buffer or not."""
+    whether the activations start at the front of their buffer or not. A torch without
+    the private nested-view function takes the loop and gets the same rows."""
     from kernels.paged import GROUPED_MIN_RUNS, apply_runs
+
+    monkeypatch.setattr("kernels.paged.NESTED_VIEWS", nested)
 
     g = torch.Generator().manual_seed(1)
     fin, fout, slots = 8, 6, 6
