@@ -709,24 +709,31 @@ def main() -> None:
     def log(msg: str) -> None:
         print(f"[{time.perf_counter() - t_start:6.0f} s, load {load()}] {msg}", flush=True)
 
-    result: dict[str, object] = {
-        "settings": {"threads": torch.get_num_threads(), "device": DEVICE, "seed": args.seed,
+    settings: dict[str, object] = {
+                     "threads": torch.get_num_threads(), "device": DEVICE, "seed": args.seed,
                      "clock": args.clock,
                      "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"),
                      "requests": args.requests, "tenant_requests": args.tenant_requests,
                      "bf16_requests": args.bf16_requests, "adapters": args.adapters,
                      "smoke": args.smoke, "serving_dtype_auto": str(serving_dtype("auto")),
                      "block_size": 16, "max_running": 64, "max_tokens_per_step": 4096,
-                     "load_at_start": load()},
-    }
+                     "load_at_start": load()}
+    result: dict[str, object] = {"settings": settings}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    if not (args.quick or args.smoke) and (
+            args.sections != "all" or set(args.models.split(",")) != {"random", "smollm2"}):
+        result = kept_results(out, settings, record.command)
 
     def saver(key: str) -> Callable[[dict], None]:
+        kept = result.get(key, {})
+
         def save(part: dict) -> None:
-            result[key] = part
-            result["settings"]["seconds"] = round(  # type: ignore[index]
-                time.perf_counter() - t_start, 1)
+            # the kept entry's description (model, adapters) stays with the sections it
+            # describes; this run's own counts are in its `partial_runs` settings
+            result[key] = {**part, **{k: v for k, v in kept.items()  # type: ignore[dict-item]
+                                      if not isinstance(v, dict) or k not in part}}
+            settings["seconds"] = round(time.perf_counter() - t_start, 1)
             out.write_text(json.dumps(result, indent=2) + "\n")
         return save
 
@@ -750,6 +757,27 @@ def main() -> None:
             del hf
             gc.collect()
     record.save(out, result, figures(result))
+
+
+def kept_results(out: Path, settings: dict[str, Any], command: str) -> dict[str, Any]:
+    """What a run of some sections or models starts from: the results already in `out`,
+    so the sections it does not run keep their figures (and the settings they were measured
+    under) instead of being dropped; this run's settings are recorded beside them under
+    `partial_runs`. A missing or unreadable file starts empty. Quick and smoke runs are
+    not merged: their sizes would pass for the full run's."""
+    fresh: dict[str, Any] = {"settings": settings}
+    try:
+        previous = json.loads(out.read_text())
+    except (OSError, ValueError):
+        return fresh
+    if not isinstance(previous, dict) or "settings" not in previous:
+        return fresh
+    kept = {k: v for k, v in previous.items() if k not in ("run", "figures")}
+    if "run" in previous:
+        kept.setdefault("full_run", previous["run"])
+    kept["partial_runs"] = [*kept.get("partial_runs", []),
+                            {"command": command, "settings": settings}]
+    return kept
 
 
 def figures(result: dict[str, Any]) -> list[Figure]:

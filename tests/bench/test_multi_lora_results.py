@@ -1,0 +1,28 @@
+"""A run of some sections of the engine bench keeps the figures of the others."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench.multi_lora import kept_results
+
+
+def test_a_partial_run_keeps_the_other_sections_and_records_its_own_settings(
+        tmp_path: Path) -> None:
+    out = tmp_path / "multi_lora.json"
+    full = {"settings": {"requests": 16}, "run": {"command": "python bench/multi_lora.py"},
+            "figures": [{"name": "old"}],
+            "random_llama": {"mixed": {"x": 1}, "tenant_prefix": {"y": 2}}}
+    out.write_text(json.dumps(full))
+    now = {"requests": 64}
+    kept = kept_results(out, now, "python bench/multi_lora.py --sections mixed")
+    assert kept["settings"] == {"requests": 16}  # the kept sections' settings stay true
+    assert kept["random_llama"]["tenant_prefix"] == {"y": 2}
+    assert kept["full_run"]["command"] == "python bench/multi_lora.py"
+    assert "run" not in kept and "figures" not in kept
+    assert kept["partial_runs"] == [{"command": "python bench/multi_lora.py --sections mixed",
+                                     "settings": now}]
+    assert kept_results(out.with_name("missing.json"), now, "c") == {"settings": now}
+    out.write_text("{not json")
+    assert kept_results(out, now, "c") == {"settings": now}
