@@ -82,11 +82,16 @@ DURABILITY = ("fsync", "full_page_writes", "synchronous_commit", "wal_compressio
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
+def libpq_url(url: str) -> str:
+    """The SQLAlchemy database URL as psycopg connects to it directly (no driver name, no
+    query options such as a schema's search path)."""
+    return url.replace("postgresql+psycopg://", "postgresql://").split("?")[0]
+
+
 def _postmaster(url: str) -> int | None:
     """The pid of the server when it runs on this machine (the parent of our backend),
     read while the backend lives: once the connection closes its process may be gone."""
-    with psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://")
-                         .split("?")[0]) as conn:
+    with psycopg.connect(libpq_url(url)) as conn:
         backend = conn.execute("SELECT pg_backend_pid()").fetchone()[0]  # type: ignore[index]
         try:
             return int(Path(f"/proc/{backend}/stat").read_text().rsplit(")", 1)[1].split()[1])
@@ -112,8 +117,7 @@ def _server_cpu_s(pid: int | None) -> float | None:
 
 def _schema_url(url: str, tag: str) -> str:
     schema = f"bench_{tag}"
-    with psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://")
-                         .split("?")[0], autocommit=True) as conn:
+    with psycopg.connect(libpq_url(url), autocommit=True) as conn:
         conn.execute(f'CREATE SCHEMA "{schema}"')
     sep = "&" if "?" in url else "?"
     return f"{url}{sep}options=-csearch_path%3D{schema}"
@@ -233,8 +237,7 @@ def _server_stats(url: str | None) -> dict[str, float]:
     """WAL records, full-page images and bytes, checkpoints, the checkpointer's and the
     client backends' buffer writes so far (server-wide: the bench is the only writer)."""
     assert url
-    with psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://")
-                         .split("?")[0]) as conn:
+    with psycopg.connect(libpq_url(url)) as conn:
         row = conn.execute(SERVER_STATS).fetchone()
     assert row is not None
     names = ("wal_records", "wal_full_page_images", "wal_bytes", "checkpoints",
@@ -309,8 +312,7 @@ def main() -> None:
         produce_s = time.perf_counter() - t0
         print(f"produced {produced} events in {produce_s:.1f}s "
               f"({produced / produce_s:,.0f}/s)")
-        with psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://")
-                             .split("?")[0]) as conn:
+        with psycopg.connect(libpq_url(url)) as conn:
             server = {name: conn.execute(f"SHOW {name}").fetchone()[0]  # type: ignore[index]
                       for name in DURABILITY}
         read_s = read_alone(settings, produced)

@@ -22,7 +22,7 @@ import httpx
 import psycopg
 from sqlalchemy import Engine, text
 
-from bench.audit import services
+from bench.audit import libpq_url, services
 from services.audit.db import make_engine, upgrade
 from services.audit.projector import AuditProjector
 from services.audit.publication import HttpEndpoint, http_app
@@ -153,8 +153,7 @@ def auditors(settings: Settings, engine: Engine, projector: AuditProjector,
 def main() -> None:
     with tempfile.TemporaryDirectory() as tmp, services(Path(tmp)) as (bootstrap, url, *_):
         tag = uuid.uuid4().hex[:8]
-        with psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://")
-                             .split("?")[0], autocommit=True) as conn:
+        with psycopg.connect(libpq_url(url), autocommit=True) as conn:
             conn.execute(f'CREATE SCHEMA "docs_{tag}"')
         sep = "&" if "?" in url else "?"
         prefix = f"docs{tag}." if os.environ.get("LORAPLANE_KAFKA_BOOTSTRAP") else "loraplane."
