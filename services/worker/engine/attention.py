@@ -180,7 +180,7 @@ def paged_attention(
                                alpha=scale)
         probs = torch.softmax(scores.float(), dim=-1).to(qd.dtype)
         ctx = torch.bmm(probs, vd.view(kv_heads * b, length, dim))  # [KVH*B, G, D]
-        out.index_copy_(0, g.rows, ctx.view(kv_heads, b, heads // kv_heads * dim)
+        out.index_copy_(0, g.rows, ctx.view(kv_heads, b, group * dim)
                         .transpose(0, 1).reshape(b, heads, dim))
     return out
 
