@@ -407,3 +407,74 @@ def test_long_records_are_searched_for_long_fractions_as_short_ones_are() -> Non
                   long.replace(b'"a59"', b'"1.1234567"'), long + b"1.", long + b".1234567",
                   *(canonical_bytes(e.to_json()) for e in mixed(300))):
         assert structs.models_only(value) == (pattern.search(value) is not None)
+
+
+def _outcome(decode: Any, value: bytes) -> Any:
+    try:
+        return structs.plain(decode(value))
+    except EventValidationError as exc:
+        return f"refused: {exc}"
+
+
+_ONE = [{"adapter_id": "a1", "version": 1, "sha256": "b" * 64, "tier": "disk"},
+        {"adapter_id": "a2", "version": 3, "sha256": "c" * 64, "tier": "device"}]
+_LIST = json.dumps(_ONE, separators=(",", ":"), sort_keys=True).encode()
+
+
+@pytest.mark.parametrize("change", [
+    lambda v: v,  # the same record again
+    lambda v: v.replace(b'"seq":1', b'"seq":2'),  # the rest changed, validly
+    lambda v: v.replace(b'"worker_id":"w1"', b'"free_slots":-1,"worker_id":"w1"'),
+    lambda v: v.replace(b'"worker_id":"w1"', b'"extra":1,"worker_id":"w1"'),
+    lambda v: v.replace(b'"seq":1', b'"seq":1,"extra":1'),
+    lambda v: v.replace(_LIST, _LIST + b"]"),  # the list followed by a stray bracket
+    lambda v: v.replace(_LIST, _LIST[:-1] + b',{}]'),  # the list extended
+    lambda v: v.replace(_LIST, _LIST[:-1]),  # the list cut short
+    lambda v: v[:-2],  # the record cut short
+    lambda v: v.replace(b'"address":"w1:8781"', b'"address":"[[[]]]"'),  # the placeholder
+    lambda v: v.replace(b'"worker/w1"', b'"worker/w2"'),  # another stream's record
+    lambda v: v.replace(b'"worker_id":"w1"', b'"loaded":[],"worker_id":"w1"'),  # twice
+    lambda v: v.replace(b'"address"', b'"loaded":[],"address"'),  # twice, the other way
+    lambda v: v.replace(b'"actor"', b'"type":"AdapterLoaded","actor"'),  # two tags
+    lambda v: v.replace(b'.672257Z"', b'.6722571Z"'),  # only the models read it
+    lambda v: v.replace(b'"loaded":', b'"loaded" :'),  # spaced: not found, decoded whole
+    lambda v: b" " + v + b" ",
+])
+def test_a_repeated_list_cut_out_before_parsing_reads_as_the_whole_record(
+        change: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A record whose list repeats its stream's last one is parsed with the list cut out
+    (`_spliced`): whatever else it holds, it is accepted or refused exactly as decoding it
+    whole accepts or refuses it, with the same values or the same reason, and as the
+    models read it."""
+    value = change(_heartbeat(_ONE))
+    outcomes = []
+    for splice in (True, False):
+        monkeypatch.setattr(structs, "_remembered", {})
+        structs.decode(_heartbeat(_ONE))  # the stream's last list
+        structs.decode(_heartbeat(_ONE, "w2"))
+        if not splice:
+            monkeypatch.setattr(structs, "_spliced", lambda *_: None)
+        outcomes.append(_outcome(structs.decode, value))
+    assert outcomes[0] == outcomes[1] == _outcome(decode_model, value)
+
+
+def test_a_repeated_list_is_not_scanned_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The repeat of a stream's list is parsed without its list and shares the list
+    decoded before; a changed list is parsed whole."""
+    monkeypatch.setattr(structs, "_remembered", {})
+    parsed: list[int] = []
+    decoder = structs._deferring_decoder()
+
+    class Counting:
+        def decode(self, value: bytes) -> Any:
+            parsed.append(len(value))
+            return decoder.decode(value)
+
+    monkeypatch.setattr(structs, "_deferring_decoder", Counting)
+    many = [{"adapter_id": f"a{i}", "version": i + 1, "sha256": f"{i:064x}"} for i in range(60)]
+    first = structs.decode(_heartbeat(many))
+    again = structs.decode(_heartbeat(many))
+    assert again.payload.loaded is first.payload.loaded  # type: ignore[union-attr]
+    assert parsed[0] == len(_heartbeat(many)) and parsed[1] < 600
+    structs.decode(_heartbeat(many[:-1]))
+    assert parsed[2] == len(_heartbeat(many[:-1]))
