@@ -109,7 +109,7 @@ def _server_cpu_s(pid: int | None) -> float | None:
     for process in [pid, *map(int, children)]:
         try:
             fields = Path(f"/proc/{process}/stat").read_text().rsplit(")", 1)[1].split()
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # a backend that just exited
             continue
         total += int(fields[11]) + int(fields[12])
     return total / CLOCK_TICKS
