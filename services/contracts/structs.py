@@ -309,12 +309,31 @@ def _deferred_envelope(event_type: str) -> type[EventStruct]:
 @cache
 def _list_decoder(event_type: str) -> msgspec.json.Decoder[Any]:
     """The repeated list's own type, constraints and all, as the real Struct declares it."""
+    return msgspec.json.Decoder(_list_type(event_type), dec_hook=_dec_hook)
+
+
+def _list_type(event_type: str) -> Any:
     name = REPEATED_LISTS[event_type]
     (tp,) = [f[1] for f in _fields(_payload_model(event_type)) if f[0] == name]
-    return msgspec.json.Decoder(tp, dec_hook=_dec_hook)
+    return tp
 
 
-_remembered: dict[tuple[str, str], tuple[bytes, Any]] = {}
+@cache
+def _item_decoder(event_type: str) -> msgspec.json.Decoder[Any] | None:
+    """The decoder of one item of the repeated list, when the list is a plain `list[T]`
+    (no constraint on the list itself, so a list is valid exactly when each item is);
+    None otherwise (such a list is decoded whole)."""
+    tp = _list_type(event_type)
+    if get_origin(tp) is not list:
+        return None
+    (item,) = get_args(tp)
+    return msgspec.json.Decoder(item, dec_hook=_dec_hook)
+
+
+_RAW_ITEMS = msgspec.json.Decoder(list[msgspec.Raw])
+"""A JSON array as the bytes of each item (a syntax check of the whole, no validation)."""
+
+_remembered: dict[tuple[str, str], tuple[bytes, Any, dict[bytes, Any]]] = {}
 
 
 def _repeated_list(event_type: str, stream: str, raw: msgspec.Raw) -> Any:
@@ -327,11 +346,35 @@ def _repeated_list(event_type: str, stream: str, raw: msgspec.Raw) -> Any:
     last = _remembered.get(key)
     if last is not None and last[0] == data:
         return last[1]
-    value = _list_decoder(event_type).decode(data)
+    value, items = _decoded_list(event_type, data, last[2] if last is not None else {})
     if len(_remembered) >= REMEMBERED_STREAMS:
         _remembered.clear()
-    _remembered[key] = (data, value)
+    _remembered[key] = (data, value, items)
     return value
+
+
+def _decoded_list(event_type: str, data: bytes, known: dict[bytes, Any]
+                  ) -> tuple[list[Any], dict[bytes, Any]]:
+    """(the list `data` holds, its items by their bytes). A changed list mostly holds the
+    items the stream's last list held (a worker loads or evicts one version at a time),
+    so it is read as the bytes of each item, and only items whose bytes the last list did
+    not hold are decoded and validated (on their own, with the item type: for a plain
+    `list[T]` that is what decoding the list whole checks; decoding is a pure function of
+    the bytes). `known` grows by the new items (bounded: past twice the list it starts
+    again). A list with constraints of its own is decoded whole."""
+    item_decoder = _item_decoder(event_type)
+    if item_decoder is None:
+        return _list_decoder(event_type).decode(data), {}
+    pieces = list(map(bytes, _RAW_ITEMS.decode(data)))
+    values = list(map(known.get, pieces))
+    if None in values:
+        decode_item = item_decoder.decode
+        values = [decode_item(p) if v is None else v for v, p in zip(values, pieces,
+                                                                      strict=True)]
+        if len(known) > 2 * len(pieces) + 64:  # items long gone: start again
+            known = {}
+        known.update(zip(pieces, values, strict=True))  # the stream's own memory
+    return values, known
 
 
 PLACEHOLDER = b"[[[]]]"

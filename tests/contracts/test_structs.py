@@ -478,3 +478,36 @@ def test_a_repeated_list_is_not_scanned_again(monkeypatch: pytest.MonkeyPatch) -
     assert parsed[0] == len(_heartbeat(many)) and parsed[1] < 600
     structs.decode(_heartbeat(many[:-1]))
     assert parsed[2] == len(_heartbeat(many[:-1]))
+
+
+@pytest.mark.parametrize("whole", [False, True])
+def test_a_changed_list_decodes_only_its_new_items(whole: bool,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A changed list is read item by item: the items the stream's last list held are
+    taken as decoded then, only the others are decoded and validated, and every list
+    reads as the models read it, a broken item refused with the same reason (`whole`:
+    a list type with constraints of its own, decoded whole)."""
+    monkeypatch.setattr(structs, "_remembered", {})
+    if whole:
+        monkeypatch.setattr(structs, "_item_decoder", lambda _: None)
+    decoded: list[bytes] = []
+    item_decoder = structs._item_decoder("WorkerHeartbeat")
+
+    class Counting:
+        def decode(self, value: bytes) -> Any:
+            decoded.append(value)
+            return item_decoder.decode(value)  # type: ignore[union-attr]
+
+    if not whole:
+        monkeypatch.setattr(structs, "_item_decoder", lambda _: Counting())
+    many = [{"adapter_id": f"a{i}", "version": i + 1, "sha256": f"{i:064x}"} for i in range(8)]
+    extra = {"adapter_id": "b1", "version": 2, "sha256": "d" * 64, "tier": "host"}
+    lists = [many, [*many, extra], many[1:], [*many[1:], extra, extra], many[::-1], [], many,
+             [*many, {**extra, "sha256": "not a digest"}], [*many, {**extra, "x": 1}],
+             [*many, 5], [*many, None], many]
+    for loaded in lists:
+        value = _heartbeat(loaded)
+        before = len(decoded)
+        assert _outcome(structs.decode, value) == _outcome(decode_model, value)
+        if not whole and loaded and loaded is not many:
+            assert len(decoded) - before <= 2  # the new item (twice in one list), no other
