@@ -276,13 +276,14 @@ def envelope_struct(event_type: str) -> type[EventStruct]:
 REPEATED_LISTS: dict[str, str] = {"WorkerHeartbeat": "loaded"}
 """Payload lists a stream sends again and again unchanged: a worker's heartbeat lists every
 version it holds (hundreds once its disk tier fills, 20-30 KB of JSON) and the list
-changes only when it loads or evicts one. The envelope is decoded with that field left as
-raw bytes; the list is decoded and validated on its own, once per distinct byte string
-per stream (`_repeated_list`)."""
+changes only when it loads or evicts one. A record repeating its stream's last list is
+parsed with the list cut out (`_spliced`); otherwise the envelope is decoded with that
+field left as raw bytes, and the list's new items are decoded and validated on their own
+(`_repeated_list`)."""
 REMEMBERED_STREAMS = 1_024
-"""Streams whose last list is remembered (its bytes and its values, ~60 KB for a list of
-200 versions); past that the memory starts again, and a larger fleet decodes every list
-as before."""
+"""Streams whose last list is remembered (its bytes, its values and its items' bytes,
+roughly 100 KB for a list of 200 versions); past that the memory starts again, and a
+larger fleet decodes every list as before."""
 
 
 def _payload_model(event_type: str) -> type[BaseModel]:
