@@ -13,6 +13,8 @@ from services.audit.keys import Kek, KeyRing
 from services.audit.sealing import (
     ERASED,
     SealingError,
+    _seal_request_spans,
+    _seal_requests,
     masked,
     personal_literals,
     seal,
@@ -63,6 +65,31 @@ def test_user_ids_are_sealed_and_open_to_the_exact_log_bytes() -> None:
     assert json.loads(sealed.stored)["payload"]["requests"][1]["user_id"] == tokens[1]
     again = seal(envelope, value, ring.key_for)
     assert again.stored == sealed.stored  # deterministic: the same record, the same bytes
+
+
+@pytest.mark.parametrize("users", [
+    ["alice", "bob", "carol", "dave"], ["", ERASED, "x", ""], ['quote " inside', "plain"],
+    ["back\\slash", "ends with \\"], ["é", "\u2028", "tab\tand\nnewline"],
+    ['"user_id":"fake"', "after"], ["", ""], ["a"]])
+def test_split_seal_of_a_trace_matches_sealing_by_spans(users: list[str]) -> None:
+    """The split fast path is the same edit as the spans path: same bytes, same values,
+    whatever the ids hold (escapes, an empty or erased id, text that looks like a key)."""
+    envelope, value = _served(users)
+    ring = _ring()
+    by_spans = _seal_request_spans(envelope, value, ring.key_for)
+    split = _seal_requests(envelope, value, ring.key_for)
+    assert by_spans is not None and split is not None
+    assert split.stored == by_spans.stored and split.values == by_spans.values
+    assert unseal("RequestServed", envelope.event_id, split.stored, _opener(ring)) == value
+
+
+def test_split_seal_erases_what_a_purge_destroyed() -> None:
+    envelope, value = _served(["alice", "bob"])
+    ring = _ring()
+    ring.destroy(ACME, "p1", NOW + timedelta(hours=1))
+    split = _seal_requests(envelope, value, ring.key_for)
+    assert split is not None and split.values == {("user_id", 0): ERASED, ("user_id", 1): ERASED}
+    assert split == _seal_request_spans(envelope, value, ring.key_for)
 
 
 def test_each_field_and_event_is_bound_into_its_token() -> None:
