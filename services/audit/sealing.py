@@ -239,12 +239,12 @@ def _seal_requests(envelope: AnyEnvelope, value: bytes, key_for: KeyFor) -> Seal
     record is split at its user id keys in one pass (C), each piece then starts with one
     request's user id, which is checked against the decoded request and replaced by its
     token; the pieces are joined back with the same key. Anything else (another count of
-    keys, an escaped quote, a value that is not plain text) takes `_seal_request_spans`,
-    the general form of the same edit."""
+    keys, an escaped quote, a value that is not plain text) is left to the general path
+    (`sealable`, `_stored_value`), which makes the same edit by located spans."""
     requests = envelope.payload.requests  # type: ignore[attr-defined]
     pieces = value.split(_USER_KEY)
     if len(pieces) != len(requests) + 1:
-        return _seal_request_spans(envelope, value, key_for)
+        return None
     nonce = envelope.event_id.bytes[4:]
     stored: dict[tuple[str, int], str] = {}
     b2a = binascii.b2a_base64
@@ -253,7 +253,7 @@ def _seal_requests(envelope: AnyEnvelope, value: bytes, key_for: KeyFor) -> Seal
         end = piece.find(b'"')
         user = request.user_id
         if end < 0 or piece[end - 1] == 0x5C or piece[:end] != user.encode():
-            return _seal_request_spans(envelope, value, key_for)  # (keys: looked up again)
+            return None  # (the general path looks the keys up again: the same ones)
         if not user or user == ERASED:
             stored[("user_id", i)] = user
             continue
@@ -267,46 +267,6 @@ def _seal_requests(envelope: AnyEnvelope, value: bytes, key_for: KeyFor) -> Seal
         stored[("user_id", i)] = token.decode()
         pieces[i + 1] = token + piece[end:]
     return Sealed(_USER_KEY.join(pieces), stored)
-
-
-def _seal_request_spans(envelope: AnyEnvelope, value: bytes, key_for: KeyFor
-                        ) -> Sealed | None:
-    """`_seal_requests` by the spans of the user ids' literals (escaped text included):
-    `seal_value` and `splice` inlined, the stored bytes assembled in one pass."""
-    requests = envelope.payload.requests  # type: ignore[attr-defined]
-    spans = _canonical_spans(value, b'"user_id":"')
-    if len(spans) != len(requests):
-        spans = [m.span(1) for m in _PATTERNS["user_id"].finditer(value)]
-        if len(spans) != len(requests):
-            return None
-    nonce = envelope.event_id.bytes[4:]
-    parts: list[bytes] = []
-    stored: dict[tuple[str, int], str] = {}
-    at = 0
-    b2a = binascii.b2a_base64
-    for i, request in enumerate(requests):
-        start, end = spans[i]
-        user = request.user_id
-        literal = value[start:end]
-        if literal != user.encode() and literal_text(literal) != user:
-            return None
-        if not user or user == ERASED:
-            stored[("user_id", i)] = user
-            continue
-        key = key_for(request.tenant, request.started_at)
-        if key is None:
-            token = _ERASED_BYTES
-        else:
-            aad = _USER_AADS[i] if i < len(_USER_AADS) else _aad("user_id", i)
-            token = key.prefix_bytes + b2a(key.aead.encrypt(nonce, literal, aad),
-                                           newline=False).translate(_URLSAFE).rstrip(b"=")
-        stored[("user_id", i)] = token.decode()
-        parts += (value[at:start], token)
-        at = end
-    if not parts:
-        return Sealed(value, stored)
-    parts.append(value[at:])
-    return Sealed(b"".join(parts), stored)
 
 
 def splice(data: bytes, edits: list[tuple[int, int, bytes]]) -> bytes:
