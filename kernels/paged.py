@@ -252,10 +252,18 @@ def _apply_grouped(y: Tensor, x: Tensor, w: PagedLora, runs: list[tuple[int, int
         delta.mul_(torch.tensor(scales, dtype=delta.dtype, device=delta.device)
                    .repeat_interleave(routing.lengths)[:, None])
     out = y[:, out_offset:out_offset + w.out_features]
+    lo, hi = runs[0][1], runs[-1][2]
     if routing.rows is None:
-        out[runs[0][1]:runs[-1][2]].add_(delta)
-    else:
+        out[lo:hi].add_(delta)
+    elif out.is_contiguous():
         out.index_add_(0, routing.rows, delta)
+    else:
+        # `index_add_` into a column slice of a packed output (q|k|v, gate|up) takes a
+        # scatter path 3-4x slower than into a contiguous tensor (250 against 56 us for
+        # 38 rows of up_proj): scatter into a zeroed scratch over the runs' row span and
+        # add that; rows outside the runs add 0.0, so every sum is the same bits
+        spread = torch.zeros(hi - lo, w.out_features, dtype=delta.dtype, device=delta.device)
+        out[lo:hi].add_(spread.index_add_(0, routing.span_rows, delta))
 
 
 @dataclass(frozen=True)
@@ -266,6 +274,8 @@ class _Routing:
     lengths: Tensor
     rows: Tensor | None
     """Row index of each packed delta row; None when the runs are one contiguous block."""
+    span_rows: Tensor | None = None
+    """`rows` less the first run's start (rows within the runs' span)."""
 
 
 _ROUTINGS: dict[tuple[int, int, tuple[int, ...], tuple[tuple[int, int, int], ...]],
@@ -295,6 +305,7 @@ def _routing(x: Tensor, runs: tuple[tuple[int, int, int], ...], step: Runs) -> _
     rows = None if contiguous else torch.cat(
         [torch.arange(start, end, device=x.device) for _, start, end in runs])
     routing = _Routing(ragged_view(x, parts), torch.tensor(
-        [end - start for _, start, end in runs], device=x.device), rows)
+        [end - start for _, start, end in runs], device=x.device), rows,
+        None if rows is None else rows - runs[0][1])
     _ROUTINGS[key] = (x, routing)
     return routing
