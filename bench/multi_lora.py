@@ -803,7 +803,7 @@ def figures(result: dict[str, Any]) -> list[Figure]:
                           f"(r {part['adapter_ranks']}), {mixed['prompt_tokens']} prompt and "
                           f"{mixed['output_tokens']} output tokens, {mixed['dtype']} "
                           f"{run['device']}, {run['threads']} threads, clock {run['clock']}"),
-                load_average=None))
+                load_average=_loads(mixed, "engine_32", "peft")))
         roof = (mixed or {}).get("roofline", {}).get("all")
         if roof:
             loads = mixed.get("load_after", {})
@@ -826,13 +826,25 @@ def figures(result: dict[str, Any]) -> list[Figure]:
                 settings=f"the same {mixed['requests']} requests, every one on adapter 0",
                 load_average=[loads["engine_1"]] if "engine_1" in loads else None))
         tenant = part.get("tenant_prefix")
+        if tenant and "peft_tok_s" in tenant:
+            out.append(Figure(
+                f"engine tokens/s, tenant-prefix workload, {label}", tenant["engine_tok_s"],
+                "tokens/s", baseline="PEFT generate(adapter_names=...), batches of 32",
+                baseline_value=tenant["peft_tok_s"], target="ratio >= 3.0",
+                meets_target=tenant["speedup_vs_peft"] >= 3.0, model=model,
+                settings=(f"{tenant['requests']} requests of {tenant['tenants']} tenants "
+                          f"sharing long system prompts, {tenant['adapters']} adapters, "
+                          f"prefix cache on (never across tenants), {run['device']}, "
+                          f"{run['threads']} threads, clock {run['clock']}"),
+                load_average=_loads(tenant, "engine_cache", "peft")))
         if tenant and "engine_no_cache_tok_s" in tenant:
             out.append(Figure(
                 f"engine tokens/s with the prefix cache, {label}", tenant["engine_tok_s"],
                 "tokens/s", baseline="the engine without its prefix cache",
                 baseline_value=tenant["engine_no_cache_tok_s"], model=model,
                 settings=(f"{tenant['requests']} requests of {tenant['tenants']} tenants "
-                          f"sharing long system prompts, {tenant['adapters']} adapters")))
+                          f"sharing long system prompts, {tenant['adapters']} adapters"),
+                load_average=_loads(tenant, "engine_cache", "engine_no_cache")))
         latency = part.get("latency")
         if latency and "engine" in latency:
             settings = (f"one stream, {latency['prompt_tokens']}-token prompt, "
@@ -841,13 +853,25 @@ def figures(result: dict[str, Any]) -> list[Figure]:
             out.append(Figure(f"time to first token, {label}", latency["engine"]["ttft_ms"],
                               "ms", baseline="transformers generate() on the same prompt",
                               baseline_value=base["ttft_ms"], better="lower", model=model,
-                              settings=settings))
+                              settings=settings, load_average=_loads(latency)))
             out.append(Figure(f"inter-token latency, median, {label}",
                               latency["engine"]["itl_median_ms"], "ms",
                               baseline="transformers generate() on the same prompt",
                               baseline_value=base["itl_median_ms"], better="lower",
-                              model=model, settings=settings))
+                              model=model, settings=settings, load_average=_loads(latency)))
     return out
+
+
+def _loads(section: dict[str, Any], *runs: str) -> list[float] | None:
+    """The load averages a section recorded after its runs, so a figure rebuilt from saved
+    results carries the load it was measured under, not the load at the time of saving."""
+    after = section.get("load_after")
+    if isinstance(after, (int, float)):
+        return [after]
+    if not isinstance(after, dict):
+        return None
+    loads = [after[run] for run in runs if run in after]
+    return loads or None
 
 
 if __name__ == "__main__":
