@@ -78,7 +78,7 @@ def services(workdir: Path) -> Iterator[tuple[str, str, int | None, int | None]]
 
 
 DURABILITY = ("fsync", "full_page_writes", "synchronous_commit", "wal_compression",
-              "max_wal_size", "checkpoint_timeout", "shared_buffers")
+              "max_wal_size", "checkpoint_timeout", "shared_buffers", "wal_buffers")
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -124,7 +124,8 @@ def _schema_url(url: str, tag: str) -> str:
 
 
 def project_once(settings: Settings, produced: int, kept: int, server_pid: int | None,
-                 profile: bool, broker_pid: int | None = None) -> dict[str, object]:
+                 profile: bool, watcher: _MaintenanceWatcher,
+                 broker_pid: int | None = None) -> dict[str, object]:
     """One projector draining all `produced` events (`kept` of them stored one by one, the
     rest liveness summaries) into a fresh schema."""
     assert settings.database_url
@@ -156,12 +157,12 @@ def project_once(settings: Settings, produced: int, kept: int, server_pid: int |
     cpu0, server0, t0 = time.process_time(), _server_cpu_s(server_pid), time.perf_counter()
     if profiler:
         profiler.enable()
+    started = time.perf_counter()
     with collections:
         projector.run(stop)  # what `loraplane serve audit` runs: reader thread + writer
     project_s = time.perf_counter() - t0
     cpu, server1 = time.process_time() - cpu0, _server_cpu_s(server_pid)
     broker1 = _server_cpu_s(broker_pid)
-    wal1 = _server_stats(settings.database_url)
     if profiler and preparer_profiler:
         profiler.disable()
         print("--- writer thread ---")
@@ -174,6 +175,7 @@ def project_once(settings: Settings, produced: int, kept: int, server_pid: int |
         assert conn.execute(select(func.count()).select_from(events)).scalar_one() == kept
         traces = conn.execute(select(func.count()).select_from(request_traces)).scalar_one()
     engine.dispose()
+    wal1 = _server_stats(settings.database_url, settled=True)
     return {
         "events_per_second": round(produced / project_s),
         "stored_events_per_second": round(kept / project_s), "projection_seconds":
@@ -192,7 +194,12 @@ def project_once(settings: Settings, produced: int, kept: int, server_pid: int |
                                     for name, seconds in threads.items()},
         "garbage_collector": collections.summary(produced),
         "postgres_per_event": {name: round((wal1[name] - wal0[name]) / produced, 2)
-                               for name in wal0},
+                               for name in wal0 if name not in MAINTENANCE},
+        "postgres_maintenance": {
+            **{name: int(wal1[name] - wal0[name]) for name in MAINTENANCE},
+            "autovacuum_seconds_seen": watcher.between(started, time.perf_counter()),
+            "run_window_s": [round(started - watcher.t0, 1),
+                             round(time.perf_counter() - watcher.t0, 1)]},
         "load_average_before": [round(x, 2) for x in load_before],
         "load_average_after": [round(x, 2) for x in os.getloadavg()],
     }
@@ -229,19 +236,85 @@ class _GarbageCollections:
 SERVER_STATS = """
     SELECT w.wal_records, w.wal_fpi, w.wal_bytes, c.num_timed + c.num_requested,
            c.buffers_written, (SELECT sum(writes) FROM pg_stat_io
-                               WHERE backend_type = 'client backend')
+                               WHERE backend_type = 'client backend'),
+           w.wal_buffers_full,
+           (SELECT sum(autovacuum_count) FROM pg_stat_all_tables),
+           (SELECT sum(autoanalyze_count) FROM pg_stat_all_tables)
     FROM pg_stat_wal w, pg_stat_checkpointer c"""
 
 
-def _server_stats(url: str | None) -> dict[str, float]:
+MAINTENANCE = ("autovacuums", "autoanalyzes")
+"""Counts over the run, not per event: each one is a pass over a whole table."""
+
+
+class _MaintenanceWatcher:
+    """Samples `pg_stat_activity` every 0.1 s for the whole bench for autovacuum workers
+    (what they work on, when), so a run slowed by a vacuum or analyze pass says so, and the
+    passes between runs are seen too."""
+
+    def __init__(self, url: str) -> None:
+        self._url = libpq_url(url)
+        self._stop = threading.Event()
+        self.t0 = time.perf_counter()
+        self.seen: list[tuple[float, str]] = []
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _watch(self) -> None:
+        with psycopg.connect(self._url, autocommit=True) as conn:
+            while not self._stop.wait(0.1):
+                now = time.perf_counter()
+                for (query,) in conn.execute(
+                        "SELECT query FROM pg_stat_activity "
+                        "WHERE backend_type = 'autovacuum worker' AND query <> ''"):
+                    self.seen.append((now, query))
+
+    def __enter__(self) -> _MaintenanceWatcher:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def between(self, start: float, end: float) -> dict[str, float]:
+        """Seconds each autovacuum pass was seen running between two `perf_counter`s."""
+        seen: dict[str, float] = {}
+        for at, query in self.seen:
+            if start <= at <= end:
+                seen[query] = round(seen.get(query, 0.0) + 0.1, 1)
+        return dict(sorted(seen.items(), key=lambda kv: -kv[1]))
+
+    def timeline(self) -> list[tuple[float, float, str]]:
+        """(first seen, last seen, pass) in seconds from the watcher's start."""
+        spans: dict[str, list[float]] = {}
+        for at, query in self.seen:
+            spans.setdefault(query, [at, at])[1] = at
+        return [(round(a - self.t0, 1), round(b - self.t0, 1), q)
+                for q, (a, b) in sorted(spans.items(), key=lambda kv: kv[1][0])]
+
+
+def _server_stats(url: str | None, *, settled: bool = False) -> dict[str, float]:
     """WAL records, full-page images and bytes, checkpoints, the checkpointer's and the
-    client backends' buffer writes so far (server-wide: the bench is the only writer)."""
+    client backends' buffer writes, WAL writes forced by full WAL buffers, autovacuum and
+    autoanalyze passes so far (server-wide: the bench is the only writer).
+
+    A backend adds its counts to these views at most once a second and when it exits, so
+    a run's last second was counted in the next run's figures (WAL records per event read
+    10.4 to 13.6 across runs of the same batches): `settled` waits for the run's
+    connections, already closed, to exit first."""
     assert url
-    with psycopg.connect(libpq_url(url)) as conn:
+    with psycopg.connect(libpq_url(url), autocommit=True) as conn:
+        deadline = time.perf_counter() + 5
+        while settled and time.perf_counter() < deadline and conn.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend' "
+                "AND pid <> pg_backend_pid() AND query NOT LIKE '%pg_stat_activity%'"
+                ).fetchone() != (0,):
+            time.sleep(0.02)
         row = conn.execute(SERVER_STATS).fetchone()
     assert row is not None
     names = ("wal_records", "wal_full_page_images", "wal_bytes", "checkpoints",
-             "checkpointer_buffers_written", "backend_buffers_written")
+             "checkpointer_buffers_written", "backend_buffers_written", "wal_buffers_full",
+             "autovacuums", "autoanalyzes")
     return {name: float(value or 0) for name, value in zip(names, row, strict=True)}
 
 
@@ -318,16 +391,18 @@ def main() -> None:
         read_s = read_alone(settings, produced)
         print(f"bare consumer: {produced / read_s:,.0f} events/s")
         runs = []
-        for run in range(args.runs):
-            url_of_run = _schema_url(url, f"{tag}_{run}")
-            runs.append(project_once(settings.model_copy(update={"database_url": url_of_run}),
-                                     produced, kept, pid, args.profile and run == 0,
-                                     broker_pid))
-            print(f"run {run + 1}: {runs[-1]['events_per_second']:,} events/s "
-                  f"(projector {runs[-1]['projector_cpu_us_per_event']} us CPU/event, "
-                  f"PostgreSQL {runs[-1]['postgres_cpu_us_per_event']} us CPU/event, "
-                  f"broker {runs[-1]['broker_cpu_us_per_event']} us CPU/event, "
-                  f"load {runs[-1]['load_average_before']})")
+        with _MaintenanceWatcher(url) as watcher:
+            for run in range(args.runs):
+                url_of_run = _schema_url(url, f"{tag}_{run}")
+                runs.append(project_once(settings.model_copy(update={"database_url": url_of_run}),
+                                         produced, kept, pid, args.profile and run == 0,
+                                         watcher, broker_pid))
+                print(f"run {run + 1}: {runs[-1]['events_per_second']:,} events/s "
+                      f"(projector {runs[-1]['projector_cpu_us_per_event']} us CPU/event, "
+                      f"PostgreSQL {runs[-1]['postgres_cpu_us_per_event']} us CPU/event, "
+                      f"broker {runs[-1]['broker_cpu_us_per_event']} us CPU/event, "
+                      f"load {runs[-1]['load_average_before']}; "
+                      f"maintenance {runs[-1]['postgres_maintenance']})")
 
     rates = sorted(r["events_per_second"] for r in runs)  # type: ignore[type-var]
     median = rates[len(rates) // 2]
@@ -335,7 +410,8 @@ def main() -> None:
         "events": produced, "events_stored": kept, "events_per_second": median,
         "reported": f"median of {args.runs} runs", "runs": runs, "batch_size": args.batch,
         "checkpoint_every": args.checkpoint_every, "partitions": args.partitions,
-        "postgres_settings": server, "produce_events_per_second": round(produced / produce_s),
+        "postgres_settings": server, "autovacuum_timeline_s": watcher.timeline(),
+        "produce_events_per_second": round(produced / produce_s),
         "read_alone_events_per_second": round(produced / read_s),
         "note": "broker, PostgreSQL and the projector on the same machine; durable PostgreSQL "
                 "(settings above); personal fields sealed (AES-GCM-SIV) as in production",

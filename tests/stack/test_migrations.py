@@ -86,8 +86,8 @@ def test_the_embedded_server_is_durable(database_url: str) -> None:
         with engine.connect() as conn:
             shown = {name: conn.execute(text(f"SHOW {name}")).scalar()
                      for name in ("fsync", "full_page_writes", "synchronous_commit",
-                                  "wal_compression")}
+                                  "wal_compression", "wal_buffers")}
     finally:
         engine.dispose()
     assert shown == {"fsync": "on", "full_page_writes": "on", "synchronous_commit": "off",
-                     "wal_compression": "pglz"}
+                     "wal_compression": "pglz", "wal_buffers": "64MB"}
