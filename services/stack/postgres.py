@@ -50,13 +50,13 @@ SERVER_SETTINGS: dict[str, str] = {
     "wal_compression": "on",
     "max_wal_size": "4GB",
     "checkpoint_timeout": "15min",
-    # WAL buffers that hold a whole projector batch (~14 MB of WAL for 4,000 events).
-    # The default is 1/32 of shared_buffers, 4 MB here, so a committing backend kept
-    # finding them full and wrote WAL itself, inside its transaction (~13,000 times per
-    # 20,000 events); now the WAL writer does those writes. Same WAL, same fsyncs, same
-    # server CPU: the writer's transactions took 7% less wall time (bench/audit_server.py).
-    # Costs 60 MB more shared memory; durability is unchanged.
-    "wal_buffers": "64MB",
+    # WAL buffers that hold a projector batch's WAL (~14 MB for 4,000 events). The default
+    # is 1/32 of shared_buffers, 4 MB here, so a committing backend kept finding them full
+    # and wrote WAL itself, inside its transaction (~5,000 times per 20,000 events); now
+    # the WAL writer does those writes. Same WAL, same fsyncs, same durability; 12 MB more
+    # shared memory. 16 MB is what PostgreSQL itself picks with 512 MB of shared_buffers
+    # or more; 64 MB measured the same (bench/audit_server.py).
+    "wal_buffers": "16MB",
     "max_connections": "200",
 }
 """`-c` flags of the embedded server: the one place the server's settings are chosen."""

@@ -90,4 +90,4 @@ def test_the_embedded_server_is_durable(database_url: str) -> None:
     finally:
         engine.dispose()
     assert shown == {"fsync": "on", "full_page_writes": "on", "synchronous_commit": "off",
-                     "wal_compression": "pglz", "wal_buffers": "64MB"}
+                     "wal_compression": "pglz", "wal_buffers": "16MB"}
