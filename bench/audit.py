@@ -46,6 +46,7 @@ from services.audit.tables import events, request_traces  # noqa: E402
 from services.config import Settings  # noqa: E402
 from services.eventlog.client import consumer_config  # noqa: E402
 from services.eventlog.topics import ensure_topics  # noqa: E402
+from services.stack.postgres import libpq_url  # noqa: E402
 from tests.audit.scenario import mixed, produce, recorded  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "audit.json"
@@ -80,12 +81,6 @@ def services(workdir: Path) -> Iterator[tuple[str, str, int | None, int | None]]
 DURABILITY = ("fsync", "full_page_writes", "synchronous_commit", "wal_compression",
               "max_wal_size", "checkpoint_timeout", "shared_buffers", "wal_buffers")
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def libpq_url(url: str) -> str:
-    """The SQLAlchemy database URL as psycopg connects to it directly (no driver name, no
-    query options such as a schema's search path)."""
-    return url.replace("postgresql+psycopg://", "postgresql://").split("?")[0]
 
 
 def _postmaster(url: str) -> int | None:

@@ -25,7 +25,7 @@ from sqlalchemy import Engine
 from services.config import Settings
 from services.eventlog.topics import ensure_topics
 from services.stack.brokers import ApacheKafka, Tansu
-from services.stack.postgres import LocalPostgres
+from services.stack.postgres import LocalPostgres, libpq_url
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE = REPO / ".loraplane" / "cache"
@@ -89,17 +89,13 @@ def database_url() -> Iterator[str]:
             server.stop()
 
 
-def _libpq(url: str) -> str:
-    return url.replace("postgresql+psycopg://", "postgresql://").split("?")[0]
-
-
 def isolated_settings(bootstrap: str, database_url: str | None, **overrides: object) -> Settings:
     """Settings with topics (and, given a database, a schema) no other test uses."""
     tag = uuid.uuid4().hex[:10]
     url = None
     if database_url:
         schema = f"t_{tag}"
-        with psycopg.connect(_libpq(database_url), autocommit=True) as conn:
+        with psycopg.connect(libpq_url(database_url), autocommit=True) as conn:
             conn.execute(f'CREATE SCHEMA "{schema}"')
         sep = "&" if "?" in database_url else "?"
         url = f"{database_url}{sep}options=-csearch_path%3D{schema}"
@@ -128,7 +124,7 @@ def drop_isolation(settings: Settings, database_url: str | None) -> None:
             future.result(10)
     if database_url and settings.database_url:
         schema = settings.database_url.rsplit("%3D", 1)[1]
-        with psycopg.connect(_libpq(database_url), autocommit=True) as conn:
+        with psycopg.connect(libpq_url(database_url), autocommit=True) as conn:
             conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
 

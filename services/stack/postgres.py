@@ -62,6 +62,13 @@ SERVER_SETTINGS: dict[str, str] = {
 """`-c` flags of the embedded server: the one place the server's settings are chosen."""
 
 
+def libpq_url(url: str) -> str:
+    """The SQLAlchemy database URL as psycopg connects to it directly (no driver name, no
+    query options such as a schema's search path): for the server-wide statements a schema
+    of its own cannot run (creating and dropping schemas, reading server statistics)."""
+    return url.replace("postgresql+psycopg://", "postgresql://").split("?")[0]
+
+
 class PostgresError(RuntimeError):
     pass
 
