@@ -327,8 +327,12 @@ def _account(projector: AuditProjector, spent: dict[str, float],
     """Add each step's thread CPU time to `spent` (poll: consume and decode; prepare: the
     rest of the Python work; write: the transaction), profiling the preparer's steps, and
     each Python thread's whole CPU time (steps, waits, hand-off, collections) to
-    `threads`."""
+    `threads`, with the wall time of each step and of the parts of the preparer's that
+    may wait (librdkafka's `consume`, the dedupe query, loading current-state rows, polls
+    that read nothing) and of the writer's COMMIT."""
     seen: dict[str, float] = {}
+    committing: list[float] = []  # when the batch's writes were done and COMMIT was sent
+    projector.before_commit = lambda conn: committing.append(time.perf_counter())
 
     def timed(step: str, method: Any) -> Any:
         def run(*args: Any, **kwargs: Any) -> Any:
@@ -337,10 +341,17 @@ def _account(projector: AuditProjector, spent: dict[str, float],
             started, wall = time.thread_time(), time.perf_counter()
             thread = "writer" if step == "write" else "preparer"
             seen.setdefault(thread, started)
+            result = None
             try:
-                return method(*args, **kwargs)
+                result = method(*args, **kwargs)
+                return result
             finally:
                 now = time.thread_time()
+                if step == "poll" and result is not None and not result.records:
+                    _add_time(threads, "preparer polls that read nothing", wall)
+                if step == "write" and committing:
+                    _add_time(threads, "writer commit", committing.pop())
+                _add_time(threads, step, wall)
                 spent[step] += now - started
                 threads[thread] = now - seen[thread]
                 threads[f"{thread} wall in steps"] = threads.get(
@@ -350,8 +361,50 @@ def _account(projector: AuditProjector, spent: dict[str, float],
         return run
 
     projector.poll_batch = timed("poll", projector.poll_batch)  # type: ignore[method-assign]
+    reader = projector.consumer  # opened (and seeked) before the clock starts
+    reader._consumer = _TimedConsume(reader._consumer, threads)  # type: ignore[assignment]
+    for part in ("_fresh", "_load_state"):
+        setattr(projector, part, _timed_part(part, getattr(projector, part), threads))
     projector._prepare = timed("prepare", projector._prepare)  # type: ignore[method-assign]
     projector.write_batch = timed("write", projector.write_batch)  # type: ignore[method-assign]
+
+
+def _add_time(threads: dict[str, float], name: str, wall: float,
+              cpu: float | None = None) -> None:
+    """Add the wall time (and the thread CPU time) since `wall` (`cpu`) to `threads`."""
+    threads[f"{name} wall"] = threads.get(f"{name} wall", 0.0) + time.perf_counter() - wall
+    if cpu is not None:
+        threads[f"{name} cpu"] = threads.get(f"{name} cpu", 0.0) + time.thread_time() - cpu
+
+
+class _TimedConsume:
+    """A Kafka consumer whose `consume` adds its wall and thread CPU time to `threads`:
+    waits for librdkafka's fetches show as wall above CPU."""
+
+    def __init__(self, consumer: Any, threads: dict[str, float]) -> None:
+        self._consumer, self._threads = consumer, threads
+
+    def consume(self, *args: Any, **kwargs: Any) -> Any:
+        cpu, wall = time.thread_time(), time.perf_counter()
+        try:
+            return self._consumer.consume(*args, **kwargs)
+        finally:
+            _add_time(self._threads, "preparer consume", wall, cpu)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._consumer, name)
+
+
+def _timed_part(name: str, method: Any, threads: dict[str, float]) -> Any:
+    """`method` adding its wall and thread CPU time to `threads` (a database round trip
+    inside the preparer shows as wall well above CPU)."""
+    def run(*args: Any, **kwargs: Any) -> Any:
+        cpu, wall = time.thread_time(), time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            _add_time(threads, f"preparer {name}", wall, cpu)
+    return run
 
 
 def main() -> None:
