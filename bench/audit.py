@@ -382,14 +382,8 @@ class _TimedConsume:
     waits for librdkafka's fetches show as wall above CPU."""
 
     def __init__(self, consumer: Any, threads: dict[str, float]) -> None:
-        self._consumer, self._threads = consumer, threads
-
-    def consume(self, *args: Any, **kwargs: Any) -> Any:
-        cpu, wall = time.thread_time(), time.perf_counter()
-        try:
-            return self._consumer.consume(*args, **kwargs)
-        finally:
-            _add_time(self._threads, "preparer consume", wall, cpu)
+        self._consumer = consumer
+        self.consume = _timed_part("consume", consumer.consume, threads)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._consumer, name)

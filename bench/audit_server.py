@@ -33,7 +33,14 @@ sys.path.insert(0, str(REPO))  # `python bench/audit_server.py` measures this ch
 
 import psycopg  # noqa: E402
 
-from bench.audit import _postmaster, _schema_url, _server_cpu_s, libpq_url, services  # noqa: E402
+from bench.audit import (  # noqa: E402
+    _postmaster,
+    _schema_url,
+    _server_cpu_s,
+    _server_stats,
+    libpq_url,
+    services,
+)
 from bench.audit_inline import backend_cpu_s, backend_pid, empty, prepare_all  # noqa: E402
 from bench.record import BenchRun, Figure  # noqa: E402
 from services.audit.db import make_engine, upgrade  # noqa: E402
@@ -50,9 +57,7 @@ SETTLE_S = 0.3
 
 
 def wal_buffers_full(url: str) -> int:
-    with psycopg.connect(libpq_url(url)) as conn:
-        return int(conn.execute("SELECT wal_buffers_full FROM pg_stat_wal")
-                   .fetchone()[0])  # type: ignore[index]
+    return int(_server_stats(url)["wal_buffers_full"])
 
 
 def main() -> None:

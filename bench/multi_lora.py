@@ -806,7 +806,6 @@ def figures(result: dict[str, Any]) -> list[Figure]:
                 load_average=_loads(mixed, "engine_32", "peft")))
         roof = (mixed or {}).get("roofline", {}).get("all")
         if roof:
-            loads = mixed.get("load_after", {})
             out.append(Figure(
                 f"roofline: engine FLOP rate, mixed adapters, {label}", roof["engine_gflops"],
                 "GFLOP per CPU-s" if run["clock"] == "cpu" else "GFLOP/s",
@@ -818,13 +817,13 @@ def figures(result: dict[str, Any]) -> list[Figure]:
                           "sampled rows; prefill steps "
                           f"{mixed['roofline']['prefill']['fraction_of_dense']:.0%}, decode "
                           f"steps {mixed['roofline']['decode']['fraction_of_dense']:.0%}"),
-                load_average=[loads["engine_32"]] if "engine_32" in loads else None))
+                load_average=_loads(mixed, "engine_32")))
             out.append(Figure(
                 f"one adapter vs 32 distinct, mixed workload, {label}",
                 mixed["one_adapter_vs_32"], "x (time with 32 / time with 1)", better="lower",
                 target="<= 1.10", meets_target=mixed["one_adapter_vs_32"] <= 1.10, model=model,
                 settings=f"the same {mixed['requests']} requests, every one on adapter 0",
-                load_average=[loads["engine_1"]] if "engine_1" in loads else None))
+                load_average=_loads(mixed, "engine_1")))
         tenant = part.get("tenant_prefix")
         if tenant and "peft_tok_s" in tenant:
             out.append(Figure(
