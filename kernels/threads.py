@@ -19,7 +19,10 @@ def one_thread() -> Iterator[None]:
 
     Copies of a few hundred KB each, hundreds of them: waking torch's intra-op threads costs
     more than they save at that size (measured 2-6x slower on 2 cores). OpenMP keeps the
-    limit per thread, so another running thread's matmuls keep their own team.
+    limit per thread, so a thread already running torch ops keeps its own count. torch also
+    stores the count process-wide, and a thread's first torch op copies that value: a
+    thread that starts computing while this is active elsewhere would keep one thread for
+    good. Long-lived compute threads therefore set their own count first (`own_threads`).
     """
     threads = torch.get_num_threads()
     if threads == 1:
@@ -30,3 +33,10 @@ def one_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+def own_threads(threads: int) -> None:
+    """Give the calling thread `threads` intra-op threads, whatever the process-wide count
+    is at this moment (see `one_thread`): the first thing a long-lived compute thread does,
+    with a count read where it was created."""
+    torch.set_num_threads(threads)

@@ -30,6 +30,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from kernels.threads import own_threads
 from services.catalog.serving import MergeSpec, ServingChoice, resolve_pinned, resolve_reference
 from services.catalog.state import CatalogState, Purge, Refusal
 from services.config import Settings
@@ -221,7 +224,9 @@ class EngineLoop:
     # --- the thread --------------------------------------------------------------------
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        threads = torch.get_num_threads()  # this thread's: the loop computes with as many
+        self._thread = threading.Thread(target=self._run, args=(threads,), name="engine-loop",
+                                        daemon=True)
         self._thread.start()
 
     def stop(self, timeout_s: float = 10.0) -> None:
@@ -251,7 +256,8 @@ class EngineLoop:
         """Run `command` in the loop thread and wait for its value (not from the loop)."""
         return self.schedule(command).result(timeout=timeout_s)
 
-    def _run(self) -> None:
+    def _run(self, threads: int) -> None:
+        own_threads(threads)  # not the count of an adapter parse running `one_thread` now
         while not self._stop.is_set():
             idle = not self.engine.has_work
             try:

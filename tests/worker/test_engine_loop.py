@@ -4,12 +4,15 @@ cancel frees KV, an unreachable registry, soft purge, prefetch hints."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
+from kernels.threads import one_thread
 from services.contracts.events import (
     AdapterDisabled,
     AdapterUnloaded,
@@ -155,3 +158,32 @@ def test_prefetch_hints_and_illegal_transitions(rig: Rig) -> None:
                                                            Transition.LOADED)) is None
     value = rig.loop.metrics.illegal_transitions.labels("loaded")._value.get()
     assert value == 1
+
+
+def test_the_loop_computes_with_its_threads_when_started_during_an_adapter_parse(
+        served_model: ServedModel, tmp_path: Path) -> None:
+    """A thread's first torch op copies the process-wide thread count, which `one_thread`
+    lowers to 1 while an adapter is parsed: a loop started then would have stepped on one
+    thread for the rest of its life."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    parsing, parsed = threading.Event(), threading.Event()
+
+    def parse() -> None:
+        with one_thread():
+            parsing.set()
+            parsed.wait(30)
+
+    parser = threading.Thread(target=parse, daemon=True)
+    parser.start()
+    try:
+        assert parsing.wait(10)
+        with make_rig(served_model, tmp_path) as running:
+            assert running.call(torch.get_num_threads) == 2
+            parsed.set()
+            parser.join(10)
+            assert isinstance(end(running.ask()), Finished)
+            assert running.call(torch.get_num_threads) == 2
+    finally:
+        parsed.set()
+        torch.set_num_threads(before)
