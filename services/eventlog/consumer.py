@@ -323,7 +323,7 @@ class EventConsumer(Generic[E]):
         the batch is deduplicated in one pass, instead of per record. Errors (partition
         ends) take `_accept` after the positions read before them are settled, so the
         result is the same record for record."""
-        decode = self._decode
+        record_of = self._record
         reading: dict[TopicPartitionKey, Message] = {}
         decoded: list[Record[E]] = []
         try:
@@ -334,16 +334,9 @@ class EventConsumer(Generic[E]):
                     continue
                 key = (message.topic(), message.partition())
                 reading[key] = message
-                value = message.value()
-                try:
-                    envelope: E = decode(value)
-                except EventValidationError as exc:
-                    self._reject(Rejected(key[0], key[1], message.offset(), message.key(),
-                                          value, str(exc)))
-                    continue
-                if not envelope.is_barrier:
-                    decoded.append(Record(key[0], key[1], message.offset(), envelope,
-                                          value or b""))
+                record = record_of(key, message)
+                if record is not None:
+                    decoded.append(record)
         finally:  # whatever raised, the positions cover what was read, as `_accept`'s do
             self._settle(reading)
         new = self._seen.add_all([r.envelope.event_id for r in decoded])
@@ -389,15 +382,24 @@ class EventConsumer(Generic[E]):
             event_type = next((v for k, v in headers if k == "type"), None) if headers else None
             if event_type is not None and event_type.decode(errors="replace") not in self._wanted:
                 return None
+        record = self._record(key, message)
+        if record is None or not self._seen.add(record.envelope.event_id):
+            return None
+        return record
+
+    def _record(self, key: TopicPartitionKey, message: Message) -> Record[E] | None:
+        """The record of one data message, or None for a barrier or an invalid value (sent
+        to the dead letters). Deduplication is the caller's: one by one or per batch."""
         value = message.value()
         try:
             envelope: E = self._decode(value)
         except EventValidationError as exc:
-            self._reject(Rejected(key[0], key[1], offset, message.key(), value, str(exc)))
+            self._reject(Rejected(key[0], key[1], message.offset(), message.key(), value,
+                                  str(exc)))
             return None
-        if envelope.is_barrier or not self._seen.add(envelope.event_id):
+        if envelope.is_barrier:
             return None
-        return Record(key[0], key[1], offset, envelope, value or b"")
+        return Record(key[0], key[1], message.offset(), envelope, value or b"")
 
     def _reject(self, rejected: Rejected) -> None:
         log.warning("dead-lettering %s[%d]@%d: %s", rejected.topic, rejected.partition,
