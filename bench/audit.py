@@ -116,11 +116,16 @@ def _drop_schema(url: str, tag: str) -> None:
     then counted that work as theirs: 20-30 us/event more PostgreSQL CPU in the runs
     where it happened. A production store has one schema, whose own passes still count."""
     with psycopg.connect(libpq_url(url), autocommit=True) as conn:
-        conn.execute(f'DROP SCHEMA "bench_{tag}" CASCADE')
+        conn.execute(f'DROP SCHEMA "{_schema(tag)}" CASCADE')
+
+
+def _schema(tag: str) -> str:
+    """The schema of one run's store."""
+    return f"bench_{tag}"
 
 
 def _schema_url(url: str, tag: str) -> str:
-    schema = f"bench_{tag}"
+    schema = _schema(tag)
     with psycopg.connect(libpq_url(url), autocommit=True) as conn:
         conn.execute(f'CREATE SCHEMA "{schema}"')
     sep = "&" if "?" in url else "?"
