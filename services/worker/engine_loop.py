@@ -30,9 +30,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from kernels.threads import own_threads
+from kernels.threads import compute_thread
 from services.catalog.serving import MergeSpec, ServingChoice, resolve_pinned, resolve_reference
 from services.catalog.state import CatalogState, Purge, Refusal
 from services.config import Settings
@@ -224,9 +222,8 @@ class EngineLoop:
     # --- the thread --------------------------------------------------------------------
 
     def start(self) -> None:
-        threads = torch.get_num_threads()  # this thread's: the loop computes with as many
-        self._thread = threading.Thread(target=self._run, args=(threads,), name="engine-loop",
-                                        daemon=True)
+        # with this thread's torch thread count, not that of an adapter parse running now
+        self._thread = compute_thread(self._run, name="engine-loop")
         self._thread.start()
 
     def stop(self, timeout_s: float = 10.0) -> None:
@@ -256,8 +253,7 @@ class EngineLoop:
         """Run `command` in the loop thread and wait for its value (not from the loop)."""
         return self.schedule(command).result(timeout=timeout_s)
 
-    def _run(self, threads: int) -> None:
-        own_threads(threads)  # not the count of an adapter parse running `one_thread` now
+    def _run(self) -> None:
         while not self._stop.is_set():
             idle = not self.engine.has_work
             try:
