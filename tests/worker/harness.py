@@ -196,7 +196,10 @@ class Stack:
             assert response.status_code == 201, response.text
 
     def worker(self, worker_id: str, **overrides: object) -> WorkerProcess:
-        """A worker process (not started) with small, fast settings."""
+        """A worker process (not started) with small, fast settings, serving in float32:
+        tests compare tokens across workers and forms (merged against unmerged, for one),
+        which agree exactly only in fp32, and `dtype=auto` would serve bf16 on a host with
+        AVX512-BF16 (the dtype rule has its own tests)."""
         state = self.root / worker_id
         values: dict[str, object] = {
             "base_model": self.model_dir, "worker_id": worker_id,
@@ -205,7 +208,8 @@ class Stack:
             "worker_token": TOKENS["worker"][0], "worker_block_size": 4,
             "worker_kv_blocks": 512, "worker_adapter_slots": 4,
             "worker_max_lora_rank": 16, "heartbeat_interval_s": 0.5,
-            "worker_trace_flush_s": 0.2, "log_level": "INFO", **overrides}
+            "worker_trace_flush_s": 0.2, "worker_dtype": "float32", "log_level": "INFO",
+            **overrides}
         process = WorkerProcess(worker_id, int(values["worker_port"]),  # type: ignore[arg-type]
                                 int(values["worker_metrics_port"]),  # type: ignore[arg-type]
                                 state, worker_env(self.settings, **values))
