@@ -3,7 +3,8 @@
 A result file `bench/results/NAME.json` keeps the bench's own keys and adds two:
 
 - `run`: the command as typed, quick or full mode, when, how long, the load average at the
-  start and the end, and the machine (CPU model, cores, memory, GPU, Python, torch);
+  start and the end, and the machine (CPU model, family/model/stepping and flags of note, cores,
+  memory, GPU, Python, torch);
 - `figures`: the headline figures, each with the baseline measured in the same run, the
   ratio, the target where there is one, the settings and the load average it ran under.
 
@@ -61,14 +62,37 @@ class Figure:
             self.load_average = load_average()
 
 
-def cpu_model() -> str:
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo (empty where there is none)."""
+    fields: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            if not line.strip():
+                break
+            key, _, value = line.partition(":")
+            fields[key.strip()] = value.strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return fields
+
+
+def cpu_model() -> str:
+    return _cpuinfo().get("model name") or platform.processor() or platform.machine()
+
+
+FLAGS_OF_NOTE = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+"""CPU flags that change what a figure means: hosts of one machine kind differ in them
+(with and without AVX512-BF16, for one), and the bf16 serving default follows them."""
+
+
+def cpu_identity() -> dict[str, Any]:
+    """Family, model and stepping, and the flags of note: "AMD EPYC" alone names several
+    generations, whose figures differ by tens of percent."""
+    info = _cpuinfo()
+    flags = set(info.get("flags", "").split())
+    return {"cpu_family": info.get("cpu family"), "cpu_model_number": info.get("model"),
+            "cpu_stepping": info.get("stepping"),
+            "cpu_flags_of_note": [f for f in FLAGS_OF_NOTE if f in flags]}
 
 
 def memory_gib() -> float | None:
@@ -84,7 +108,7 @@ def memory_gib() -> float | None:
 def machine() -> dict[str, Any]:
     """This machine, as a reader of a figure needs it: what ran it and how big it is."""
     info: dict[str, Any] = {
-        "cpu_model": cpu_model(), "cores": os.cpu_count(),
+        "cpu_model": cpu_model(), **cpu_identity(), "cores": os.cpu_count(),
         "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
         else os.cpu_count(),
         "memory_gib": memory_gib(), "platform": platform.platform(),

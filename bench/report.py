@@ -56,8 +56,11 @@ def load(values: list[float] | None) -> str:
 
 def machine_line(run: dict[str, Any]) -> str:
     m = run.get("machine") or {}
-    parts = [m.get("cpu_model") or "unknown CPU",
-             f"{m.get('usable_cores') or m.get('cores')} usable of {m.get('cores')} cores"]
+    cpu = m.get("cpu_model") or "unknown CPU"
+    if m.get("cpu_family"):
+        cpu += (f" (family {m['cpu_family']} model {m.get('cpu_model_number')}; "
+                f"{' '.join(m.get('cpu_flags_of_note') or []) or 'no flags of note'})")
+    parts = [cpu, f"{m.get('usable_cores') or m.get('cores')} usable of {m.get('cores')} cores"]
     if m.get("memory_gib"):
         parts.append(f"{m['memory_gib']} GiB")
     parts.append(f"GPU: {m['gpu']}" if m.get("gpu") else "no GPU")
