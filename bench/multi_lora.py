@@ -14,6 +14,9 @@ Sections, per model unless noted:
   batching) vs PEFT's mixed-adapter `generate(adapter_names=...)` over one left-padded
   batch, greedy; outputs compared token by token. Then the engine with every request on one
   adapter (what mixing 32 costs).
+- mixed_bf16: the mixed section again with the engine, PEFT and the dense yardstick all
+  in bf16 (the serving default on a CPU with AVX512-BF16): what one adapter vs 32 and the
+  roofline are in that dtype; outputs are compared, not required identical.
 - roofline: the same run's matmuls replayed alone with torch (same shapes, dtype, threads,
   same process): the engine's effective FLOP rate as a fraction of this CPU's dense matmul
   rate, for prefill steps, decode steps and the whole workload.
@@ -655,6 +658,8 @@ def bench_model(name: str, model_dir: Path, hf, root: Path, args, sections: list
         "tenant": ("tenant_prefix", lambda: section_tenant(
             model_dir, hf, dirs, tenant_workload(args.tenant_requests, len(dirs),
                                                  mc.vocab_size, args.seed, scale))),
+        "mixed_bf16": ("mixed_bf16", lambda: section_mixed(
+            model_dir, load_hf(model_dir, torch.bfloat16), dirs, mixed, "bfloat16")),
         "bf16": ("bf16", lambda: section_bf16(model_dir, dirs, mixed[:args.bf16_requests])),
         "memory": ("memory", lambda: section_memory(model_dir, root / name, dirs)),
         "merged": ("merged", lambda: section_merged(model_dir, dirs,
@@ -688,7 +693,8 @@ def main() -> None:
     ap.add_argument("--clock", default="wall", choices=("wall", "cpu"),
                     help="time runs by wall clock or by this process's CPU time")
     ap.add_argument("--sections", default="all",
-                    help="comma list of mixed,tenant,bf16,memory,merged,cpu_fused,latency")
+                    help="comma list of mixed,tenant,bf16,mixed_bf16,memory,merged,cpu_fused,"
+                         "latency")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "multi_lora.json"))
     args = ap.parse_args()
     record = BenchRun("multi_lora", quick=args.quick)
@@ -742,7 +748,8 @@ def main() -> None:
         for name in args.models.split(","):
             if name == "random":
                 hf = build_random_base(root / "random", args.seed, args.smoke).to(DEVICE)
-                sections = ["mixed", "tenant", "memory", "merged", "cpu_fused", "bf16"]
+                sections = ["mixed", "tenant", "memory", "merged", "cpu_fused", "bf16",
+                            "mixed_bf16"]
                 if DEVICE != "cpu":
                     sections.remove("cpu_fused")
                 bench_model("random", root / "random", hf, root, args, sections, log,
@@ -751,7 +758,8 @@ def main() -> None:
                 model_dir = ensure_smollm2(Settings().cache_dir)
                 hf = load_hf(model_dir)
                 bench_model("smollm2", model_dir, hf, root, args,
-                            ["mixed", "latency", "tenant"], log, saver("smollm2_135m"))
+                            ["mixed", "latency", "tenant", "mixed_bf16"], log,
+                            saver("smollm2_135m"))
             else:
                 raise SystemExit(f"unknown model {name!r} (random, smollm2)")
             del hf
