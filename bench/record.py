@@ -26,6 +26,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
+from services.hostcpu import cpu_flags, cpuinfo
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 
@@ -62,22 +64,8 @@ class Figure:
             self.load_average = load_average()
 
 
-def _cpuinfo() -> dict[str, str]:
-    """The first processor's fields in /proc/cpuinfo (empty where there is none)."""
-    fields: dict[str, str] = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if not line.strip():
-                break
-            key, _, value = line.partition(":")
-            fields[key.strip()] = value.strip()
-    except OSError:
-        pass
-    return fields
-
-
 def cpu_model() -> str:
-    return _cpuinfo().get("model name") or platform.processor() or platform.machine()
+    return cpuinfo().get("model name") or platform.processor() or platform.machine()
 
 
 FLAGS_OF_NOTE = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
@@ -88,8 +76,8 @@ FLAGS_OF_NOTE = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 def cpu_identity() -> dict[str, Any]:
     """Family, model and stepping, and the flags of note: "AMD EPYC" alone names several
     generations, whose figures differ by tens of percent."""
-    info = _cpuinfo()
-    flags = set(info.get("flags", "").split())
+    info = cpuinfo()
+    flags = cpu_flags()
     return {"cpu_family": info.get("cpu family"), "cpu_model_number": info.get("model"),
             "cpu_stepping": info.get("stepping"),
             "cpu_flags_of_note": [f for f in FLAGS_OF_NOTE if f in flags]}

@@ -9,28 +9,13 @@ token parity with a float32 reference matters (the oracle tests pin it explicitl
 
 from __future__ import annotations
 
-from functools import cache
-from pathlib import Path
-
 import torch
+
+from services.hostcpu import cpu_flags
 
 from .checkpoint import parse_dtype
 
 BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
-CPUINFO = Path("/proc/cpuinfo")
-
-
-@cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU feature flags the kernel reports (empty where there is no /proc/cpuinfo)."""
-    try:
-        text = CPUINFO.read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.split(":", 1)[1].split())
-    return frozenset()
 
 
 def cpu_has_bf16(flags: frozenset[str] | None = None) -> bool:
