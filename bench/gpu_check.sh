@@ -34,7 +34,7 @@ else
   KERNELS=(--out "$OUT")
   TUNE=(--quick)
   ENGINE=(--models smollm2 --device cuda --sections mixed,latency,tenant --requests 32
-          --tenant-requests 64
+          --tenant-requests 64 --repeats 1
           --out "$OUT/multi_lora_gpu.json")
   LIMITS=(150 150 160)
   if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then

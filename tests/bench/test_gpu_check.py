@@ -28,4 +28,6 @@ def test_gpu_check_smoke_runs_every_stage_end_to_end(tmp_path) -> None:
     assert "fused_base_max_tokens" in table["entries"]["sgmv"]["64"]["16"]
     engine = json.loads((tmp_path / "multi_lora_smoke.json").read_text())["random_llama"]
     assert engine["mixed"]["vs_peft"]["tokens_identical"] == 1.0
+    assert set(engine["mixed"]["runs_seconds"]) == {"engine_32", "engine_1", "engine_no_adapter"}
+    assert engine["mixed"]["roofline_no_adapter"]["all"]["fraction_of_dense"] > 0
     assert engine["tenant_prefix"]["prefix_cache"]["cross_tenant_hits"] == 0

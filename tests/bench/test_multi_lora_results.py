@@ -1,11 +1,12 @@
-"""A run of some sections of the engine bench keeps the figures of the others."""
+"""A run of some sections of the engine bench keeps the figures of the others; repeated
+runs are summarised by their median run."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from bench.multi_lora import kept_results
+from bench.multi_lora import EngineRun, kept_results, median_run
 
 
 def test_a_partial_run_keeps_the_other_sections_and_records_its_own_settings(
@@ -26,3 +27,10 @@ def test_a_partial_run_keeps_the_other_sections_and_records_its_own_settings(
     assert kept_results(out.with_name("missing.json"), now, "c") == {"settings": now}
     out.write_text("{not json")
     assert kept_results(out, now, "c") == {"settings": now}
+
+
+def test_the_median_run_is_the_middle_one_and_the_lower_middle_of_an_even_count() -> None:
+    runs = [EngineRun([[i]], seconds, 1.0) for i, seconds in enumerate((9.0, 7.0, 8.0))]
+    assert median_run(runs).tokens == [[2]]
+    assert median_run(runs[:2]).tokens == [[1]]
+    assert median_run(runs[:1]).tokens == [[0]]
