@@ -746,6 +746,8 @@ def main() -> None:
                          "latency")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "multi_lora.json"))
     args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error("--repeats must be at least 1")
     record = BenchRun("multi_lora", quick=args.quick)
     if args.quick:
         args.requests, args.tenant_requests, args.adapters, args.repeats = 8, 16, 8, 1
