@@ -13,8 +13,8 @@ Sections, per model unless noted:
 - mixed: 64 requests over 32 adapters, prompts 16-512, outputs 8-128. Engine (continuous
   batching) vs PEFT's mixed-adapter `generate(adapter_names=...)` over one left-padded
   batch, greedy; outputs compared token by token. Then the engine with every request on one
-  adapter (what mixing 32 costs): the two alternated `--repeats` times (3), ratios of the
-  median runs. Then once with no adapter (what the engine costs without any LoRA pass).
+  adapter (what mixing 32 costs), and with no adapter (what the engine costs without any
+  LoRA pass): the three alternated `--repeats` times (3), ratios of the median runs.
 - mixed_bf16: the mixed section again with the engine, PEFT and the dense yardstick all
   in bf16 (the serving default on a CPU with AVX512-BF16): what one adapter vs 32 and the
   roofline are in that dtype; outputs are compared, not required identical.
@@ -82,6 +82,7 @@ from services.worker.engine import (  # noqa: E402
     serving_dtype,
 )
 from services.worker.engine.adapter import AdapterFiles  # noqa: E402
+from services.worker.engine.model import LlamaModel  # noqa: E402
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
@@ -310,13 +311,12 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, float]:
 
 # -- roofline -------------------------------------------------------------------------------
 
-def dense_replay(eng: Engine, steps: list[tuple[int, int, bool, bool, float]],
+def dense_replay(model: LlamaModel, steps: list[tuple[int, int, bool, bool, float]],
                  cache: dict[tuple[int, int], float] | None = None) -> dict:
     """Time each step's matmuls alone with torch (same weights, shapes, dtype, threads).
 
     `cache` keeps the dense time of each step shape across calls, so runs of the same
     workload (the same step shapes) are compared with one yardstick."""
-    model = eng.model
     mc = model.cfg
     weights = [w for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up,
                                                         layer.down)]
@@ -396,16 +396,16 @@ def section_mixed(model_dir: Path, hf, dirs: list[Path], workload: list[dict],
                                          record_steps=kind != "engine_1"))
             print(f"  engine, {label}: {runs[kind][-1].seconds:.1f} s "
                   f"(load {runs[kind][-1].load})", flush=True)
-            if kind != "engine_no_adapter":
-                del eng
-                gc.collect()
+            model = eng.model  # the base weights the dense replay multiplies
+            del eng
+            gc.collect()
     many, one, bare = (median_run(runs[kind]) for kind in kinds)
     dense: dict[tuple[int, int], float] = {}
-    roofline = dense_replay(eng, many.steps, dense)
-    bare_roofline = dense_replay(eng, bare.steps, dense)
+    roofline = dense_replay(model, many.steps, dense)
+    bare_roofline = dense_replay(model, bare.steps, dense)
     print(f"  roofline {roofline['all']['fraction_of_dense']:.0%} of dense (no adapter: "
           f"{bare_roofline['all']['fraction_of_dense']:.0%})", flush=True)
-    del eng
+    del model
     gc.collect()
     peft_tokens, peft_s, peft_load = run_peft(peft_model(hf, dirs), workload)
     print(f"  PEFT: {peft_s:.1f} s (load {peft_load})", flush=True)
@@ -732,8 +732,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--models", default="random,smollm2")
     ap.add_argument("--repeats", type=int, default=3,
-                    help="alternated runs of the engine with 32 adapters and with one, in the "
-                         "mixed sections (ratios of the median runs); 1 with --quick/--smoke")
+                    help="alternated runs of the engine with 32 adapters, one and none, in "
+                         "the mixed sections (ratios of the median runs); 1 with "
+                         "--quick/--smoke")
     ap.add_argument("--quick", action="store_true",
                     help="8 requests over 8 adapters; mixed on both models, real-model latency")
     ap.add_argument("--smoke", action="store_true",
