@@ -12,8 +12,10 @@ same offsets, built once when the adapter is written, not per call.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -214,9 +216,32 @@ def apply_runs(y: Tensor, x: Tensor, w: PagedLora, runs: Runs, out_offset: int =
             if len(small) >= GROUPED_MIN_RUNS and NESTED_VIEWS and x.is_contiguous():
                 _apply_grouped(y, x, w, small, out_offset, runs)
             else:
-                _apply(y, x, w, small, out_offset)
+                _apply(y, x, w, small, out_offset, small=True)
     if len(small) < len(live):
         _apply(y, x, w, [r for r in live if r[2] - r[1] >= SMALL_RUN_ROWS], out_offset)
+
+
+@contextlib.contextmanager
+def small_shrink_gemms(dtype: torch.dtype) -> Iterator[None]:
+    """Half-precision GEMMs of a few rows into a few columns (the decode shrinks) without
+    oneDNN.
+
+    On CPU, torch sends bf16/fp16 matmuls to oneDNN, whose calls cost about 15 us each
+    before any work: a [2, 576] x [576, 16] bf16 shrink took 19 us with it and 4 without,
+    and the nested shrink of 16 adapters at SmolLM2's shapes 270-400 us against 80-260.
+    The expands are left on oneDNN: wide outputs (1,536 to 2,816 columns) ran 1.3-4x slower
+    on torch's own bf16 kernel. fp32 matmuls never take oneDNN here, so they are untouched.
+    The switch is process-wide: another thread's matmul in the meantime is slower, never
+    different in its fp32 accumulation.
+    """
+    if dtype not in (torch.bfloat16, torch.float16) or not torch._C._get_mkldnn_enabled():
+        yield
+        return
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        yield
+    finally:
+        torch._C._set_mkldnn_enabled(True)
 
 
 GROUPED_MIN_RUNS = 4
@@ -230,10 +255,11 @@ BLAS call pairs (same results, slower decodes) instead of failing."""
 
 
 def _apply(y: Tensor, x: Tensor, w: PagedLora, runs: list[tuple[int, int, int]],
-           out_offset: int) -> None:
+           out_offset: int, small: bool = False) -> None:
     out = y[:, out_offset:out_offset + w.out_features]
     for slot, start, end in runs:
-        h = torch.mm(x[start:end], w.a_views[slot].T)  # type: ignore[union-attr]
+        with small_shrink_gemms(x.dtype) if small else contextlib.nullcontext():
+            h = torch.mm(x[start:end], w.a_views[slot].T)  # type: ignore[union-attr]
         out[start:end].addmm_(h, w.bt_views[slot], alpha=w.host_scales[slot])
 
 
@@ -244,7 +270,9 @@ def _apply_grouped(y: Tensor, x: Tensor, w: PagedLora, runs: list[tuple[int, int
     slots = tuple(r[0] for r in runs)
     a_t, bt = w.grouped_views(slots)
     routing = _routing(x, tuple(runs), step)
-    delta = torch.bmm(torch.bmm(routing.x, a_t), bt).values().view(-1, w.out_features)
+    with small_shrink_gemms(x.dtype):
+        h = torch.bmm(routing.x, a_t)
+    delta = torch.bmm(h, bt).values().view(-1, w.out_features)
     scales = [w.host_scales[s] for s in slots]
     if scales.count(scales[0]) == len(scales):
         delta.mul_(scales[0])

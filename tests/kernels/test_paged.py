@@ -114,3 +114,26 @@ def test_many_small_runs_take_the_nested_pass_and_match_per_run_products(
             a, bt = w.a_views[slot], w.bt_views[slot]
             want[lo:hi, 2:] += (x[lo:hi] @ a.T) @ bt * w.host_scales[slot]
     torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_small_shrinks_leave_onednn_as_they_found_it(dtype: torch.dtype) -> None:
+    """Half-precision decode shrinks run without oneDNN (its per-call cost dwarfs a shrink
+    of two rows); the switch is process-wide, so it is restored on the way out, failures
+    included, and fp32 never touches it."""
+    from kernels.paged import small_shrink_gemms
+
+    assert torch._C._get_mkldnn_enabled()
+    with small_shrink_gemms(dtype):
+        assert torch._C._get_mkldnn_enabled() is (dtype == torch.float32)
+    assert torch._C._get_mkldnn_enabled()
+    with pytest.raises(RuntimeError), small_shrink_gemms(dtype):
+        raise RuntimeError("a failing shrink")
+    assert torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        with small_shrink_gemms(dtype):
+            assert not torch._C._get_mkldnn_enabled()
+        assert not torch._C._get_mkldnn_enabled()  # off before, off after
+    finally:
+        torch._C._set_mkldnn_enabled(True)
