@@ -92,7 +92,9 @@ def test_many_small_runs_take_the_nested_pass_and_match_per_run_products(
     block = tuple((slot, 2 * i, 2 * i + 2) for i, slot in enumerate((0, 1, 3, 4, 5, 1)))
     gapped = ((0, 0, 1), (-1, 1, 3), (3, 3, 5), (2, 5, 6), (4, 6, 7), (5, 7, 9), (0, 9, 10),
               (3, 10, 12))
-    for runs in (block, gapped, gapped[1:]):  # the last: the runs' span starts at row 3
+    # the last: decodes around a prefill-sized gap (their span is mostly other rows)
+    sparse = ((0, 0, 1), (1, 1, 2), (-1, 2, 40), (3, 40, 41), (4, 41, 42), (5, 42, 43))
+    for runs in (block, gapped, gapped[1:], sparse):  # gapped[1:]: the span starts at row 3
         assert sum(1 for r in runs if w.adapts(r[0])) >= GROUPED_MIN_RUNS
         rows = runs[-1][2]
         x = torch.randn(rows + 3, fin, generator=g).to(dtype)[3:]  # not at the buffer front
@@ -106,6 +108,8 @@ def test_many_small_runs_take_the_nested_pass_and_match_per_run_products(
             got = y.clone()
             apply_runs(got, x, w, runs, out_offset=2)
             torch.testing.assert_close(got, want, **TOL[dtype])
+            untouched = [r for slot, lo, hi in runs if not w.adapts(slot) for r in range(lo, hi)]
+            assert torch.equal(got[untouched], y[untouched])
     w.point(3, 1500, 1550, 2, 3.0)  # re-pointing a slot drops its cached views
     got, want = y.clone(), y.clone()
     apply_runs(got, x, w, gapped, out_offset=2)
