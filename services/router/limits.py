@@ -177,29 +177,21 @@ class Limits:
                                cold)
 
     def admit_with(self, now: float, entry: Admission, cold: bool) -> Rejection | None:
-        """`admit` for a kept `Admission`. Runs on every request: each bucket's refill
-        (`TokenBucket.level`) is written out here rather than called."""
+        """`admit` for a kept `Admission`: one refill per bucket it takes from, nothing
+        looked up."""
         if entry.generation != self.generation:  # buckets were forgotten since it was bound
             self._bind(entry, now)
         t_bucket = entry.t_bucket
         if t_bucket.rate != entry.t_rate:  # another caller of the tenant, at another tier
             self._bucket("tenant", entry.tenant, entry.t_rate, now)
-        if now > t_bucket.updated:
-            tokens = t_bucket.tokens + (now - t_bucket.updated) * t_bucket.rate
-            t_bucket.tokens = tokens if tokens < t_bucket.capacity else t_bucket.capacity
-            t_bucket.updated = now
-        if t_bucket.tokens < 1.0:
+        if t_bucket.level(now) < 1.0:
             return Rejection("tenant_rate", t_bucket.wait(now), f"tenant {entry.tenant} is "
                              f"over its rate limit of {entry.t_rate:g} requests/s")
         a_bucket = entry.a_bucket
         if a_bucket is not None:
             if a_bucket.rate != entry.a_rate:  # the adapter's tier changed with a version
                 self._bucket("adapter", entry.adapter or "", entry.a_rate, now)
-            if now > a_bucket.updated:
-                tokens = a_bucket.tokens + (now - a_bucket.updated) * a_bucket.rate
-                a_bucket.tokens = tokens if tokens < a_bucket.capacity else a_bucket.capacity
-                a_bucket.updated = now
-            if a_bucket.tokens < 1.0:
+            if a_bucket.level(now) < 1.0:
                 return Rejection("adapter_rate", a_bucket.wait(now), f"adapter "
                                  f"{entry.adapter} is over its rate limit of "
                                  f"{entry.a_rate:g} requests/s")
