@@ -231,8 +231,9 @@ def small_shrink_gemms(dtype: torch.dtype) -> Iterator[None]:
     and the nested shrink of 16 adapters at SmolLM2's shapes 270-400 us against 80-260.
     The expands are left on oneDNN: wide outputs (1,536 to 2,816 columns) ran 1.3-4x slower
     on torch's own bf16 kernel. fp32 matmuls never take oneDNN here, so they are untouched.
-    The switch is process-wide: another thread's matmul in the meantime is slower, never
-    different in its fp32 accumulation.
+    The switch is process-wide: another thread's half-precision matmul in the meantime
+    takes torch's own kernel too, slower and possibly rounded differently in the last bit
+    (the engine computes in one thread, so its own steps are not affected).
     """
     if dtype not in (torch.bfloat16, torch.float16) or not torch._C._get_mkldnn_enabled():
         yield
