@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from . import host
 from .threads import one_thread
 
 warnings.filterwarnings("ignore", message="The PyTorch API of nested tensors",
@@ -99,6 +100,8 @@ class PagedLora:
     scales: Tensor = field(init=False)
     host_ranks: list[int] = field(init=False)
     host_scales: list[float] = field(init=False)
+    host_a_offsets: list[int] = field(init=False)
+    host_b_offsets: list[int] = field(init=False)
     a_views: list[Tensor | None] = field(init=False)
     """``A`` [rank, in] of each slot (a view into the pool), None where rank is 0."""
     bt_views: list[Tensor | None] = field(init=False)
@@ -106,6 +109,9 @@ class PagedLora:
     _grouped: tuple[tuple[int, ...], Tensor, Tensor] | None = field(init=False, default=None)
     """The last `grouped_views` answer (a decode step's slots recur layer after layer and
     step after step); dropped whenever a slot is re-pointed."""
+    _host: tuple[tuple[tuple[int, int, int], ...], host.HostPlan] | None = field(
+        init=False, default=None)
+    """The last `host_plan` answer, kept and dropped like `_grouped`."""
 
     def __post_init__(self) -> None:
         n = self.num_slots
@@ -117,6 +123,8 @@ class PagedLora:
         self.scales = tables.scales[row, :n]
         self.host_ranks = [0] * n
         self.host_scales = [0.0] * n
+        self.host_a_offsets = [0] * n
+        self.host_b_offsets = [0] * n
         self.a_views = [None] * n
         self.bt_views = [None] * n
 
@@ -139,9 +147,11 @@ class PagedLora:
         k, n = self.in_features, self.out_features
         self.host_ranks[slot] = rank
         self.host_scales[slot] = scale
+        self.host_a_offsets[slot] = a_offset
+        self.host_b_offsets[slot] = b_offset
         self.a_views[slot] = self.pool[a_offset:a_offset + rank * k].view(rank, k)
         self.bt_views[slot] = self.pool[b_offset:b_offset + rank * n].view(rank, n)
-        self._grouped = None
+        self._grouped = self._host = None
 
     def clear(self, slot: int) -> None:
         self.ranks[slot] = 0
@@ -154,7 +164,7 @@ class PagedLora:
         self.host_scales[slot] = 0.0
         self.a_views[slot] = None
         self.bt_views[slot] = None
-        self._grouped = None
+        self._grouped = self._host = None
 
     def grouped_views(self, slots: tuple[int, ...]) -> tuple[Tensor, Tensor]:
         """``A.T`` [in, rank] and ``B.T`` [rank, out] of `slots` (in that order, repeats
@@ -165,6 +175,17 @@ class PagedLora:
             self._grouped = (slots, ragged_view(self.pool, a).transpose(1, 2),  # type: ignore[arg-type]
                              ragged_view(self.pool, bt))  # type: ignore[arg-type]
         return self._grouped[1], self._grouped[2]
+
+    def host_plan(self, runs: list[tuple[int, int, int]]) -> host.HostPlan:
+        """`runs` (live, in order) as the arrays of the compiled bf16 decode pass."""
+        key = tuple(runs)
+        if self._host is None or self._host[0] != key:
+            slots = [r[0] for r in runs]
+            self._host = (key, host.HostPlan(
+                runs, [self.host_a_offsets[s] for s in slots],
+                [self.host_b_offsets[s] for s in slots], [self.host_ranks[s] for s in slots],
+                [self.host_scales[s] for s in slots]))
+        return self._host[1]
 
     def adapts(self, slot: int) -> bool:
         return slot >= 0 and self.host_ranks[slot] > 0
@@ -202,7 +223,9 @@ def ragged_view(buffer: Tensor, parts: list[Tensor]) -> Tensor:
 def apply_runs(y: Tensor, x: Tensor, w: PagedLora, runs: Runs, out_offset: int = 0) -> None:
     """The torch path: per run of one slot, ``y += scale * ((x @ A.T) @ Bt)`` in place.
 
-    Small runs (decodes: one or two rows per adapter) go first, in one thread
+    Small runs (decodes: one or two rows per adapter) go first. In bf16 and fp32 on the
+    CPU they take one compiled call per projection (`kernels.host`), free of the per-call
+    costs of BLAS and oneDNN. Otherwise (fp16, or no numba) they run in one thread
     (`SMALL_RUN_ROWS`) and all in two nested-tensor `bmm` calls (`_apply_grouped`): one
     Python-level call per projection instead of two per adapter, which on a step of 32
     adapters was most of the LoRA time. Large runs (prefill chunks) keep one BLAS call pair
@@ -211,7 +234,10 @@ def apply_runs(y: Tensor, x: Tensor, w: PagedLora, runs: Runs, out_offset: int =
     """
     live = [r for r in runs if r[0] >= 0 and r[2] > r[1] and w.a_views[r[0]] is not None]
     small = [r for r in live if r[2] - r[1] < SMALL_RUN_ROWS]
-    if small:
+    if small and _host_pass(y, x, w):
+        host.apply_small_runs(y, x, w.pool, out_offset, w.in_features, w.out_features,
+                              w.host_plan(small))
+    elif small:
         with one_thread():
             if len(small) >= GROUPED_MIN_RUNS and NESTED_VIEWS and x.is_contiguous():
                 _apply_grouped(y, x, w, small, out_offset, runs)
@@ -219,6 +245,16 @@ def apply_runs(y: Tensor, x: Tensor, w: PagedLora, runs: Runs, out_offset: int =
                 _apply(y, x, w, small, out_offset, small=True)
     if len(small) < len(live):
         _apply(y, x, w, [r for r in live if r[2] - r[1] >= SMALL_RUN_ROWS], out_offset)
+
+
+HOST_PASS = host.AVAILABLE
+"""bf16 and fp32 decodes on the CPU take the compiled pass (`kernels.host`); tests switch
+it off to pin it to the torch path."""
+
+
+def _host_pass(y: Tensor, x: Tensor, w: PagedLora) -> bool:
+    return (HOST_PASS and x.dtype == y.dtype == w.pool.dtype and x.dtype in host.DTYPES
+            and x.device.type == "cpu" and x.stride(-1) == 1 and y.stride(-1) == 1)
 
 
 @contextlib.contextmanager

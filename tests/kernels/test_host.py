@@ -1,0 +1,91 @@
+"""The compiled bf16 decode pass (`kernels.host`) against the torch path it replaces:
+the same roundings, so the same bits but for the order of fp32 accumulations."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import PagedLora
+from kernels.paged import apply_runs
+
+pytest.importorskip("numba")
+
+BLOCK = tuple((slot, 2 * i, 2 * i + 2) for i, slot in enumerate((0, 1, 3, 4, 5, 1)))
+GAPPED = ((0, 0, 1), (-1, 1, 3), (3, 3, 5), (2, 5, 6), (4, 6, 7), (5, 7, 22), (0, 22, 23),
+          (3, 23, 38))
+"""Base rows, an unadapted slot, a repeat, and runs of 15 rows (the largest small run)."""
+SPARSE = ((0, 0, 1), (1, 1, 2), (-1, 2, 40), (3, 40, 41), (4, 41, 42), (5, 42, 43))
+
+
+def paged(fin: int, fout: int, seed: int, dtype: torch.dtype = torch.bfloat16) -> PagedLora:
+    g = torch.Generator().manual_seed(seed)
+    pool = (torch.randn(100 * (fin + fout) + 40_000, generator=g) * 0.1).to(dtype)
+    w = PagedLora(pool, fin, fout, 6)
+    offset = 0
+    for slot, rank in enumerate((1, 8, 0, 64, 3, 16)):
+        if rank:
+            w.point(slot, offset, offset + rank * fin, rank, (0.5, 2.0, 1.0, 0.25, 1.5, 4.0)[slot])
+            offset += rank * (fin + fout) + 7  # odd offsets: no alignment assumed
+    return w
+
+
+def both_paths(w: PagedLora, runs: tuple[tuple[int, int, int], ...], x: torch.Tensor,
+               y: torch.Tensor, monkeypatch: pytest.MonkeyPatch) -> tuple[torch.Tensor,
+                                                                          torch.Tensor]:
+    host = y.clone()
+    apply_runs(host, x, w, runs, out_offset=3)
+    with monkeypatch.context() as m:
+        m.setattr("kernels.paged.HOST_PASS", False)
+        torch_path = y.clone()
+        apply_runs(torch_path, x, w, runs, out_offset=3)
+    return host, torch_path
+
+
+@pytest.mark.parametrize("runs", [BLOCK, GAPPED, SPARSE], ids=["block", "gapped", "sparse"])
+@pytest.mark.parametrize(("fin", "fout"), [(64, 48), (576, 192), (96, 1536)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_compiled_pass_lands_the_torch_paths_rows(
+        runs: tuple[tuple[int, int, int], ...], fin: int, fout: int, dtype: torch.dtype,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    w = paged(fin, fout, seed=fin + fout, dtype=dtype)
+    g = torch.Generator().manual_seed(7)
+    rows = runs[-1][2]
+    x = torch.randn(rows + 2, fin, generator=g).to(dtype)[2:]  # not at the buffer front
+    y = torch.randn(rows, fout + 5, generator=g).to(dtype)
+    host, torch_path = both_paths(w, runs, x, y, monkeypatch)
+    assert w._host is not None  # the compiled pass ran, not a silent fallback
+    adapted = [r for slot, lo, hi in runs if w.adapts(slot) for r in range(lo, hi)]
+    assert not torch.equal(host[adapted], y[adapted])
+    if dtype == torch.float32:
+        torch.testing.assert_close(host, torch_path)
+    else:  # one bf16 ulp at most, and rarely: only the order of fp32 accumulations differs
+        diff = (host.float() - torch_path.float()).abs()
+        ulp = torch.maximum(host.float().abs(), torch_path.float().abs()) * 2.0 ** -7
+        assert bool((diff <= ulp).all())
+        assert (diff > 0).float().mean().item() < 0.01
+    untouched = [r for r in range(rows) if r not in adapted]
+    assert torch.equal(host[untouched], y[untouched])
+    assert torch.equal(host[:, :3], y[:, :3]) and torch.equal(host[:, 3 + fout:], y[:, 3 + fout:])
+
+
+def test_a_nan_stays_in_its_row_and_a_repointed_slot_drops_the_plan(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    w = paged(64, 48, seed=3)
+    x = torch.randn(12, 64).to(torch.bfloat16)
+    x[4, 10] = float("nan")
+    y = torch.zeros(12, 54, dtype=torch.bfloat16)
+    host, torch_path = both_paths(w, BLOCK, x, y, monkeypatch)
+    assert host[4, 3:51].isnan().all() and torch_path[4, 3:51].isnan().all()
+    assert not host[torch.arange(12) != 4].isnan().any()
+    plan = w._host
+    apply_runs(y.clone(), x, w, BLOCK, out_offset=3)
+    assert w._host is plan  # recurring runs reuse their arrays
+    w.point(3, 30_000, 30_000 + 2 * 64, 2, 1.0)
+    assert w._host is None
+
+
+def test_fp16_keeps_the_torch_path() -> None:
+    w = paged(64, 48, seed=5, dtype=torch.float16)
+    apply_runs(torch.zeros(12, 54, dtype=torch.float16), torch.randn(12, 64).half(), w, BLOCK, 3)
+    assert w._host is None
