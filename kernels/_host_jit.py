@@ -57,10 +57,7 @@ def axpy(y: Any, a: Any, x: Any) -> None:
 @numba.njit(cache=True, nogil=True, fastmath=_FAST)
 def runs_f32(x: Any, y: Any, pool: Any, col0: int, in_f: int, out_f: int, a_off: Any,
              b_off: Any, ranks: Any, scales: Any, starts: Any, ends: Any,
-             rows_max: int) -> None:
-    max_rank = 1
-    for r in ranks:
-        max_rank = max(max_rank, r)
+             rows_max: int, max_rank: int) -> None:
     h = np.empty(rows_max * max_rank, np.float32)
     d = np.empty(rows_max * out_f, np.float32)
     for run in range(ranks.shape[0]):
@@ -85,11 +82,8 @@ def runs_f32(x: Any, y: Any, pool: Any, col0: int, in_f: int, out_f: int, a_off:
 @numba.njit(cache=True, nogil=True, fastmath=_FAST)
 def runs_bf16(x: Any, y: Any, pool: Any, col0: int, in_f: int, out_f: int, a_off: Any,
               b_off: Any, ranks: Any, scales: Any, starts: Any, ends: Any,
-              rows_max: int) -> None:
+              rows_max: int, max_rank: int) -> None:
     """`runs_f32` over bf16 bits: weights and activations widened, results rounded."""
-    max_rank = 1
-    for r in ranks:
-        max_rank = max(max_rank, r)
     xu = np.empty(rows_max * in_f, np.uint32)
     xf = xu.view(np.float32)
     wu = np.empty(max(in_f, out_f), np.uint32)

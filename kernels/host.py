@@ -54,14 +54,15 @@ def apply_small_runs(y: Tensor, x: Tensor, pool: Tensor, out_offset: int, in_fea
     """``y[rows, out_offset:+out] += scale * ((x[rows] @ A.T) @ Bt)`` for every run of `plan`."""
     kernel(x.dtype)(_numpy(x), _numpy(y), _numpy(pool), out_offset, in_features,
                     out_features, plan.a_offsets, plan.b_offsets, plan.ranks, plan.scales,
-                    plan.starts, plan.ends, plan.rows_max)
+                    plan.starts, plan.ends, plan.rows_max, plan.max_rank)
 
 
 class HostPlan:
     """A projection's small runs as the kernel's arrays (built once while the runs recur:
     decode steps keep their rows until a sequence joins or leaves)."""
 
-    __slots__ = ("a_offsets", "b_offsets", "ends", "ranks", "rows_max", "scales", "starts")
+    __slots__ = ("a_offsets", "b_offsets", "ends", "max_rank", "ranks", "rows_max", "scales",
+                 "starts")
 
     def __init__(self, runs: list[tuple[int, int, int]], a_offsets: list[int],
                  b_offsets: list[int], ranks: list[int], scales: list[float]) -> None:
@@ -72,6 +73,7 @@ class HostPlan:
         self.starts = np.asarray([r[1] for r in runs], dtype=np.int64)
         self.ends = np.asarray([r[2] for r in runs], dtype=np.int64)
         self.rows_max = max(r[2] - r[1] for r in runs)
+        self.max_rank = max(ranks)
 
 
 def _numpy(t: Tensor) -> Any:
