@@ -177,7 +177,7 @@ class PagedLora:
         return self._grouped[1], self._grouped[2]
 
     def host_plan(self, runs: list[tuple[int, int, int]]) -> host.HostPlan:
-        """`runs` (live, in order) as the arrays of the compiled bf16 decode pass."""
+        """`runs` (live, in order) as the arrays of the compiled decode pass."""
         key = tuple(runs)
         if self._host is None or self._host[0] != key:
             slots = [r[0] for r in runs]

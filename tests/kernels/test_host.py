@@ -1,5 +1,6 @@
-"""The compiled bf16 decode pass (`kernels.host`) against the torch path it replaces:
-the same roundings, so the same bits but for the order of fp32 accumulations."""
+"""The compiled decode pass (`kernels.host`, bf16 and fp32) against the torch path it
+replaces: the same ops and, in bf16, the same roundings, so the same values but for the
+order of the fp32 accumulations."""
 
 from __future__ import annotations
 
