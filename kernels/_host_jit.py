@@ -126,3 +126,86 @@ def runs_bf16(x: Any, y: Any, pool: Any, col0: int, in_f: int, out_f: int, a_off
                 wf[c] = wf[c] + d_f[c]
             for c in range(out_f):
                 row[c] = np.uint16(rounded(wu[c]) >> _U16)
+
+
+def as_f32(src: Any, scratch: Any) -> Any:
+    """A bf16-bits or fp32 row as fp32: the row itself, or widened into `scratch`."""
+    raise NotImplementedError  # compiled through the overload below
+
+
+@numba.extending.overload(as_f32, inline="always")
+def _as_f32(src: Any, scratch: Any) -> Any:
+    if src.dtype == numba.types.float32:
+        def same(src: Any, scratch: Any) -> Any:
+            return src
+        return same
+
+    def impl(src: Any, scratch: Any) -> Any:
+        widen(scratch.view(np.uint32), src)
+        return scratch
+    return impl
+
+
+def store(dst: Any, src: Any) -> None:
+    """An fp32 row into a bf16-bits (rounded, ties to even) or fp32 row."""
+    raise NotImplementedError  # compiled through the overload below
+
+
+@numba.extending.overload(store, inline="always")
+def _store(dst: Any, src: Any) -> Any:
+    if dst.dtype == numba.types.float32:
+        def copy(dst: Any, src: Any) -> None:
+            for d in range(dst.shape[0]):
+                dst[d] = src[d]
+        return copy
+
+    def impl(dst: Any, src: Any) -> None:
+        bits = src.view(np.uint32)
+        for d in range(dst.shape[0]):
+            dst[d] = np.uint16(rounded(bits[d]) >> _U16)
+    return impl
+
+
+@numba.njit(cache=True, nogil=True, fastmath=_FAST)
+def decode_attention(q: Any, k_cache: Any, v_cache: Any, out: Any, rows: Any, tables: Any,
+                     lens: Any, block_size: int, scale: Any, lo: int, hi: int) -> None:
+    """Decodes `lo:hi` of a step: for each, softmax(scale * q K^T) V over its context,
+    read from the paged cache in place (no gathered copy of K and V). q, out [T, H, D];
+    caches [KVH, slots, D]; tables [B, blocks]. Scores, softmax and the weighted sum are
+    fp32 (bf16 inputs widened, the output rounded once)."""
+    kv_heads, _, dim = k_cache.shape
+    group = q.shape[1] // kv_heads
+    longest = 1
+    for b in range(lo, hi):
+        longest = max(longest, lens[b])
+    scores = np.empty((group, longest), np.float32)
+    acc = np.empty((group, dim), np.float32)
+    qs = np.empty((group, dim), np.float32)
+    row_f = np.empty(dim, np.float32)
+    for b in range(lo, hi):
+        row, n = rows[b], lens[b]
+        for h in range(kv_heads):
+            keys, values = k_cache[h], v_cache[h]
+            for j in range(group):
+                qs[j] = as_f32(q[row, h * group + j], row_f)
+            for pos in range(n):
+                key = as_f32(keys[tables[b, pos // block_size] * block_size
+                                  + pos % block_size], row_f)
+                for j in range(group):
+                    scores[j, pos] = dot(qs[j], key) * scale
+            for j in range(group):
+                s = scores[j, :n]
+                top = s.max()
+                total = np.float32(0.0)
+                for pos in range(n):
+                    s[pos] = np.exp(s[pos] - top)
+                    total += s[pos]
+                s *= np.float32(1.0) / total
+            acc[:] = 0.0
+            for pos in range(n):
+                value = as_f32(values[tables[b, pos // block_size] * block_size
+                                      + pos % block_size], row_f)
+                for j in range(group):
+                    axpy(acc[j], scores[j, pos], value)
+            for j in range(group):
+                store(out[row, h * group + j], acc[j])

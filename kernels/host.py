@@ -1,5 +1,6 @@
-"""The decode LoRA pass on the CPU: every small run of one projection in one compiled call
-(numba), instead of two BLAS or oneDNN calls per adapter.
+"""Compiled (numba) CPU paths of a decode step: the LoRA pass, every small run of one
+projection in one call instead of two BLAS or oneDNN calls per adapter; and decode
+attention, read from the paged KV cache in place.
 
 A decode step has a shrink and an expand per adapter, projection and layer, each over the
 one or two rows of that adapter's sequences: work of a few microseconds, buried under
@@ -16,6 +17,12 @@ product with the scale and the sum into the output row. Only the order of the fp
 accumulations inside the dot products differs from BLAS's, so a last bit can differ
 (tests/kernels pin the pass to the torch path).
 
+Decode attention: the torch path gathers every decode's K and V out of the paged cache
+into a padded batch (a copy of the whole context, per layer), then runs a masked batched
+matmul, a softmax and a second batched matmul. The kernel walks each decode's block table
+and reads each cached row once, in the thread that owns that decode; a step's decodes are
+cut into one share per torch intra-op thread, balanced by context length.
+
 numba compiles with LLVM from its wheel (no C compiler at run time) and caches the machine
 code beside its module, or in the user's cache where that is read-only.
 """
@@ -23,7 +30,9 @@ code beside its module, or in the user's cache where that is read-only.
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -47,6 +56,68 @@ def kernel(dtype: torch.dtype) -> Callable[..., None]:
 
         _KERNELS.update({torch.bfloat16: runs_bf16, torch.float32: runs_f32})
     return _KERNELS[dtype]
+
+
+def _attention() -> Callable[..., None]:
+    from kernels._host_jit import decode_attention as compiled
+
+    return compiled
+
+
+_HELPERS: dict[int, ThreadPoolExecutor] = {}
+
+
+def _helper_threads(count: int) -> ThreadPoolExecutor:
+    """Threads that run the shares of a step's decodes besides the calling thread's: the
+    kernel releases the GIL, so they compute in parallel."""
+    if count not in _HELPERS:
+        _HELPERS[count] = ThreadPoolExecutor(count, thread_name_prefix="decode-attention")
+    return _HELPERS[count]
+
+
+def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor,
+                     plan: DecodePlan, scale: float) -> None:
+    """``out[rows] = softmax(scale * q[rows] K^T) V`` for every decode of `plan`, with K and
+    V read from the layer's paged cache ([KVH, slots, D]); q and out are [T, H, D]."""
+    kernel_fn = _attention()
+    args = (_numpy(q), _numpy(k_cache), _numpy(v_cache), _numpy(out), plan.rows,
+            plan.tables, plan.lens, plan.block_size, np.float32(scale))
+    cuts = plan.cuts(torch.get_num_threads())
+    shares = list(itertools.pairwise(cuts))
+    pending = [_helper_threads(len(shares) - 1).submit(kernel_fn, *args, lo, hi)
+               for lo, hi in shares[1:]] if len(shares) > 1 else []
+    try:
+        kernel_fn(*args, *shares[0])
+    finally:
+        for share in pending:
+            share.result()
+
+
+class DecodePlan:
+    """A step's decodes as the attention kernel's arrays: built once per step, used by
+    every layer."""
+
+    __slots__ = ("_cuts", "block_size", "lens", "rows", "tables")
+
+    def __init__(self, rows: Sequence[int], tables: Sequence[Sequence[int]],
+                 lens: Sequence[int], block_size: int) -> None:
+        width = max(len(t) for t in tables)
+        self.rows = np.asarray(rows, dtype=np.int64)
+        self.tables = np.asarray([[*t, *[0] * (width - len(t))] for t in tables],
+                                 dtype=np.int64)
+        self.lens = np.asarray(lens, dtype=np.int64)
+        self.block_size = block_size
+        self._cuts: dict[int, list[int]] = {}
+
+    def cuts(self, threads: int) -> list[int]:
+        """Decode indices cutting the step into up to `threads` shares of about equal
+        context (the kernel's work is linear in it)."""
+        if threads not in self._cuts:
+            parts = max(1, min(threads, len(self.lens)))
+            work = np.cumsum(self.lens)
+            inner = np.searchsorted(work, work[-1] * np.arange(1, parts) / parts)
+            self._cuts[threads] = sorted({0, *(int(i) + 1 for i in inner), len(self.lens)})
+        return self._cuts[threads]
 
 
 def apply_small_runs(y: Tensor, x: Tensor, pool: Tensor, out_offset: int, in_features: int,

@@ -1,9 +1,11 @@
 """Ragged causal attention over the paged KV cache for one mixed step.
 
 A step holds decode tokens (one query per sequence) and prefill chunks (many queries per
-sequence). Decodes are batched, in a few groups of similar context length, into grouped
-matmuls over their gathered block tables; each prefill chunk is one SDPA call (flash path
-when it has no cached prefix). There is no per-token Python loop.
+sequence). On the CPU in fp32 or bf16, a step's decodes attend in one compiled call per
+layer that reads the paged cache in place (`kernels.host.decode_attention`). Elsewhere
+they are batched, in a few groups of similar context length, into grouped matmuls over
+their gathered block tables. Each prefill chunk is one SDPA call (flash path when it has
+no cached prefix). There is no per-token Python loop.
 """
 
 from __future__ import annotations
@@ -13,7 +15,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kernels import host
+
 from .workspace import Workspace
+
+HOST_DECODE = host.AVAILABLE
+"""CPU decodes in fp32 or bf16 take the compiled kernel; tests and the bench switch it off
+to pin it to (or time it against) the torch path."""
 
 
 @dataclass
@@ -62,6 +70,8 @@ class AttentionMetadata:
     decode_rows: torch.Tensor | None = None  # [B] rows of all decode tokens
     decodes: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillSpan] = field(default_factory=list)
+    host_decodes: host.DecodePlan | None = None
+    """All decodes for the compiled CPU kernel (then `decodes` stays empty)."""
 
     def finalize(
         self,
@@ -71,8 +81,10 @@ class AttentionMetadata:
         block_size: int,
         dtype: torch.dtype,
         groups: int = 4,
+        device: torch.device | None = None,
     ) -> None:
-        """Build masks for prefill spans and the padded slot tables for decodes.
+        """Build masks for prefill spans, and the decodes' plan for the compiled kernel on
+        the CPU (`device` None is the CPU) or their padded slot tables elsewhere.
 
         Decodes are sorted by context length and cut into up to `groups` groups of at
         least `DECODE_GROUP_MIN`, each padded only to its own longest context: with
@@ -87,6 +99,10 @@ class AttentionMetadata:
         if not decode_rows:
             return
         self.decode_rows = torch.tensor(decode_rows, dtype=torch.long)
+        if HOST_DECODE and dtype in host.DTYPES and (device is None or device.type == "cpu"):
+            self.host_decodes = host.DecodePlan(decode_rows, decode_tables, decode_lens,
+                                                block_size)
+            return
         order = sorted(range(len(decode_rows)), key=lambda i: decode_lens[i])
         size = max(DECODE_GROUP_MIN, -(-len(order) // groups))
         for lo in range(0, len(order), size):
@@ -164,6 +180,8 @@ def paged_attention(
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span.mask, scale=scale,
                                                enable_gqa=True)
         out[rows] = o[0].transpose(0, 1)
+    if meta.host_decodes is not None:
+        host.decode_attention(q, k_cache, v_cache, out, meta.host_decodes, scale)
     for g in meta.decodes:
         b = g.rows.shape[0]
         # kv-head-major throughout: gathers land contiguous, K^T is a free transpose

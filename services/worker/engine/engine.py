@@ -417,7 +417,8 @@ class Engine:
                 logits_rows.append(row + n - 1)
             row += n
         meta = AttentionMetadata(prefills=prefills)
-        meta.finalize(decode_rows, decode_tables, decode_lens, bs, self.model.dtype)
+        meta.finalize(decode_rows, decode_tables, decode_lens, bs, self.model.dtype,
+                      device=self.model.device)
         used = tuple(sorted({s for s in seg_slots if s >= 0}))
         has_prefill = bool(prefills)
         runs: list[tuple[int, int, int]] = []

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from services.worker.engine import attention
 from services.worker.engine.attention import (
     DECODE_GROUP_MIN,
     AttentionMetadata,
@@ -34,7 +36,9 @@ def _decode_meta(lens: list[int], groups: int, block: int = 4) -> AttentionMetad
     return meta
 
 
-def test_decode_groups_cover_every_row_once_and_match_one_padded_batch() -> None:
+def test_decode_groups_cover_every_row_once_and_match_one_padded_batch(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(attention, "HOST_DECODE", False)  # the torch path's groups
     g = torch.Generator().manual_seed(1)
     lens = [3 + (7 * i) % 40 for i in range(3 * DECODE_GROUP_MIN + 2)]
     kv_heads, heads, dim, block = 2, 4, 8, 4
