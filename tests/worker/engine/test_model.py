@@ -119,3 +119,25 @@ def test_chunked_prefill_matches_single_pass(tiny):
                                               sampling=SamplingParams(max_tokens=6))])
         outs.append(res[0].token_ids)
     assert outs[0] == outs[1]
+
+
+def test_serial_elementwise_ops_give_the_same_bits(tmp_path, monkeypatch):
+    """Small steps run RMSNorm, rope, SwiGLU and the adds in one thread (`SERIAL_TOKENS`):
+    the logits are bit-identical to running them on every intra-op thread, and the thread
+    count is back afterwards. 200 tokens x hidden 256 is above torch's grain size, so the
+    parallel side really splits each op."""
+    from services.worker.engine import model as model_mod
+
+    build_model(tmp_path, seed=5, hidden_size=256, intermediate_size=512)
+    prompt = [(7 * i + 3) % 90 + 3 for i in range(200)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = {}
+        for serial in (0, 10_000):
+            monkeypatch.setattr(model_mod, "SERIAL_TOKENS", serial)
+            got[serial] = engine_logits(tmp_path, prompt, block_size=16)
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(got[0], got[10_000])
