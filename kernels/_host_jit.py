@@ -54,6 +54,44 @@ def axpy(y: Any, a: Any, x: Any) -> None:
         y[c] += a * x[c]
 
 
+def as_f32(src: Any, scratch: Any) -> Any:
+    """A bf16-bits or fp32 row as fp32: the row itself, or widened into `scratch`."""
+    raise NotImplementedError  # compiled through the overload below
+
+
+@numba.extending.overload(as_f32, inline="always")
+def _as_f32(src: Any, scratch: Any) -> Any:
+    if src.dtype == numba.types.float32:
+        def same(src: Any, scratch: Any) -> Any:
+            return src
+        return same
+
+    def impl(src: Any, scratch: Any) -> Any:
+        widen(scratch.view(np.uint32), src)
+        return scratch
+    return impl
+
+
+def store(dst: Any, src: Any) -> None:
+    """An fp32 row into a bf16-bits (rounded, ties to even) or fp32 row."""
+    raise NotImplementedError  # compiled through the overload below
+
+
+@numba.extending.overload(store, inline="always")
+def _store(dst: Any, src: Any) -> Any:
+    if dst.dtype == numba.types.float32:
+        def copy(dst: Any, src: Any) -> None:
+            for d in range(dst.shape[0]):
+                dst[d] = src[d]
+        return copy
+
+    def impl(dst: Any, src: Any) -> None:
+        bits = src.view(np.uint32)
+        for d in range(dst.shape[0]):
+            dst[d] = np.uint16(rounded(bits[d]) >> _U16)
+    return impl
+
+
 @numba.njit(cache=True, nogil=True, fastmath=_FAST)
 def runs_f32(x: Any, y: Any, pool: Any, col0: int, in_f: int, out_f: int, a_off: Any,
              b_off: Any, ranks: Any, scales: Any, starts: Any, ends: Any,
@@ -124,46 +162,7 @@ def runs_bf16(x: Any, y: Any, pool: Any, col0: int, in_f: int, out_f: int, a_off
             widen(wu[:out_f], row)
             for c in range(out_f):
                 wf[c] = wf[c] + d_f[c]
-            for c in range(out_f):
-                row[c] = np.uint16(rounded(wu[c]) >> _U16)
-
-
-def as_f32(src: Any, scratch: Any) -> Any:
-    """A bf16-bits or fp32 row as fp32: the row itself, or widened into `scratch`."""
-    raise NotImplementedError  # compiled through the overload below
-
-
-@numba.extending.overload(as_f32, inline="always")
-def _as_f32(src: Any, scratch: Any) -> Any:
-    if src.dtype == numba.types.float32:
-        def same(src: Any, scratch: Any) -> Any:
-            return src
-        return same
-
-    def impl(src: Any, scratch: Any) -> Any:
-        widen(scratch.view(np.uint32), src)
-        return scratch
-    return impl
-
-
-def store(dst: Any, src: Any) -> None:
-    """An fp32 row into a bf16-bits (rounded, ties to even) or fp32 row."""
-    raise NotImplementedError  # compiled through the overload below
-
-
-@numba.extending.overload(store, inline="always")
-def _store(dst: Any, src: Any) -> Any:
-    if dst.dtype == numba.types.float32:
-        def copy(dst: Any, src: Any) -> None:
-            for d in range(dst.shape[0]):
-                dst[d] = src[d]
-        return copy
-
-    def impl(dst: Any, src: Any) -> None:
-        bits = src.view(np.uint32)
-        for d in range(dst.shape[0]):
-            dst[d] = np.uint16(rounded(bits[d]) >> _U16)
-    return impl
+            store(row, wf)
 
 
 @numba.njit(cache=True, nogil=True, fastmath=_FAST)
