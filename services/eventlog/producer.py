@@ -18,10 +18,12 @@ One case does need a new client: librdkafka makes some broker answers fatal that
 fencing. The usual one follows a broker restart: the coordinator never registered the
 transaction's partitions, so the abort is refused with INVALID_TXN_STATE. The coordinator
 checks the producer epoch before the state, so such an answer also proves that nobody
-has initialised the id since: the next write then starts a new client and initialises the
-id again (`ProducerLost`). An instance fenced in the short gap between that answer and the
-new initialisation would fence its successor back; the registry then sees the successor's
-lease in the log and turns read-only too, so the log never has two writers.
+has initialised the id since. When settling a failed write gets it, a new client
+initialises the id at once and the write waiting on that settlement goes on; when a write
+itself gets it, that write fails (`ProducerLost`) and the next one starts the new client.
+An instance fenced in the short gap between that answer and the new initialisation would
+fence its successor back; the registry then sees the successor's lease in the log and
+turns read-only too, so the log never has two writers.
 """
 
 from __future__ import annotations
@@ -196,7 +198,15 @@ class EventProducer:
                 if action == "commit" and error.txn_requires_abort():
                     self._unsettled = "abort"
                     continue
-                raise _classify(error, f"settling the failed transaction ({action})") from exc
+                failure = _classify(error, f"settling the failed transaction ({action})")
+                if not isinstance(failure, ProducerLost):
+                    raise failure from exc
+                # Nobody has initialised the id since (see the module docstring), so a new
+                # client takes over now, and its initialisation settles the transaction on
+                # the broker: the write that follows need not fail as well.
+                self._lost = True
+                self._replace(left)
+                return
             self._unsettled = None
 
     def _replace(self, left: Callable[[], float]) -> None:

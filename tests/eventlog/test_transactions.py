@@ -154,3 +154,35 @@ def test_a_fatal_answer_that_is_not_fencing_replaces_the_client_and_keeps_the_wr
     second.publish(disabled(5, seq=5))
     second.close()
     assert [e.payload.version for e in read_all(settings, "reader-lost")] == [1, 3, 5]
+
+
+class UnreachableThenRefusedAbort(RefusedAbort):
+    """The drill's sequence: a write fails while the broker is down, so its abort cannot
+    reach the coordinator either; once the broker is back, the abort is refused with the
+    fatal INVALID_TXN_STATE."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.aborts = 0
+
+    def abort_transaction(self, *args: Any) -> None:
+        self.aborts += 1
+        if self.aborts == 1:
+            raise KafkaException(KafkaError(KafkaError._TRANSPORT, "injected: broker down",
+                                            retriable=True))
+        super().abort_transaction(*args)
+
+
+def test_an_abort_refused_after_a_broker_restart_does_not_fail_the_next_write(
+        settings: Settings) -> None:
+    producer = EventProducer(settings, transactional_id="writer-restarted")
+    producer.publish(disabled(1))
+    refusing = UnreachableThenRefusedAbort(producer._producer)
+    producer._producer = refusing  # type: ignore[assignment]
+    with pytest.raises(BrokerUnavailable):
+        producer.publish(disabled(2, seq=2))  # neither its commit nor its abort got through
+    producer.publish(disabled(3, seq=3))  # the refused abort: a new client, then this write
+    assert refusing.aborts == 2 and producer._producer is not refusing
+    producer.close()
+    assert [e.payload.version for e in read_all(settings, "reader-restarted")] == [1, 3]
+
