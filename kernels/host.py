@@ -44,18 +44,13 @@ AVAILABLE = importlib.util.find_spec("numba") is not None
 
 DTYPES = (torch.bfloat16, torch.float32)
 
-_KERNELS: dict[torch.dtype, Callable[..., None]] = {}
+def kernel() -> Callable[..., None]:
+    """The compiled LoRA pass (one signature per dtype), built or loaded from numba's cache
+    on first use: importing numba costs about half a second, which processes that never
+    decode on the CPU do not pay."""
+    from kernels._host_jit import runs
 
-
-def kernel(dtype: torch.dtype) -> Callable[..., None]:
-    """The compiled kernel for `dtype`, built (or loaded from numba's cache) on first use:
-    importing numba costs about half a second, which processes that never decode on the
-    CPU do not pay."""
-    if dtype not in _KERNELS:
-        from kernels._host_jit import runs_bf16, runs_f32
-
-        _KERNELS.update({torch.bfloat16: runs_bf16, torch.float32: runs_f32})
-    return _KERNELS[dtype]
+    return runs
 
 
 def _attention() -> Callable[..., None]:
@@ -123,7 +118,7 @@ class DecodePlan:
 def apply_small_runs(y: Tensor, x: Tensor, pool: Tensor, out_offset: int, in_features: int,
                      out_features: int, plan: HostPlan) -> None:
     """``y[rows, out_offset:+out] += scale * ((x[rows] @ A.T) @ Bt)`` for every run of `plan`."""
-    kernel(x.dtype)(_numpy(x), _numpy(y), _numpy(pool), out_offset, in_features,
+    kernel()(_numpy(x), _numpy(y), _numpy(pool), out_offset, in_features,
                     out_features, plan.a_offsets, plan.b_offsets, plan.ranks, plan.scales,
                     plan.starts, plan.ends, plan.rows_max, plan.max_rank)
 
