@@ -19,6 +19,7 @@ from typing import IO, Any
 
 import grpc
 import httpx
+from tenacity import Retrying, retry_if_exception_type, stop_after_delay
 
 from services.config import Settings
 from services.contracts.grpc import inference_pb2 as pb
@@ -114,16 +115,52 @@ class _Progress:
     def close(self) -> None:
         self._handle.close()
 
+    def rewind(self) -> None:
+        """Back to the start for another try of the upload; the progress goes back too."""
+        self._advance(-self._handle.tell())
+        self._handle.seek(0)
+
     def __iter__(self) -> Iterator[bytes]:
         while chunk := self.read(1 << 16):
             yield chunk
 
 
+class _Unavailable(Exception):
+    """A 503 to a request that is safe to send again (it carries an Idempotency-Key)."""
+
+    def __init__(self, response: httpx.Response) -> None:
+        super().__init__(response.status_code)
+        self.response = response
+        try:
+            self.retry_after_s = max(0.0, float(response.headers.get("Retry-After", 1)))
+        except ValueError:  # an HTTP date: not what the registry sends
+            self.retry_after_s = 1.0
+
+
+def _rewind(files: Any) -> None:
+    """Every upload of a multipart request back to its start, for another try."""
+    for part in (files or {}).values():
+        stream = part[1] if isinstance(part, tuple) else part
+        if isinstance(stream, _Progress):
+            stream.rewind()
+        elif hasattr(stream, "seek"):
+            stream.seek(0)
+
+
 @dataclass
 class RegistryClient:
+    """The registry's REST API.
+
+    A command sent with an Idempotency-Key (publish, purge) that gets 503 (the event log
+    is unavailable for a moment: a broker restart, a failed write being settled) is sent
+    again with the same key after the answer's Retry-After, for up to `retry_s`: the key
+    makes the registry answer a repeat with the first answer, so nothing is done twice.
+    Other commands answer the 503 at once, for the caller to decide."""
+
     settings: Settings
     token: str | None = None
     timeout_s: float = 60.0
+    retry_s: float = 30.0
 
     def __post_init__(self) -> None:
         self.url = self.settings.registry_base_url
@@ -142,8 +179,27 @@ class RegistryClient:
 
     def request(self, method: str, path: str, *, ok: tuple[int, ...] = (200, 201, 202),
                 **kw: Any) -> Any:
+        if "Idempotency-Key" not in (kw.get("headers") or {}):
+            return self._answer(method, path, ok, self._send(method, path, **kw))
+        retrying = Retrying(
+            stop=stop_after_delay(self.retry_s), reraise=True,
+            retry=retry_if_exception_type(_Unavailable),
+            wait=lambda state: min(10.0, state.outcome.exception().retry_after_s),  # type: ignore[union-attr]
+            before=lambda state: _rewind(kw.get("files")) if state.attempt_number > 1
+            else None)
         try:
-            response = self._http.request(method, path, **kw)
+            for attempt in retrying:
+                with attempt:
+                    response = self._send(method, path, **kw)
+                    if response.status_code == 503:
+                        raise _Unavailable(response)
+        except _Unavailable as exc:
+            response = exc.response
+        return self._answer(method, path, ok, response)
+
+    def _send(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        try:
+            return self._http.request(method, path, **kw)
         except httpx.ConnectError:
             raise ClientError(f"no registry at {self.url}: is `loraplane up` running? "
                               "(or set LORAPLANE_REGISTRY_URL)") from None
@@ -152,6 +208,9 @@ class RegistryClient:
                               f"{self.timeout_s:.0f}s") from None
         except httpx.HTTPError as exc:
             raise ClientError(f"registry at {self.url}: {exc}") from None
+
+    @staticmethod
+    def _answer(method: str, path: str, ok: tuple[int, ...], response: httpx.Response) -> Any:
         if response.status_code not in ok:
             raise ClientError(f"{method} {path}: {problem_line(response)}")
         return response.json() if response.content else None

@@ -5,15 +5,18 @@ Uses a broker of its own (Apache Kafka, KRaft) so stopping it does not disturb o
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from services.client import ClientError, RegistryClient
 from services.stack.brokers import ApacheKafka
 from tests.conftest import isolated_settings
 from tests.registry.artifacts import build_adapter
 from tests.registry.conftest import (
+    TOKENS,
     RunningRegistry,
     domain_events,
     publish,
@@ -57,3 +60,56 @@ def test_writes_503_while_broker_down_and_nothing_partial(own_broker: ApacheKafk
     published = [e for e in domain_events(settings) if e.type == "AdapterVersionPublished"]
     assert [(e.payload.version, e.payload.label, e.seq) for e in published] == [
         (1, "v1", 1), (2, "v2", 2)]
+
+
+def test_the_client_waits_out_a_broker_restart_and_publishes_once(
+        own_broker: ApacheKafka, tmp_path: Path) -> None:
+    """`loraplane publish` while the broker is down: the registry answers 503 with
+    Retry-After; the client sends the upload again, rewound, under the same Idempotency-Key
+    until the broker is back, and the version is published once. A command without a key
+    (a switch) answers the 503 at once."""
+    settings = registry_settings(isolated_settings(own_broker.bootstrap, None, topic_partitions=1),
+                                 tmp_path / "blobs")
+    running = RunningRegistry(settings).start()
+    folder = tmp_path / "v2"
+    folder.mkdir()
+    files = build_adapter(seed=2)
+    (folder / "adapter_config.json").write_bytes(files.config)
+    (folder / "adapter_model.safetensors").write_bytes(files.weights)
+    sent: list[tuple[int, int]] = []
+    answer: dict[str, object] = {}
+    try:
+        with running.client() as admin:
+            register_base(admin)
+            assert publish(admin, "bot", build_adapter(), "v1").status_code == 201
+        client = RegistryClient(settings.model_copy(update={"registry_url": running.url}),
+                                token=TOKENS["admin"][0], retry_s=120)
+        own_broker.stop()
+        with pytest.raises(ClientError, match="503"):
+            client.switch("bot", 1)
+
+        def publish_v2() -> None:
+            try:
+                answer["ok"] = client.publish(
+                    folder, tenant="acme/search/prod", adapter_id="bot", label="v2",
+                    owner="alice@acme", base_model="tiny-llama",
+                    progress=lambda done, total: sent.append((done, total)))
+            except ClientError as exc:  # pragma: no cover - reported by the assert below
+                answer["error"] = str(exc)
+
+        publishing = threading.Thread(target=publish_v2)
+        publishing.start()
+        deadline = time.monotonic() + 60
+        while sum(done == 0 for done, _ in sent) < 2:  # rewound at least once: retrying
+            assert time.monotonic() < deadline and publishing.is_alive(), answer
+            time.sleep(0.1)
+        own_broker.start()
+        publishing.join(timeout=150)
+        client.close()
+    finally:
+        running.stop()
+    assert answer.get("ok", {}).get("version") == 2, answer  # type: ignore[union-attr]
+    assert sent[-1][0] == sent[-1][1]  # the progress ends at the whole upload
+    published = [e for e in domain_events(settings) if e.type == "AdapterVersionPublished"]
+    assert [(e.payload.version, e.payload.label) for e in published] == [(1, "v1"), (2, "v2")]
+
