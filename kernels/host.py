@@ -44,6 +44,7 @@ AVAILABLE = importlib.util.find_spec("numba") is not None
 
 DTYPES = (torch.bfloat16, torch.float32)
 
+
 def kernel() -> Callable[..., None]:
     """The compiled LoRA pass (one signature per dtype), built or loaded from numba's cache
     on first use: importing numba costs about half a second, which processes that never
@@ -118,9 +119,9 @@ class DecodePlan:
 def apply_small_runs(y: Tensor, x: Tensor, pool: Tensor, out_offset: int, in_features: int,
                      out_features: int, plan: HostPlan) -> None:
     """``y[rows, out_offset:+out] += scale * ((x[rows] @ A.T) @ Bt)`` for every run of `plan`."""
-    kernel()(_numpy(x), _numpy(y), _numpy(pool), out_offset, in_features,
-                    out_features, plan.a_offsets, plan.b_offsets, plan.ranks, plan.scales,
-                    plan.starts, plan.ends, plan.rows_max, plan.max_rank)
+    kernel()(_numpy(x), _numpy(y), _numpy(pool), out_offset, in_features, out_features,
+             plan.a_offsets, plan.b_offsets, plan.ranks, plan.scales, plan.starts, plan.ends,
+             plan.rows_max, plan.max_rank)
 
 
 class HostPlan:

@@ -185,4 +185,3 @@ def test_an_abort_refused_after_a_broker_restart_does_not_fail_the_next_write(
     assert refusing.aborts == 2 and producer._producer is not refusing
     producer.close()
     assert [e.payload.version for e in read_all(settings, "reader-restarted")] == [1, 3]
-

@@ -112,4 +112,3 @@ def test_the_client_waits_out_a_broker_restart_and_publishes_once(
     assert sent[-1][0] == sent[-1][1]  # the progress ends at the whole upload
     published = [e for e in domain_events(settings) if e.type == "AdapterVersionPublished"]
     assert [(e.payload.version, e.payload.label) for e in published] == [(1, "v1"), (2, "v2")]
-
