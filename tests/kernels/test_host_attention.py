@@ -158,6 +158,30 @@ def test_a_nan_in_one_context_stays_in_that_decode() -> None:
     assert not out[[r for i, r in enumerate(rows) if i != poisoned]].isnan().any()
 
 
+def test_the_vectorisable_exp_is_within_one_ulp() -> None:
+    import numba
+
+    from kernels._host_jit import exp_nonpositive
+
+    @numba.njit
+    def exps(x: np.ndarray, y: np.ndarray) -> None:
+        for i in range(x.shape[0]):
+            y[i] = exp_nonpositive(x[i])
+
+    x = np.concatenate([-np.linspace(0, 87.3, 400_001, dtype=np.float32),
+                        np.array([-0.0, -1e-30, -1e-7], dtype=np.float32)])
+    y = np.empty_like(x)
+    exps(x, y)
+    want = np.exp(x.astype(np.float64))
+    ulp = np.spacing(want.astype(np.float32)).astype(np.float64)
+    assert (np.abs(y - want) <= ulp).all()
+    edge = np.array([-88.0, -1e4, np.nan], dtype=np.float32)
+    out = np.empty_like(edge)
+    exps(edge, out)
+    tiny = np.finfo(np.float32).tiny
+    assert out[0] == out[1] and tiny <= out[0] < 1.001 * tiny and np.isnan(out[2])
+
+
 def test_fp16_and_other_devices_keep_the_torch_path() -> None:
     meta = AttentionMetadata()
     meta.finalize([0], [[0]], [3], 4, torch.float16)
