@@ -138,32 +138,40 @@ def store(dst: Any, src: Any) -> None:
 
 
 @numba.njit(cache=True, nogil=True, fastmath=_FAST)
-def runs(x: Any, y: Any, pool: Any, col0: int, in_f: int, out_f: int, a_off: Any,
-         b_off: Any, ranks: Any, scales: Any, starts: Any, ends: Any,
-         rows_max: int, max_rank: int) -> None:
+def runs(x: Any, y: Any, pool: Any, col0: int, in_f: int, out_f: int, table: Any,
+         scales: Any, slots: Any, starts: Any, ends: Any, rows_max: int) -> None:
     """Every run's ``y[rows, col0:+out_f] += ((x[rows] @ A.T) @ Bt) * scale``, fp32 or
-    bf16 bits throughout (one signature each). In bf16, weights are widened as they are
-    read and the shrink output, the expand output, its product with the scale and the sum
-    into `y` are rounded to bf16 where PEFT's bf16 ops round; in fp32 rounding is the
-    identity."""
+    bf16 bits throughout (one signature each), the run's slot looked up in `table` (A
+    offset, Bt offset, rank; rank 0: not adapted here, skipped) and `scales`. In bf16,
+    weights are widened as they are read and the shrink output, the expand output, its
+    product with the scale and the sum into `y` are rounded to bf16 where PEFT's bf16 ops
+    round; in fp32 rounding is the identity."""
+    max_rank = 0
+    for run in range(slots.shape[0]):
+        max_rank = max(max_rank, table[2, slots[run]])
+    if max_rank == 0:
+        return
     xs = np.empty((rows_max, in_f), np.float32)
     h = np.empty((rows_max, max_rank), np.float32)
     d = np.empty((rows_max, out_f), np.float32)
-    for run in range(ranks.shape[0]):
-        rank, s0 = ranks[run], starts[run]
+    for run in range(slots.shape[0]):
+        slot = slots[run]
+        rank, s0 = table[2, slot], starts[run]
+        if rank == 0:
+            continue
         n = ends[run] - s0
         for i in range(n):
             load(xs[i], x[s0 + i])
         for k in range(rank):  # shrink: h = x @ A.T, one row of A at a time
-            a0 = a_off[run] + k * in_f
+            a0 = table[0, slot] + k * in_f
             for i in range(n):
                 h[i, k] = rounded_like(pool, dot(xs[i], pool[a0:a0 + in_f]))
         d[:n] = 0.0
         for k in range(rank):  # expand: d = h @ Bt, one row of Bt at a time
-            b0 = b_off[run] + k * out_f
+            b0 = table[1, slot] + k * out_f
             for i in range(n):
                 axpy(d[i], h[i, k], pool[b0:b0 + out_f])
-        scale = scales[run]
+        scale = scales[slot]
         for i in range(n):
             row, delta = y[s0 + i, col0:col0 + out_f], d[i]
             for c in range(out_f):

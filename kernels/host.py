@@ -29,6 +29,7 @@ code beside its module, or in the user's cache where that is read-only.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import itertools
 from collections.abc import Callable, Sequence
@@ -45,6 +46,7 @@ AVAILABLE = importlib.util.find_spec("numba") is not None
 DTYPES = (torch.bfloat16, torch.float32)
 
 
+@functools.cache
 def kernel() -> Callable[..., None]:
     """The compiled LoRA pass (one signature per dtype), built or loaded from numba's cache
     on first use: importing numba costs about half a second, which processes that never
@@ -54,6 +56,7 @@ def kernel() -> Callable[..., None]:
     return runs
 
 
+@functools.cache
 def _attention() -> Callable[..., None]:
     from kernels._host_jit import decode_attention as compiled
 
@@ -76,7 +79,7 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor,
     """``out[rows] = softmax(scale * q[rows] K^T) V`` for every decode of `plan`, with K and
     V read from the layer's paged cache ([KVH, slots, D]); q and out are [T, H, D]."""
     kernel_fn = _attention()
-    args = (_numpy(q), _numpy(k_cache), _numpy(v_cache), _numpy(out), plan.rows,
+    args = (as_array(q), as_array(k_cache), as_array(v_cache), as_array(out), plan.rows,
             plan.tables, plan.lens, plan.block_size, np.float32(scale))
     cuts = plan.cuts(torch.get_num_threads())
     shares = list(itertools.pairwise(cuts))
@@ -116,33 +119,31 @@ class DecodePlan:
         return self._cuts[threads]
 
 
-def apply_small_runs(y: Tensor, x: Tensor, pool: Tensor, out_offset: int, in_features: int,
-                     out_features: int, plan: HostPlan) -> None:
-    """``y[rows, out_offset:+out] += scale * ((x[rows] @ A.T) @ Bt)`` for every run of `plan`."""
-    kernel()(_numpy(x), _numpy(y), _numpy(pool), out_offset, in_features, out_features,
-             plan.a_offsets, plan.b_offsets, plan.ranks, plan.scales, plan.starts, plan.ends,
-             plan.rows_max, plan.max_rank)
+def apply_small_runs(y: Tensor, x: Tensor, pool: np.ndarray, out_offset: int,
+                     in_features: int, out_features: int, table: np.ndarray,
+                     scales: np.ndarray, runs: SmallRuns) -> None:
+    """``y[rows, out_offset:+out] += scale * ((x[rows] @ A.T) @ Bt)`` for every run, with
+    each run's slot looked up in `table` ([3, slots]: A offset, Bt offset, rank; rank 0
+    skips the run) and `scales`; `pool` is the pool as `as_array` gives it."""
+    kernel()(as_array(x), as_array(y), pool, out_offset, in_features, out_features, table,
+             scales, runs.slots, runs.starts, runs.ends, runs.rows_max)
 
 
-class HostPlan:
-    """A projection's small runs as the kernel's arrays (built once while the runs recur:
-    decode steps keep their rows until a sequence joins or leaves)."""
+class SmallRuns:
+    """A step's small runs as the kernel's arrays: built once per step and shared by every
+    projection, since the slots' weights are looked up inside the kernel. Rebuilding them
+    per projection whenever a sequence joined or left (every other step of a mixed
+    workload) cost about 10 ms a SmolLM2 step."""
 
-    __slots__ = ("a_offsets", "b_offsets", "ends", "max_rank", "ranks", "rows_max", "scales",
-                 "starts")
+    __slots__ = ("ends", "rows_max", "slots", "starts")
 
-    def __init__(self, runs: list[tuple[int, int, int]], a_offsets: list[int],
-                 b_offsets: list[int], ranks: list[int], scales: list[float]) -> None:
-        self.a_offsets = np.asarray(a_offsets, dtype=np.int64)
-        self.b_offsets = np.asarray(b_offsets, dtype=np.int64)
-        self.ranks = np.asarray(ranks, dtype=np.int64)
-        self.scales = np.asarray(scales, dtype=np.float32)  # torch's opmath for a scalar
+    def __init__(self, runs: Sequence[tuple[int, int, int]]) -> None:
+        self.slots = np.asarray([r[0] for r in runs], dtype=np.int64)
         self.starts = np.asarray([r[1] for r in runs], dtype=np.int64)
         self.ends = np.asarray([r[2] for r in runs], dtype=np.int64)
         self.rows_max = max(r[2] - r[1] for r in runs)
-        self.max_rank = max(ranks)
 
 
-def _numpy(t: Tensor) -> Any:
+def as_array(t: Tensor) -> Any:
     """A numpy array over the tensor's memory; bf16 as its bits (numpy has no bf16)."""
     return (t.view(torch.uint16) if t.dtype == torch.bfloat16 else t).numpy()

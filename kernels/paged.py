@@ -18,6 +18,7 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -100,8 +101,12 @@ class PagedLora:
     scales: Tensor = field(init=False)
     host_ranks: list[int] = field(init=False)
     host_scales: list[float] = field(init=False)
-    host_a_offsets: list[int] = field(init=False)
-    host_b_offsets: list[int] = field(init=False)
+    host_table: np.ndarray = field(init=False)
+    """[3, slots] int64: each slot's A offset, Bt offset and rank (0: not adapted). The
+    compiled pass reads a slot's entry inside the kernel, so one step-wide array of runs
+    serves every projection and nothing is rebuilt per projection when a slot moves."""
+    host_scale_table: np.ndarray = field(init=False)
+    """[slots] float32 scales (torch's opmath for a scalar), beside `host_table`."""
     a_views: list[Tensor | None] = field(init=False)
     """``A`` [rank, in] of each slot (a view into the pool), None where rank is 0."""
     bt_views: list[Tensor | None] = field(init=False)
@@ -109,9 +114,8 @@ class PagedLora:
     _grouped: tuple[tuple[int, ...], Tensor, Tensor] | None = field(init=False, default=None)
     """The last `grouped_views` answer (a decode step's slots recur layer after layer and
     step after step); dropped whenever a slot is re-pointed."""
-    _host: tuple[tuple[tuple[int, int, int], ...], host.HostPlan] | None = field(
-        init=False, default=None)
-    """The last `host_plan` answer, kept and dropped like `_grouped`."""
+    _pool_array: tuple[Tensor, np.ndarray] | None = field(init=False, default=None)
+    """`pool` as the numpy array the compiled pass takes, made once (see `host_pool`)."""
 
     def __post_init__(self) -> None:
         n = self.num_slots
@@ -123,8 +127,8 @@ class PagedLora:
         self.scales = tables.scales[row, :n]
         self.host_ranks = [0] * n
         self.host_scales = [0.0] * n
-        self.host_a_offsets = [0] * n
-        self.host_b_offsets = [0] * n
+        self.host_table = np.zeros((3, n), dtype=np.int64)
+        self.host_scale_table = np.zeros(n, dtype=np.float32)
         self.a_views = [None] * n
         self.bt_views = [None] * n
 
@@ -147,11 +151,11 @@ class PagedLora:
         k, n = self.in_features, self.out_features
         self.host_ranks[slot] = rank
         self.host_scales[slot] = scale
-        self.host_a_offsets[slot] = a_offset
-        self.host_b_offsets[slot] = b_offset
+        self.host_table[:, slot] = (a_offset, b_offset, rank)
+        self.host_scale_table[slot] = scale
         self.a_views[slot] = self.pool[a_offset:a_offset + rank * k].view(rank, k)
         self.bt_views[slot] = self.pool[b_offset:b_offset + rank * n].view(rank, n)
-        self._grouped = self._host = None
+        self._grouped = None
 
     def clear(self, slot: int) -> None:
         self.ranks[slot] = 0
@@ -162,9 +166,11 @@ class PagedLora:
         """The host side of `clear` only (`SlotTables.clear` does the device side)."""
         self.host_ranks[slot] = 0
         self.host_scales[slot] = 0.0
+        self.host_table[2, slot] = 0
+        self.host_scale_table[slot] = 0.0
         self.a_views[slot] = None
         self.bt_views[slot] = None
-        self._grouped = self._host = None
+        self._grouped = None
 
     def grouped_views(self, slots: tuple[int, ...]) -> tuple[Tensor, Tensor]:
         """``A.T`` [in, rank] and ``B.T`` [rank, out] of `slots` (in that order, repeats
@@ -176,16 +182,13 @@ class PagedLora:
                              ragged_view(self.pool, bt))  # type: ignore[arg-type]
         return self._grouped[1], self._grouped[2]
 
-    def host_plan(self, runs: list[tuple[int, int, int]]) -> host.HostPlan:
-        """`runs` (live, in order) as the arrays of the compiled decode pass."""
-        key = tuple(runs)
-        if self._host is None or self._host[0] != key:
-            slots = [r[0] for r in runs]
-            self._host = (key, host.HostPlan(
-                runs, [self.host_a_offsets[s] for s in slots],
-                [self.host_b_offsets[s] for s in slots], [self.host_ranks[s] for s in slots],
-                [self.host_scales[s] for s in slots]))
-        return self._host[1]
+    def host_pool(self) -> np.ndarray:
+        """`pool` as a numpy array over its memory (bf16 as its bits), made on first use
+        and again only if `pool` is replaced: 210 projections a SmolLM2 step each wrapped
+        it anew."""
+        if self._pool_array is None or self._pool_array[0] is not self.pool:
+            self._pool_array = (self.pool, host.as_array(self.pool))
+        return self._pool_array[1]
 
     def adapts(self, slot: int) -> bool:
         return slot >= 0 and self.host_ranks[slot] > 0
@@ -225,19 +228,26 @@ def apply_runs(y: Tensor, x: Tensor, w: PagedLora, runs: Runs, out_offset: int =
 
     Small runs (decodes: one or two rows per adapter) go first. In bf16 and fp32 on the
     CPU they take one compiled call per projection (`kernels.host`), free of the per-call
-    costs of BLAS and oneDNN. Otherwise (fp16, or no numba) they run in one thread
+    costs of BLAS and oneDNN; the step's runs are split once for all its projections
+    (`step_runs`). Otherwise (fp16, or no numba) they run in one thread
     (`SMALL_RUN_ROWS`) and all in two nested-tensor `bmm` calls (`_apply_grouped`): one
     Python-level call per projection instead of two per adapter, which on a step of 32
     adapters was most of the LoRA time. Large runs (prefill chunks) keep one BLAS call pair
     each: ``torch.mm`` for the shrink and an ``addmm_`` that scales and accumulates into
     the output slice. Runs cover disjoint rows, so the order does not change the result.
     """
+    if _host_pass(y, x, w):
+        split = step_runs(runs)
+        if split.small is not None:
+            host.apply_small_runs(y, x, w.host_pool(), out_offset, w.in_features,
+                                  w.out_features, w.host_table, w.host_scale_table, split.small)
+        large = [r for r in split.large if w.a_views[r[0]] is not None]
+        if large:
+            _apply(y, x, w, large, out_offset)
+        return
     live = [r for r in runs if r[0] >= 0 and r[2] > r[1] and w.a_views[r[0]] is not None]
     small = [r for r in live if r[2] - r[1] < SMALL_RUN_ROWS]
-    if small and _host_pass(y, x, w):
-        host.apply_small_runs(y, x, w.pool, out_offset, w.in_features, w.out_features,
-                              w.host_plan(small))
-    elif small:
+    if small:
         with one_thread():
             if len(small) >= GROUPED_MIN_RUNS and NESTED_VIEWS and x.is_contiguous():
                 _apply_grouped(y, x, w, small, out_offset, runs)
@@ -245,6 +255,35 @@ def apply_runs(y: Tensor, x: Tensor, w: PagedLora, runs: Runs, out_offset: int =
                 _apply(y, x, w, small, out_offset, small=True)
     if len(small) < len(live):
         _apply(y, x, w, [r for r in live if r[2] - r[1] >= SMALL_RUN_ROWS], out_offset)
+
+
+@dataclass(frozen=True)
+class StepRuns:
+    """A step's adapted runs split by size, once for every projection of the step."""
+
+    small: host.SmallRuns | None
+    """Runs of fewer than `SMALL_RUN_ROWS` rows, for the compiled pass (None: there are
+    none); each projection's call skips the slots it does not adapt."""
+    large: Runs
+    """The other runs; each projection keeps those of slots it adapts."""
+
+
+_STEP_RUNS: list[tuple[Runs, StepRuns]] = []
+"""The last `step_runs` answer. Every projection of a step gets the step's one `runs`
+tuple, so the check is by identity, not by comparing 64 runs 210 times; the entry keeps
+that tuple alive, so a later tuple cannot be mistaken for it."""
+
+
+def step_runs(runs: Runs) -> StepRuns:
+    """`runs` (a step's ``(slot, start, end)`` groups) split for the compiled pass."""
+    if _STEP_RUNS and _STEP_RUNS[0][0] is runs:
+        return _STEP_RUNS[0][1]
+    adapted = [r for r in runs if r[0] >= 0 and r[2] > r[1]]
+    small = [r for r in adapted if r[2] - r[1] < SMALL_RUN_ROWS]
+    split = StepRuns(host.SmallRuns(small) if small else None,
+                     tuple(r for r in adapted if r[2] - r[1] >= SMALL_RUN_ROWS))
+    _STEP_RUNS[:] = [(runs, split)]
+    return split
 
 
 HOST_PASS = host.AVAILABLE

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import PagedLora
-from kernels.paged import apply_runs
+from kernels import PagedLora, host
+from kernels.paged import apply_runs, step_runs
 
 pytest.importorskip("numba")
 
@@ -31,11 +31,26 @@ def paged(fin: int, fout: int, seed: int, dtype: torch.dtype = torch.bfloat16) -
     return w
 
 
+def compiled_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the compiled pass's calls (so a silent fallback to torch cannot pass)."""
+    calls: list[int] = []
+    real = host.apply_small_runs
+
+    def counted(*args: object) -> None:
+        calls.append(1)
+        real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(host, "apply_small_runs", counted)
+    return calls
+
+
 def both_paths(w: PagedLora, runs: tuple[tuple[int, int, int], ...], x: torch.Tensor,
                y: torch.Tensor, monkeypatch: pytest.MonkeyPatch) -> tuple[torch.Tensor,
                                                                           torch.Tensor]:
+    calls = compiled_calls(monkeypatch)
     host = y.clone()
     apply_runs(host, x, w, runs, out_offset=3)
+    assert calls  # the compiled pass ran, not a silent fallback
     with monkeypatch.context() as m:
         m.setattr("kernels.paged.HOST_PASS", False)
         torch_path = y.clone()
@@ -55,7 +70,6 @@ def test_the_compiled_pass_lands_the_torch_paths_rows(
     x = torch.randn(rows + 2, fin, generator=g).to(dtype)[2:]  # not at the buffer front
     y = torch.randn(rows, fout + 5, generator=g).to(dtype)
     host, torch_path = both_paths(w, runs, x, y, monkeypatch)
-    assert w._host is not None  # the compiled pass ran, not a silent fallback
     adapted = [r for slot, lo, hi in runs if w.adapts(slot) for r in range(lo, hi)]
     assert not torch.equal(host[adapted], y[adapted])
     if dtype == torch.float32:
@@ -70,8 +84,7 @@ def test_the_compiled_pass_lands_the_torch_paths_rows(
     assert torch.equal(host[:, :3], y[:, :3]) and torch.equal(host[:, 3 + fout:], y[:, 3 + fout:])
 
 
-def test_a_nan_stays_in_its_row_and_a_repointed_slot_drops_the_plan(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_nan_stays_in_its_row(monkeypatch: pytest.MonkeyPatch) -> None:
     w = paged(64, 48, seed=3)
     x = torch.randn(12, 64).to(torch.bfloat16)
     x[4, 10] = float("nan")
@@ -79,14 +92,34 @@ def test_a_nan_stays_in_its_row_and_a_repointed_slot_drops_the_plan(
     host, torch_path = both_paths(w, BLOCK, x, y, monkeypatch)
     assert host[4, 3:51].isnan().all() and torch_path[4, 3:51].isnan().all()
     assert not host[torch.arange(12) != 4].isnan().any()
-    plan = w._host
-    apply_runs(y.clone(), x, w, BLOCK, out_offset=3)
-    assert w._host is plan  # recurring runs reuse their arrays
-    w.point(3, 30_000, 30_000 + 2 * 64, 2, 1.0)
-    assert w._host is None
 
 
-def test_fp16_keeps_the_torch_path() -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_one_split_serves_every_projection_and_a_repointed_slot_counts_at_once(
+        dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The step's runs are split once; each projection's slots are read in the kernel, so
+    a projection that does not adapt a slot skips it, and re-pointing a slot (a new rank,
+    or cleared) changes the very next call, with no per-projection arrays to go stale."""
+    narrow, wide = paged(64, 48, seed=3, dtype=dtype), paged(64, 48, seed=4, dtype=dtype)
+    wide.point(2, 35_000, 35_000 + 5 * 64, 5, 0.75)  # a slot only `wide` adapts
+    runs = ((2, 0, 2), *BLOCK[1:])
+    assert step_runs(runs) is step_runs(runs)
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(12, 64, generator=g).to(dtype)
+    y = torch.randn(12, 54, generator=g).to(dtype)
+    for w in (narrow, wide):
+        host, torch_path = both_paths(w, runs, x, y, monkeypatch)
+        assert torch.equal(host[:2], y[:2]) is (w is narrow)
+        torch.testing.assert_close(host, torch_path, atol=0.05, rtol=0.02)
+    wide.point(3, 30_000, 30_000 + 2 * 64, 2, 1.0)
+    wide.unpoint(4)
+    host, torch_path = both_paths(wide, runs, x, y, monkeypatch)
+    torch.testing.assert_close(host, torch_path, atol=0.05, rtol=0.02)
+    assert torch.equal(host[6:8], y[6:8])  # slot 4, cleared: untouched
+
+
+def test_fp16_keeps_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = compiled_calls(monkeypatch)
     w = paged(64, 48, seed=5, dtype=torch.float16)
     apply_runs(torch.zeros(12, 54, dtype=torch.float16), torch.randn(12, 64).half(), w, BLOCK, 3)
-    assert w._host is None
+    assert not calls
