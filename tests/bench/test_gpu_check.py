@@ -30,4 +30,7 @@ def test_gpu_check_smoke_runs_every_stage_end_to_end(tmp_path) -> None:
     assert engine["mixed"]["vs_peft"]["tokens_identical"] == 1.0
     assert set(engine["mixed"]["runs_seconds"]) == {"engine_32", "engine_1", "engine_no_adapter"}
     assert engine["mixed"]["roofline_no_adapter"]["all"]["fraction_of_dense"] > 0
+    repeats = engine["mixed"]["roofline_repeats"]  # one dense replay per repeat
+    assert len(repeats) == engine["mixed"]["repeats"] and all(r["adapters_32"] > 0
+                                                             for r in repeats)
     assert engine["tenant_prefix"]["prefix_cache"]["cross_tenant_hits"] == 0
