@@ -111,6 +111,12 @@ def machine() -> dict[str, Any]:
     return info
 
 
+TIMING_ENV = ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+"""Environment variables that change what a CPU bench measures (whether torch's idle
+threads spin, how many there are): the recorded command starts with those that are set,
+so that running it again measures the same thing."""
+
+
 class BenchRun:
     """Started when a bench starts; `save` writes the result with its run and figures."""
 
@@ -118,7 +124,8 @@ class BenchRun:
         self.name = name
         self.quick = quick
         args = list(sys.argv[1:] if argv is None else argv)
-        self.command = " ".join(["python", f"bench/{name}.py", *args])
+        env = [f"{key}={os.environ[key]}" for key in TIMING_ENV if key in os.environ]
+        self.command = " ".join([*env, "python", f"bench/{name}.py", *args])
         self.started = datetime.now(UTC)
         self._t0 = time.perf_counter()
         self.load_at_start = load_average()

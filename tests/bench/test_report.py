@@ -32,3 +32,14 @@ def test_report_renders_every_result_with_its_baseline_ratio_and_machine(tmp_pat
     assert "unreadable" in report
     document = json.loads((tmp_path / "serve.json").read_text())
     assert document["figures"][0]["ratio"] == 0.95 and document["run"]["mode"] == "quick"
+
+
+def test_the_recorded_command_keeps_the_environment_that_changes_cpu_timings(
+        monkeypatch) -> None:
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    run = BenchRun("multi_lora", quick=False, argv=["--clock", "cpu"])
+    assert run.command == "OMP_WAIT_POLICY=PASSIVE python bench/multi_lora.py --clock cpu"
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    assert BenchRun("serve", quick=True, argv=[]).command == "python bench/serve.py"
