@@ -7,7 +7,7 @@
 #
 # Stages (each under its own time limit, so one stuck stage cannot eat the others' time):
 #   1. bench/kernels_gpu.py     kernel correctness and timings -> bench/results/kernels_gpu_<GPU>.json
-#   2. bench/tune_kernels.py    fused/separate thresholds      -> kernels/tuning/<GPU>.json
+#   2. bench/tune_kernels.py    fused/separate thresholds      -> loraplane_kernels/tuning/<GPU>.json
 #   3. bench/multi_lora.py      engine benches on the real model (SmolLM2-135M) on the GPU
 #                                                              -> bench/results/multi_lora_gpu.json
 # Exit status: non-zero if any stage failed; the others still ran.

@@ -34,9 +34,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kernels import PagedLora, Segments, reference  # noqa: E402
-from kernels.triton import bgmv, fused, fused_base, sgmv  # noqa: E402
-from kernels.tuning_table import table_file_name  # noqa: E402
+from loraplane_kernels import PagedLora, Segments, reference  # noqa: E402
+from loraplane_kernels.triton import bgmv, fused, fused_base, sgmv  # noqa: E402
+from loraplane_kernels.tuning_table import table_file_name  # noqa: E402
 
 DTYPE = torch.float16
 L2_FLUSH_BYTES = 256 << 20  # rotate inputs until this many bytes separate reuses

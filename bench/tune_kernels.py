@@ -10,8 +10,8 @@ separate launches over ``shrink_split_k`` choices and the fused launch over ``fu
 choices, keeps the best of each, and records ``fused_max_tokens`` as the largest batch up to
 which fused wins without interruption. For sgmv it also times the fused base + LoRA kernel
 against base GEMM + SGMV per adapter bucket size and records ``fused_base_max_tokens``, the
-two-level batching threshold. Writes ``kernels/tuning/<GPU_MODEL>.json`` (the file
-``kernels.dispatch`` looks up by ``torch.cuda.get_device_name()``).
+two-level batching threshold. Writes ``loraplane_kernels/tuning/<GPU_MODEL>.json`` (the file
+``loraplane_kernels.dispatch`` looks up by ``torch.cuda.get_device_name()``).
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ from kernels_gpu import (  # noqa: E402
     time_cuda,
 )
 
-from kernels import Segments  # noqa: E402
-from kernels.triton import bgmv, fused, sgmv  # noqa: E402
-from kernels.tuning_table import TUNING_DIR, read_table, table_file_name  # noqa: E402
+from loraplane_kernels import Segments  # noqa: E402
+from loraplane_kernels.triton import bgmv, fused, sgmv  # noqa: E402
+from loraplane_kernels.tuning_table import TUNING_DIR, read_table, table_file_name  # noqa: E402
 
 SPLITS = (1, 2, 4, 8)
 SMOKE_SPLITS = (1, 2)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import subprocess
+import tomllib
 
 import typer.main
 import yaml
@@ -11,7 +13,7 @@ from services.cli import app
 from services.config import Settings
 from tests.conftest import REPO
 
-TOP_LEVEL = {"services", "kernels", "migrations", "schemas", "tests", "bench",
+TOP_LEVEL = {"services", "loraplane_kernels", "migrations", "schemas", "tests", "bench",
              "docker-compose.yml", "README.md", "Makefile", ".ci", "pyproject.toml"}
 
 
@@ -20,8 +22,22 @@ def test_top_level_is_exactly_the_documented_layout() -> None:
                              check=True).stdout.split()
     top = {path.split("/", 1)[0] for path in tracked}
     assert top - {".gitignore"} <= TOP_LEVEL
-    assert {"services", "kernels", "migrations", "schemas", "tests", "bench",
+    assert {"services", "loraplane_kernels", "migrations", "schemas", "tests", "bench",
             "docker-compose.yml", "README.md", "Makefile", ".ci"} <= top
+
+
+def test_shipped_packages_own_their_import_names() -> None:
+    """A top-level package named like another distribution's shadows it (or is shadowed)
+    depending on the working directory: transformers 5.25 came to require Hugging Face's
+    `kernels`, and this project's `kernels/` broke every transformers import from the
+    repository root. No installed distribution but loraplane may provide our names."""
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())
+    shipped = {pattern.rstrip("*") for pattern in
+               config["tool"]["setuptools"]["packages"]["find"]["include"]}
+    providers = importlib.metadata.packages_distributions()
+    assert shipped == {"services", "loraplane_kernels"}
+    for name in shipped:
+        assert set(providers.get(name, [])) <= {"loraplane"}, (name, providers[name])
 
 
 def test_readme_opens_with_the_two_commands() -> None:

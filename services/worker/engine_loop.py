@@ -30,7 +30,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from kernels.threads import compute_thread
+from loraplane_kernels.threads import compute_thread
 from services.catalog.serving import MergeSpec, ServingChoice, resolve_pinned, resolve_reference
 from services.catalog.state import CatalogState, Purge, Refusal
 from services.config import Settings

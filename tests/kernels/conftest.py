@@ -1,6 +1,6 @@
 """Keep the Triton interpreter out of the parent pytest session.
 
-Triton decides at ``@triton.jit`` time (when ``kernels.triton`` is imported) whether a
+Triton decides at ``@triton.jit`` time (when ``loraplane_kernels.triton`` is imported) whether a
 kernel is compiled or interpreted, from ``TRITON_INTERPRET``. Setting it here would leak into
 every other test folder of the session (and interpret real GPU kernels on a GPU machine).
 So the kernel tests live in ``interpreted/`` and run in a child pytest with

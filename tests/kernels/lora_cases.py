@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from kernels import PagedLora, Segments
+from loraplane_kernels import PagedLora, Segments
 
 #: Allowed ``max|got - oracle| / max|oracle|`` per dtype. fp16/bf16 round x, A, B on input
 #: (the oracle sees the same rounded values), round h to the weight dtype before the

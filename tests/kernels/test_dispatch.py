@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import dispatch, tuning_table
-from kernels.tuning_table import (
+from loraplane_kernels import dispatch, tuning_table
+from loraplane_kernels.tuning_table import (
     TUNING_DIR,
     TuningFallbackWarning,
     load_table,

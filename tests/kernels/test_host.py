@@ -1,4 +1,4 @@
-"""The compiled decode pass (`kernels.host`, bf16 and fp32) against the torch path it
+"""The compiled decode pass (`loraplane_kernels.host`, bf16 and fp32) against the torch path it
 replaces: the same ops and, in bf16, the same roundings, so the same values but for the
 order of the fp32 accumulations."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import PagedLora, host
-from kernels.paged import apply_runs, step_runs
+from loraplane_kernels import PagedLora, host
+from loraplane_kernels.paged import apply_runs, step_runs
 
 pytest.importorskip("numba")
 
@@ -52,7 +52,7 @@ def both_paths(w: PagedLora, runs: tuple[tuple[int, int, int], ...], x: torch.Te
     apply_runs(host, x, w, runs, out_offset=3)
     assert calls  # the compiled pass ran, not a silent fallback
     with monkeypatch.context() as m:
-        m.setattr("kernels.paged.HOST_PASS", False)
+        m.setattr("loraplane_kernels.paged.HOST_PASS", False)
         torch_path = y.clone()
         apply_runs(torch_path, x, w, runs, out_offset=3)
     return host, torch_path

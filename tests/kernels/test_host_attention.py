@@ -1,6 +1,6 @@
-"""The compiled decode attention (`kernels.host.decode_attention`) against the torch path it
-replaces, inside `paged_attention`'s mixed steps: same rows, same values but for the order
-of fp32 accumulations (fp32) or the torch path's bf16 roundings of scores and
+"""The compiled decode attention (`loraplane_kernels.host.decode_attention`) against the
+torch path it replaces, inside `paged_attention`'s mixed steps: same rows, same values but
+for the order of fp32 accumulations (fp32) or the torch path's bf16 roundings of scores and
 probabilities (bf16, where the kernel rounds only its output)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import host
+from loraplane_kernels import host
 from services.worker.engine import attention
 from services.worker.engine.attention import AttentionMetadata, PrefillSpan, paged_attention
 from services.worker.engine.workspace import Workspace
@@ -161,7 +161,7 @@ def test_a_nan_in_one_context_stays_in_that_decode() -> None:
 def test_the_vectorisable_exp_is_within_one_ulp() -> None:
     import numba
 
-    from kernels._host_jit import exp_nonpositive
+    from loraplane_kernels._host_jit import exp_nonpositive
 
     @numba.njit
     def exps(x: np.ndarray, y: np.ndarray) -> None:

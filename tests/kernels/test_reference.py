@@ -17,8 +17,15 @@ from lora_cases import (
     relative_error,
 )
 
-from kernels import Segments, lora_apply, lora_apply_paged, lora_expand, lora_shrink, reference
-from kernels.paged import runs_of
+from loraplane_kernels import (
+    Segments,
+    lora_apply,
+    lora_apply_paged,
+    lora_expand,
+    lora_shrink,
+    reference,
+)
+from loraplane_kernels.paged import runs_of
 
 
 @pytest.mark.parametrize("spec", CASES, ids=CASE_IDS)

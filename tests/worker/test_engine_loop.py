@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.threads import one_thread
+from loraplane_kernels.threads import one_thread
 from services.contracts.events import (
     AdapterDisabled,
     AdapterUnloaded,

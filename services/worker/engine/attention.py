@@ -2,7 +2,7 @@
 
 A step holds decode tokens (one query per sequence) and prefill chunks (many queries per
 sequence). On the CPU in fp32 or bf16, a step's decodes attend in one compiled call per
-layer that reads the paged cache in place (`kernels.host.decode_attention`). Elsewhere
+layer that reads the paged cache in place (`loraplane_kernels.host.decode_attention`). Elsewhere
 they are batched, in a few groups of similar context length, into grouped matmuls over
 their gathered block tables. Each prefill chunk is one SDPA call (flash path when it has
 no cached prefix). There is no per-token Python loop.
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kernels import host
+from loraplane_kernels import host
 
 from .workspace import Workspace
 

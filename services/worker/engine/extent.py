@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.threads import one_thread
+from loraplane_kernels.threads import one_thread
 
 __all__ = ["one_thread"]  # re-exported: the pool and the parser copy in one thread
 

@@ -1,13 +1,14 @@
-"""The multi-LoRA ops the engine calls, from `kernels/` (SGMV for prefill, BGMV for decode).
+"""The multi-LoRA ops the engine calls, from `loraplane_kernels/` (SGMV for prefill, BGMV
+for decode).
 
-Model code goes through `AdapterPool.apply` only, so it never names a kernel; `kernels`
+Model code goes through `AdapterPool.apply` only, so it never names a kernel; `loraplane_kernels`
 dispatches per device (Triton on GPU, its torch reference on CPU).
 """
 
 from __future__ import annotations
 
-from kernels import PagedLora, Runs, Segments, SlotTables, lora_apply_paged
-from kernels.dispatch import base_fusion_threshold, base_lora_fused
+from loraplane_kernels import PagedLora, Runs, Segments, SlotTables, lora_apply_paged
+from loraplane_kernels.dispatch import base_fusion_threshold, base_lora_fused
 
 __all__ = [
     "PagedLora",

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels.threads import one_thread
+from loraplane_kernels.threads import one_thread
 
 from .adapter_pool import AdapterPool
 from .attention import AttentionMetadata, paged_attention

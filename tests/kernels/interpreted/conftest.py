@@ -7,7 +7,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parents[1]))  # for lora_cases
 
-from kernels.dispatch import triton_interpreted
+from loraplane_kernels.dispatch import triton_interpreted
 
 if not triton_interpreted():  # compiled kernels cannot take CPU tensors: fail, don't skip
-    raise RuntimeError("kernels.triton was imported before TRITON_INTERPRET=1 took effect")
+    raise RuntimeError("loraplane_kernels.triton was imported before TRITON_INTERPRET=1 "
+                       "took effect")

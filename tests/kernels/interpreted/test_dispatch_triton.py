@@ -6,8 +6,8 @@ import pytest
 import torch
 from lora_cases import CASES, DTYPES, TOLERANCE, build, naive_apply, paged, relative_error
 
-from kernels import dispatch, lora_apply, lora_apply_paged, lora_shrink
-from kernels.tuning_table import TuningFallbackWarning
+from loraplane_kernels import dispatch, lora_apply, lora_apply_paged, lora_shrink
+from loraplane_kernels.tuning_table import TuningFallbackWarning
 
 
 @pytest.fixture(autouse=True)

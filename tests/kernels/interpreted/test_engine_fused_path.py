@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
-from kernels import dispatch, tuning_table
-from kernels.tuning_table import TuningFallbackWarning
+from loraplane_kernels import dispatch, tuning_table
+from loraplane_kernels.tuning_table import TuningFallbackWarning
 from services.worker.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
 from tests.worker.engine.tiny_llama import ADAPTERS, build_adapter, build_model
 

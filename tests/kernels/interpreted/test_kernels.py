@@ -15,8 +15,8 @@ from lora_cases import (
     relative_error,
 )
 
-from kernels import reference
-from kernels.triton import bgmv, fused, fused_base, sgmv
+from loraplane_kernels import reference
+from loraplane_kernels.triton import bgmv, fused, fused_base, sgmv
 
 
 def oracle(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""Per-GPU-model launch decisions, read from ``kernels/tuning/<GPU_MODEL>.json``.
+"""Per-GPU-model launch decisions, read from ``loraplane_kernels/tuning/<GPU_MODEL>.json``.
 
 Where fusing shrink+expand stops paying depends on the GPU's launch latency, SM count and
 bandwidth, so the crossover is data measured per GPU model by ``bench/tune_kernels.py``,
@@ -16,7 +16,7 @@ LoRA kernel is used (two-level batching: one decision per adapter bucket).
 When no file exists for the GPU model, ``default.json`` is used and a
 :class:`TuningFallbackWarning` says so once per device, naming the file to create. It
 carries launch parameters only and no fusion threshold: an untuned GPU runs every bucket
-on the separate path (see ``kernels.dispatch.base_fusion_threshold``, which also sets the
+on the separate path (see ``loraplane_kernels.dispatch.base_fusion_threshold``, which also sets the
 ``loraplane_kernels_untuned`` metric). Setting ``LORAPLANE_KERNELS_TUNING`` to a JSON path
 overrides the lookup entirely.
 """
@@ -118,7 +118,8 @@ def _load_table(device_name: str, override: str | None) -> TuningTable:
     if path.exists():
         return read_table(path)
     warnings.warn(
-        f"no kernel tuning table for {device_name!r} (expected kernels/tuning/{path.name}); "
+        f"no kernel tuning table for {device_name!r} "
+        f"(expected loraplane_kernels/tuning/{path.name}); "
         f"using {FALLBACK_FILE}, whose thresholds are not measured. Run "
         f"bench/tune_kernels.py on this GPU to create one.",
         TuningFallbackWarning, stacklevel=3,

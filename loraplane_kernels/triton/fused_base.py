@@ -10,7 +10,7 @@ tokens' shrink (``rank x K`` extra work per tile), which is why the fused path o
 below a bucket size the tuner measures per GPU model (``fused_base_max_tokens`` in the
 tuning table; no global default).
 
-Weights come from the rank-granular pool (:class:`kernels.paged.PagedLora`); a bucket
+Weights come from the rank-granular pool (:class:`loraplane_kernels.paged.PagedLora`); a bucket
 whose slot is -1 (or whose adapter does not adapt this projection) gets the base product.
 """
 
@@ -20,11 +20,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.paged import PagedLora
-from kernels.segments import Segments
-from kernels.triton.fused import rank_tile
-from kernels.triton.sgmv import dot_precision, upcast_dot_operands
-from kernels.triton.tiles import load_tile, segment_tiles
+from loraplane_kernels.paged import PagedLora
+from loraplane_kernels.segments import Segments
+from loraplane_kernels.triton.fused import rank_tile
+from loraplane_kernels.triton.sgmv import dot_precision, upcast_dot_operands
+from loraplane_kernels.triton.tiles import load_tile, segment_tiles
 
 
 @triton.jit

@@ -3,12 +3,12 @@
 Model code never names a kernel. On CUDA tensors the Triton kernels run; on CPU the torch
 reference runs (it is the production CPU path, not a stub). ``LORAPLANE_KERNELS_BACKEND``
 overrides the choice: ``torch`` always uses the reference; ``triton`` forces the kernels,
-which on CPU only works under ``TRITON_INTERPRET=1`` (set before ``kernels.triton`` is first
-imported), the way the tests run them. The Triton modules are imported lazily so a CPU-only
-install without a working Triton still serves.
+which on CPU only works under ``TRITON_INTERPRET=1`` (set before
+``loraplane_kernels.triton`` is first imported), the way the tests run them. The Triton
+modules are imported lazily so a CPU-only install without a working Triton still serves.
 
 Fused versus separate launches is decided per call from the GPU model's tuning table
-(:mod:`kernels.tuning_table`) by batch size; ``fused=True/False`` overrides it.
+(:mod:`loraplane_kernels.tuning_table`) by batch size; ``fused=True/False`` overrides it.
 """
 
 from __future__ import annotations
@@ -22,11 +22,16 @@ import torch
 from prometheus_client import Gauge
 from torch import Tensor
 
-from kernels import reference
-from kernels.paged import PagedLora, Runs, apply_runs, runs_of
-from kernels.segments import Segments
-from kernels.tuning_table import TuningEntry, TuningFallbackWarning, TuningTable, load_table
-from kernels.validation import (
+from loraplane_kernels import reference
+from loraplane_kernels.paged import PagedLora, Runs, apply_runs, runs_of
+from loraplane_kernels.segments import Segments
+from loraplane_kernels.tuning_table import (
+    TuningEntry,
+    TuningFallbackWarning,
+    TuningTable,
+    load_table,
+)
+from loraplane_kernels.validation import (
     KERNEL_DTYPES,
     check_expand,
     check_paged,
@@ -50,7 +55,7 @@ def triton_interpreted() -> bool:
     """Whether the imported Triton kernels run in the CPU interpreter."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    from kernels.triton import bgmv
+    from loraplane_kernels.triton import bgmv
 
     return isinstance(bgmv._bgmv_shrink_kernel, InterpretedFunction)
 
@@ -66,7 +71,7 @@ def select_backend(device: torch.device) -> Backend:
         if device.type != "cuda" and not triton_interpreted():
             raise RuntimeError(
                 f"{BACKEND_ENV}=triton on {device.type} tensors needs TRITON_INTERPRET=1 set "
-                "before kernels.triton is first imported")
+                "before loraplane_kernels.triton is first imported")
         return "triton"
     return "triton" if device.type == "cuda" else "torch"
 
@@ -136,10 +141,10 @@ def lora_shrink(x: Tensor, a_slab: Tensor, ranks: Tensor, indices: Tensor, *,
     check_shrink(x, a_slab, ranks, indices, segments, KERNEL_DTYPES)
     ranks = ranks.contiguous()
     if segments is not None:
-        from kernels.triton.sgmv import sgmv_shrink
+        from loraplane_kernels.triton.sgmv import sgmv_shrink
 
         return sgmv_shrink(x, a_slab, ranks, _contiguous(segments))
-    from kernels.triton.bgmv import bgmv_shrink
+    from loraplane_kernels.triton.bgmv import bgmv_shrink
 
     entry = load_table(device_model(x.device)).lookup("bgmv", x.shape[1], a_slab.shape[1])
     return bgmv_shrink(x, a_slab, ranks, indices.contiguous(), split_k=entry.shrink_split_k)
@@ -157,11 +162,11 @@ def lora_expand(y: Tensor, h: Tensor, b_slab: Tensor, ranks: Tensor, scales: Ten
     check_expand(y, h, b_slab, ranks, scales, indices, out_offset, segments, KERNEL_DTYPES)
     ranks, scales = ranks.contiguous(), scales.contiguous()
     if segments is not None:
-        from kernels.triton.sgmv import sgmv_expand
+        from loraplane_kernels.triton.sgmv import sgmv_expand
 
         sgmv_expand(y, h, b_slab, ranks, scales, _contiguous(segments), out_offset=out_offset)
         return
-    from kernels.triton.bgmv import bgmv_expand
+    from loraplane_kernels.triton.bgmv import bgmv_expand
 
     bgmv_expand(y, h, b_slab, ranks, scales, indices.contiguous(), out_offset=out_offset)
 
@@ -190,12 +195,12 @@ def lora_apply(y: Tensor, x: Tensor, a_slab: Tensor, b_slab: Tensor, ranks: Tens
         return
     ranks, scales = ranks.contiguous(), scales.contiguous()
     if segments is not None:
-        from kernels.triton.fused import sgmv_fused
+        from loraplane_kernels.triton.fused import sgmv_fused
 
         sgmv_fused(y, x, a_slab, b_slab, ranks, scales, _contiguous(segments),
                    out_offset=out_offset, n_split=plan.entry.fused_n_split)
         return
-    from kernels.triton.fused import bgmv_fused
+    from loraplane_kernels.triton.fused import bgmv_fused
 
     bgmv_fused(y, x, a_slab, b_slab, ranks, scales, indices.contiguous(),
                out_offset=out_offset, n_split=plan.entry.fused_n_split)
@@ -204,7 +209,7 @@ def lora_apply(y: Tensor, x: Tensor, a_slab: Tensor, b_slab: Tensor, ranks: Tens
 def lora_apply_paged(y: Tensor, x: Tensor, w: PagedLora, indices: Tensor, *,
                      out_offset: int = 0, segments: Segments | None = None,
                      runs: Runs | None = None, fused: bool | None = None) -> None:
-    """:func:`lora_apply` over the rank-granular pool (:class:`kernels.paged.PagedLora`).
+    """:func:`lora_apply` over the rank-granular pool (:class:`loraplane_kernels.paged.PagedLora`).
 
     ``runs`` (host ``(slot, start, end)`` groups, which a scheduler that sorts tokens by
     adapter already has) spares the torch path from reading the indices back.
@@ -220,24 +225,24 @@ def lora_apply_paged(y: Tensor, x: Tensor, w: PagedLora, indices: Tensor, *,
                       table=load_table(device_model(x.device)), fused=fused)
     if plan.fused:
         if segments is not None:
-            from kernels.triton.fused import sgmv_fused
+            from loraplane_kernels.triton.fused import sgmv_fused
 
             sgmv_fused(y, x, w, w, w.ranks, w.scales, _contiguous(segments),
                        out_offset=out_offset, n_split=plan.entry.fused_n_split)
             return
-        from kernels.triton.fused import bgmv_fused
+        from loraplane_kernels.triton.fused import bgmv_fused
 
         bgmv_fused(y, x, w, w, w.ranks, w.scales, indices.contiguous(), out_offset=out_offset,
                    n_split=plan.entry.fused_n_split)
         return
     if segments is not None:
-        from kernels.triton.sgmv import sgmv_expand, sgmv_shrink
+        from loraplane_kernels.triton.sgmv import sgmv_expand, sgmv_shrink
 
         seg = _contiguous(segments)
         h = sgmv_shrink(x, w, w.ranks, seg)
         sgmv_expand(y, h, w, w.ranks, w.scales, seg, out_offset=out_offset)
         return
-    from kernels.triton.bgmv import bgmv_expand, bgmv_shrink
+    from loraplane_kernels.triton.bgmv import bgmv_expand, bgmv_shrink
 
     idx = indices.contiguous()
     h = bgmv_shrink(x, w, w.ranks, idx, split_k=plan.entry.shrink_split_k)
@@ -249,7 +254,7 @@ def base_lora_fused(y: Tensor, x: Tensor, weight: Tensor, w: PagedLora, segments
     """The fused path: ``y[:, off:off+N] = x @ weight.T + delta`` per adapter bucket, in one
     Triton launch (callers take it only below :func:`base_fusion_threshold`)."""
     check_paged(y, x, w, out_offset)
-    from kernels.triton.fused_base import sgmv_base_fused
+    from loraplane_kernels.triton.fused_base import sgmv_base_fused
 
     sgmv_base_fused(y, x, weight, w, _contiguous(segments), out_offset=out_offset)
 

@@ -6,7 +6,7 @@ registers: each program computes its tokens' ``h`` over the full input width, th
 ``scale * h @ B.T`` into its share of the output columns. ``N_SPLIT`` programs per token
 (or tile) each recompute ``h`` so that few tokens can still fill the GPU; the recomputation
 rereads A from L2, not HBM. Whether fusing pays is a function of batch size and GPU, which
-is why ``kernels.dispatch`` reads the crossover from the tuning table.
+is why ``loraplane_kernels.dispatch`` reads the crossover from the tuning table.
 
 ``R_PAD`` (the slab's max rank rounded up to a power of two, at least 16) sizes the
 register tile, but every weight load is masked to the slot's own rank, so the bytes read
@@ -19,11 +19,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.paged import PagedLora
-from kernels.segments import Segments
-from kernels.triton.operands import a_operand, b_operand
-from kernels.triton.sgmv import dot_precision, upcast_dot_operands
-from kernels.triton.tiles import load_tile, segment_tiles
+from loraplane_kernels.paged import PagedLora
+from loraplane_kernels.segments import Segments
+from loraplane_kernels.triton.operands import a_operand, b_operand
+from loraplane_kernels.triton.sgmv import dot_precision, upcast_dot_operands
+from loraplane_kernels.triton.tiles import load_tile, segment_tiles
 
 
 def rank_tile(max_rank: int) -> int:

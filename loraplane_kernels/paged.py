@@ -227,7 +227,7 @@ def apply_runs(y: Tensor, x: Tensor, w: PagedLora, runs: Runs, out_offset: int =
     """The torch path: per run of one slot, ``y += scale * ((x @ A.T) @ Bt)`` in place.
 
     Small runs (decodes: one or two rows per adapter) go first. In bf16 and fp32 on the
-    CPU they take one compiled call per projection (`kernels.host`), free of the per-call
+    CPU they take one compiled call per projection (`loraplane_kernels.host`), free of the per-call
     costs of BLAS and oneDNN; the step's runs are split once for all its projections
     (`step_runs`). Otherwise (fp16, or no numba) they run in one thread
     (`SMALL_RUN_ROWS`) and all in two nested-tensor `bmm` calls (`_apply_grouped`): one
@@ -287,7 +287,7 @@ def step_runs(runs: Runs) -> StepRuns:
 
 
 HOST_PASS = host.AVAILABLE
-"""bf16 and fp32 decodes on the CPU take the compiled pass (`kernels.host`); tests switch
+"""bf16 and fp32 decodes on the CPU take the compiled pass (`loraplane_kernels.host`); tests switch
 it off to pin it to the torch path."""
 
 

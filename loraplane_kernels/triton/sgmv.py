@@ -16,10 +16,10 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
-from kernels.paged import PagedLora
-from kernels.segments import Segments
-from kernels.triton.operands import a_operand, b_operand
-from kernels.triton.tiles import load_tile, segment_tiles
+from loraplane_kernels.paged import PagedLora
+from loraplane_kernels.segments import Segments
+from loraplane_kernels.triton.operands import a_operand, b_operand
+from loraplane_kernels.triton.tiles import load_tile, segment_tiles
 
 
 def dot_precision(dtype: torch.dtype) -> str:

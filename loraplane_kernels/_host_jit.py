@@ -1,4 +1,4 @@
-"""The numba code of `kernels.host`, in a module of its own so that importing the kernels
+"""The numba code of `loraplane_kernels.host`, in a module of its own so that importing the kernels
 does not import numba (about half a second) where nothing decodes on the CPU.
 
 Module-level functions, so numba caches their machine code across processes. Loops run

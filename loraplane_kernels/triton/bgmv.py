@@ -13,8 +13,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.paged import PagedLora
-from kernels.triton.operands import a_operand, b_operand
+from loraplane_kernels.paged import PagedLora
+from loraplane_kernels.triton.operands import a_operand, b_operand
 
 
 @triton.jit

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels.segments import Segments
-from kernels.validation import REFERENCE_DTYPES, check_expand, check_shrink
+from loraplane_kernels.segments import Segments
+from loraplane_kernels.validation import REFERENCE_DTYPES, check_expand, check_shrink
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -15,8 +15,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from kernels.paged import PagedLora
-from kernels.segments import Segments
+from loraplane_kernels.paged import PagedLora
+from loraplane_kernels.segments import Segments
 
 #: Activation and weight dtypes the Triton kernels accept. float64 is accepted by the torch
 #: path only, because the tests use it as the oracle.
