@@ -59,6 +59,13 @@ def test_full_pool_bronze_refused_gold_evicts_platinum_stays(rig: Rig) -> None:
     rig.switch("b1", 1)
     rig.publish("b2", 1, 3, "bronze")
     rig.switch("b2", 1)
+    step = rig.engine.step
+
+    def throttled() -> object:  # b1's 400 tokens outlast the checks below on any machine
+        time.sleep(0.01)
+        return step()
+
+    rig.engine.step = throttled  # type: ignore[method-assign]
     busy = rig.ask("b1", max_tokens=400)
     first_token(busy)
     refused = end(rig.ask("b2"))  # slots: platinum (pinned) + b1 (busy)
@@ -70,6 +77,7 @@ def test_full_pool_bronze_refused_gold_evicts_platinum_stays(rig: Rig) -> None:
     gold = rig.ask("gold")  # waits for b1's slot, never takes platinum's
     time.sleep(0.5)
     assert gold.sink.empty() and rig.state("gold", 1) is AdapterState.LOADING
+    assert busy.status == "running"
     rig.loop.cancel(busy)  # b1 goes idle: now gold may take its slot
     assert isinstance(end(busy), Finished)
     done = end(gold)
