@@ -4,6 +4,8 @@
 #   bash bench/gpu_check.sh           # on a CUDA machine: within 8 minutes
 #   bash bench/gpu_check.sh --smoke   # on the CPU: every stage end to end, tiny shapes,
 #                                     # results under a temporary folder (nothing in the repo)
+#   bash bench/gpu_check.sh --stages engine   # some stages only (comma list), e.g. to rerun
+#                                             # one that failed without redoing the others
 #
 # Stages (each under its own time limit, so one stuck stage cannot eat the others' time):
 #   1. bench/kernels_gpu.py     kernel correctness and timings -> bench/results/kernels_gpu_<GPU>.json
@@ -17,7 +19,20 @@ PY=${PYTHON:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
 
 SMOKE=0
-[ "${1:-}" = "--smoke" ] && SMOKE=1
+STAGES=kernels,tuning,engine
+while [ $# -gt 0 ]; do
+  case $1 in
+    --smoke) SMOKE=1 ;;
+    --stages) STAGES=${2:?--stages needs a comma list of kernels,tuning,engine}; shift ;;
+    *) echo "gpu_check: unknown argument $1 (--smoke, --stages LIST)" >&2; exit 2 ;;
+  esac
+  shift
+done
+for s in ${STAGES//,/ }; do
+  case $s in kernels|tuning|engine) ;; *)
+    echo "gpu_check: unknown stage $s (kernels, tuning, engine)" >&2; exit 2 ;;
+  esac
+done
 
 if [ "$SMOKE" = 1 ]; then
   OUT=${GPU_CHECK_OUT:-$(mktemp -d)}
@@ -47,6 +62,7 @@ failed=0
 stage() {  # stage NAME LIMIT_S COMMAND...
   local name=$1 limit=$2
   shift 2
+  [[ ",$STAGES," == *",$name,"* ]] || return 0
   local t0=$SECONDS
   echo "== $name (limit ${limit}s)"
   if timeout "$limit" "$@"; then
@@ -58,7 +74,7 @@ stage() {  # stage NAME LIMIT_S COMMAND...
 }
 stage kernels "${LIMITS[0]}" "$PY" bench/kernels_gpu.py "${KERNELS[@]}"
 stage tuning "${LIMITS[1]}" "$PY" bench/tune_kernels.py "${TUNE[@]}"
-[ -n "$TUNING" ] && export LORAPLANE_KERNELS_TUNING="$TUNING"
+[ -n "$TUNING" ] && [ -f "$TUNING" ] && export LORAPLANE_KERNELS_TUNING="$TUNING"
 stage engine "${LIMITS[2]}" "$PY" bench/multi_lora.py "${ENGINE[@]}"
 echo "gpu_check: results in $OUT"
 exit $failed

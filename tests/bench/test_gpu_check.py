@@ -34,3 +34,18 @@ def test_gpu_check_smoke_runs_every_stage_end_to_end(tmp_path) -> None:
     assert len(repeats) == engine["mixed"]["repeats"] and all(r["adapters_32"] > 0
                                                              for r in repeats)
     assert engine["tenant_prefix"]["prefix_cache"]["cross_tenant_hits"] == 0
+
+
+def test_gpu_check_runs_only_the_stages_asked_for(tmp_path) -> None:
+    env = {**os.environ, "GPU_CHECK_OUT": str(tmp_path), "PYTHON": sys.executable}
+    env.pop("TRITON_INTERPRET", None)
+    script = str(REPO / "bench" / "gpu_check.sh")
+    proc = subprocess.run(["bash", script, "--smoke", "--stages", "tuning"], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "== tuning ok in" in proc.stdout
+    assert "== kernels" not in proc.stdout and "== engine" not in proc.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tuning.json"]
+    bad = subprocess.run(["bash", script, "--smoke", "--stages", "kernels,bogus"], cwd=REPO,
+                         env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert bad.returncode == 2 and "unknown stage bogus" in bad.stderr
