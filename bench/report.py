@@ -28,6 +28,8 @@ ORDER = ("multi_lora", "serve", "merged", "hotswap", "router", "fanout", "regist
 
 
 def number(value: float | None) -> str:
+    """Four significant digits below 10, so a value next to its target (1.104 against
+    at most 1.10) does not print as the target itself beside a "not met"."""
     if value is None:
         return "n/a"
     if isinstance(value, bool):
@@ -37,7 +39,7 @@ def number(value: float | None) -> str:
         return f"{value:,.0f}"
     if magnitude >= 100:
         return f"{value:.1f}"
-    if magnitude >= 1:
+    if magnitude >= 10:
         return f"{value:.2f}"
     return f"{value:.4g}"
 
