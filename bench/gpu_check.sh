@@ -18,20 +18,22 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
 
+ALL_STAGES=kernels,tuning,engine
+listed() { [[ ",$2," == *",$1,"* ]]; }  # listed NAME COMMA_LIST
+
 SMOKE=0
-STAGES=kernels,tuning,engine
+STAGES=$ALL_STAGES
 while [ $# -gt 0 ]; do
   case $1 in
     --smoke) SMOKE=1 ;;
-    --stages) STAGES=${2:?--stages needs a comma list of kernels,tuning,engine}; shift ;;
+    --stages) STAGES=${2:?--stages needs a comma list of $ALL_STAGES}; shift ;;
     *) echo "gpu_check: unknown argument $1 (--smoke, --stages LIST)" >&2; exit 2 ;;
   esac
   shift
 done
 for s in ${STAGES//,/ }; do
-  case $s in kernels|tuning|engine) ;; *)
-    echo "gpu_check: unknown stage $s (kernels, tuning, engine)" >&2; exit 2 ;;
-  esac
+  listed "$s" "$ALL_STAGES" || {
+    echo "gpu_check: unknown stage $s ($ALL_STAGES)" >&2; exit 2; }
 done
 
 if [ "$SMOKE" = 1 ]; then
@@ -62,7 +64,7 @@ failed=0
 stage() {  # stage NAME LIMIT_S COMMAND...
   local name=$1 limit=$2
   shift 2
-  [[ ",$STAGES," == *",$name,"* ]] || return 0
+  listed "$name" "$STAGES" || return 0
   local t0=$SECONDS
   echo "== $name (limit ${limit}s)"
   if timeout "$limit" "$@"; then

@@ -12,11 +12,17 @@ import pytest
 from tests.conftest import REPO
 
 
-@pytest.mark.slow
-def test_gpu_check_smoke_runs_every_stage_end_to_end(tmp_path) -> None:
-    env = {**os.environ, "GPU_CHECK_OUT": str(tmp_path), "PYTHON": sys.executable}
+def smoke_env(out) -> dict[str, str]:
+    """This interpreter, results under `out`, and none of the caller's kernel overrides."""
+    env = {**os.environ, "GPU_CHECK_OUT": str(out), "PYTHON": sys.executable}
     for var in ("LORAPLANE_KERNELS_BACKEND", "LORAPLANE_KERNELS_TUNING", "TRITON_INTERPRET"):
         env.pop(var, None)
+    return env
+
+
+@pytest.mark.slow
+def test_gpu_check_smoke_runs_every_stage_end_to_end(tmp_path) -> None:
+    env = smoke_env(tmp_path)
     proc = subprocess.run(["bash", str(REPO / "bench" / "gpu_check.sh"), "--smoke"], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=900, check=False)
     report = proc.stdout[-6000:] + proc.stderr[-3000:]
@@ -37,8 +43,7 @@ def test_gpu_check_smoke_runs_every_stage_end_to_end(tmp_path) -> None:
 
 
 def test_gpu_check_runs_only_the_stages_asked_for(tmp_path) -> None:
-    env = {**os.environ, "GPU_CHECK_OUT": str(tmp_path), "PYTHON": sys.executable}
-    env.pop("TRITON_INTERPRET", None)
+    env = smoke_env(tmp_path)
     script = str(REPO / "bench" / "gpu_check.sh")
     proc = subprocess.run(["bash", script, "--smoke", "--stages", "tuning"], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=300, check=False)
