@@ -34,3 +34,36 @@ def test_the_median_run_is_the_middle_one_and_the_lower_middle_of_an_even_count(
     assert median_run(runs).tokens == [[2]]
     assert median_run(runs[:2]).tokens == [[1]]
     assert median_run(runs[:1]).tokens == [[0]]
+
+
+def test_interleaved_runs_give_each_engine_its_own_steps_tokens_and_dense_times(
+        tmp_path: Path) -> None:
+    """Stepping three engines in turn changes nothing they compute: each kind gets the
+    tokens a run alone gives, its own step times (which sum to its seconds) and one dense
+    time per forward step."""
+    from bench import multi_lora as ml
+    from services.worker.engine import ModelConfig
+
+    ml.build_random_base(tmp_path / "base", seed=3, smoke=True)
+    mc = ModelConfig.from_dir(tmp_path / "base")
+    dirs = ml.write_adapters(tmp_path / "adapters", mc, 4, seed=3)
+    workload = ml.mixed_workload(6, 4, mc.vocab_size, seed=3, scale=0.125)
+    engines = {}
+    for kind in ("engine_32", "engine_1", "engine_no_adapter"):
+        eng, digests = ml.make_engine(tmp_path / "base", dirs, "float32")
+        engines[kind] = (eng, [None] * 4 if kind == "engine_no_adapter" else digests,
+                         kind == "engine_1")
+    yardstick = ml.DenseYardstick(engines["engine_32"][0].model)
+    runs, dense = ml.run_interleaved(engines, workload, yardstick)
+    alone, digests = ml.make_engine(tmp_path / "base", dirs, "float32")
+    assert runs["engine_32"].tokens == ml.run_engine(alone, digests, workload).tokens
+    assert runs["engine_1"].tokens != runs["engine_32"].tokens
+    for kind, run in runs.items():
+        assert [len(t) for t in run.tokens] == [r["max_tokens"] for r in workload]
+        assert len(dense[kind]) == len(run.steps) > 0 and min(dense[kind]) > 0
+        assert abs(sum(s[-1] for s in run.steps) - run.seconds) < 1e-6 * len(run.steps) + 1e-3
+    roof = yardstick.roofline(runs["engine_32"].steps, dense["engine_32"])
+    assert roof["all"]["steps"] == len(runs["engine_32"].steps)
+    assert roof["all"]["fraction_of_dense"] > 0
+    for eng, _, _ in engines.values():  # every engine's own forward is back
+        assert "forward" not in vars(eng.model)
