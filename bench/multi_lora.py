@@ -975,7 +975,9 @@ def figures(result: dict[str, Any]) -> list[Figure]:
                 f"roofline: engine FLOP rate, mixed adapters, {label}", roof["engine_gflops"],
                 "GFLOP per CPU-s" if run["clock"] == "cpu" else "GFLOP/s",
                 baseline=("dense F.linear of the same steps' shapes alone, same process"
-                          + (", timed after each repeat; the repeat of median fraction"
+                          + (", timed right after each round of steps; the repeat of median "
+                             "fraction" if mixed.get("interleaved") else
+                             ", timed after each repeat; the repeat of median fraction"
                              if "roofline_repeats" in mixed else "")),
                 baseline_value=roof["dense_matmul_gflops"], target="ratio >= 0.85",
                 meets_target=roof["fraction_of_dense"] >= 0.85, model=model,
