@@ -454,6 +454,23 @@ def run_interleaved(engines: dict[str, tuple[Engine, list, bool]], workload: lis
 
 # -- sections -------------------------------------------------------------------------------
 
+MIXED_KINDS = {"engine_32": "32 adapters", "engine_1": "1 adapter",
+               "engine_no_adapter": "no adapter"}
+
+
+def mixed_engines(model_dir: Path, dirs: list[Path], dtype: str
+                  ) -> dict[str, tuple[Engine, list, bool]]:
+    """Fresh engines for the mixed section's kinds, as `run_interleaved` takes them: each
+    with its digests (None for the no-adapter kind) and whether it puts every request on
+    adapter 0."""
+    engines = {}
+    for kind in MIXED_KINDS:
+        eng, digests = make_engine(model_dir, dirs, dtype)
+        engines[kind] = (eng, [None] * len(digests) if kind == "engine_no_adapter"
+                         else digests, kind == "engine_1")
+    return engines
+
+
 def section_mixed(model_dir: Path, hf, dirs: list[Path], workload: list[dict],
                   dtype: str = "float32", repeats: int = 1) -> dict:
     """The engine with 32 adapters, with one and with none, stepped in turn through the
@@ -467,16 +484,11 @@ def section_mixed(model_dir: Path, hf, dirs: list[Path], workload: list[dict],
     no-adapter runs split the roofline gap into what the LoRA pass costs and what the rest
     of the engine (attention, norms, sampling, Python) costs.
     """
-    kinds = {"engine_32": "32 adapters", "engine_1": "1 adapter",
-             "engine_no_adapter": "no adapter"}
+    kinds = MIXED_KINDS
     runs: dict[str, list[EngineRun]] = {kind: [] for kind in kinds}
     paired: list[tuple[dict, dict]] = []
     for _ in range(repeats):
-        engines = {}
-        for kind in kinds:
-            eng, digests = make_engine(model_dir, dirs, dtype)
-            engines[kind] = (eng, [None] * len(digests) if kind == "engine_no_adapter"
-                             else digests, kind == "engine_1")
+        engines = mixed_engines(model_dir, dirs, dtype)
         yardstick = DenseYardstick(engines["engine_32"][0].model)
         done, dense = run_interleaved(engines, workload, yardstick)
         for kind, label in kinds.items():

@@ -48,11 +48,8 @@ def test_interleaved_runs_give_each_engine_its_own_steps_tokens_and_dense_times(
     mc = ModelConfig.from_dir(tmp_path / "base")
     dirs = ml.write_adapters(tmp_path / "adapters", mc, 4, seed=3)
     workload = ml.mixed_workload(6, 4, mc.vocab_size, seed=3, scale=0.125)
-    engines = {}
-    for kind in ("engine_32", "engine_1", "engine_no_adapter"):
-        eng, digests = ml.make_engine(tmp_path / "base", dirs, "float32")
-        engines[kind] = (eng, [None] * 4 if kind == "engine_no_adapter" else digests,
-                         kind == "engine_1")
+    engines = ml.mixed_engines(tmp_path / "base", dirs, "float32")
+    assert engines["engine_no_adapter"][1] == [None] * 4 and engines["engine_1"][2]
     yardstick = ml.DenseYardstick(engines["engine_32"][0].model)
     runs, dense = ml.run_interleaved(engines, workload, yardstick)
     alone, digests = ml.make_engine(tmp_path / "base", dirs, "float32")
