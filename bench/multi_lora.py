@@ -986,11 +986,9 @@ def figures(result: dict[str, Any]) -> list[Figure]:
             out.append(Figure(
                 f"roofline: engine FLOP rate, mixed adapters, {label}", roof["engine_gflops"],
                 "GFLOP per CPU-s" if run["clock"] == "cpu" else "GFLOP/s",
-                baseline=("dense F.linear of the same steps' shapes alone, same process"
-                          + (", timed right after each round of steps; the repeat of median "
-                             "fraction" if mixed.get("interleaved") else
-                             ", timed after each repeat; the repeat of median fraction"
-                             if "roofline_repeats" in mixed else "")),
+                baseline=("dense F.linear of the same steps' shapes alone, same process, "
+                          "timed right after each round of steps; the repeat of median "
+                          "fraction"),
                 baseline_value=roof["dense_matmul_gflops"], target="ratio >= 0.85",
                 meets_target=roof["fraction_of_dense"] >= 0.85, model=model,
                 settings=(f"{mixed['requests']} requests over {part['adapters']} adapters; "
@@ -1005,9 +1003,8 @@ def figures(result: dict[str, Any]) -> list[Figure]:
                 mixed["one_adapter_vs_32"], "x (time with 32 / time with 1)", better="lower",
                 target="<= 1.10", meets_target=mixed["one_adapter_vs_32"] <= 1.10, model=model,
                 settings=(f"the same {mixed['requests']} requests, every one on adapter 0; "
-                          + (f"median of {mixed.get('repeats', 1)} repeats, each stepping "
-                             "both engines in turn" if mixed.get("interleaved") else
-                             f"median runs of {mixed.get('repeats', 1)} alternated")),
+                          f"median of {mixed['repeats']} repeats, each stepping both "
+                          "engines in turn"),
                 load_average=_loads(mixed, "engine_1")))
         tenant = part.get("tenant_prefix")
         if tenant and "peft_tok_s" in tenant:
