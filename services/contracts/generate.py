@@ -201,11 +201,9 @@ def check_limits(request: pb.GenerateRequest, limits: ModelLimits,
     if prompt_len >= context:
         raise InvalidArgument("prompt", f"{prompt_len} tokens leave no room for a completion "
                                         f"in the model's context of {context}")
-    if s.max_tokens + prompt_len > context:
-        raise InvalidArgument("sampling.max_tokens",
-                              f"{s.max_tokens} + {prompt_len} prompt tokens exceed the "
-                              f"model's context of {context}")
-    if s.min_tokens + prompt_len > context:
-        raise InvalidArgument("sampling.min_tokens",
-                              f"{s.min_tokens} + {prompt_len} prompt tokens exceed the "
-                              f"model's context of {context}")
+    for name in ("max_tokens", "min_tokens"):
+        asked = getattr(s, name)
+        if asked + prompt_len > context:
+            counted = f" + {prompt_len} prompt tokens" if prompt_len else ""
+            raise InvalidArgument(f"sampling.{name}", f"{asked}{counted} exceed the model's "
+                                                      f"context of {context}")
