@@ -16,8 +16,9 @@ INTERNAL error grpc answers for a request it cannot deserialize.
 
 from __future__ import annotations
 
-import math
+import functools
 import re
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,7 @@ from services.contracts.grpc import inference_pb2 as pb
 
 UINT32_MAX = 2**32 - 1
 UINT64_MAX = 2**64 - 1
+_FLOAT_MAX = sys.float_info.max
 MAX_STOP_STRINGS = 16
 MAX_CHAT_MESSAGES = 1024
 
@@ -45,6 +47,8 @@ SAMPLING_HONOURED = frozenset({"max_tokens", "temperature", "top_p", "seed", "st
 """The `SamplingParams` fields the worker implements; any other field that is set is
 refused (`tests/worker/test_intake.py` pins this against the proto)."""
 
+_UNHONOURED = tuple(f for f in pb.SamplingParams.DESCRIPTOR.fields
+                    if f.name not in SAMPLING_HONOURED)
 _TRACE = re.compile(r"^[0-9a-f]{32}$")
 _REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,128}$")
 _QOS_TIERS = frozenset(pb.QosTier.values())
@@ -112,22 +116,27 @@ def add_inference_servicer(servicer: Any, server: grpc.aio.Server) -> None:
     server.add_registered_method_handlers(name, handlers)
 
 
+@functools.cache
+def _message_fields(descriptor: Any) -> tuple[tuple[str, bool], ...]:
+    """A message type's fields that hold messages: (name, repeated)."""
+    return tuple((f.name, f.is_repeated) for f in descriptor.fields
+                 if f.message_type is not None)
+
+
 def _no_unknown_fields(message: Message, path: str) -> None:
+    """Walks every set message field (per request: kept cheap, no ListFields)."""
     unknown = UnknownFieldSet(message)
     if len(unknown):
         numbers = sorted({f.field_number for f in unknown})
         raise InvalidArgument(path or "request",
                               f"field number {numbers[0]} is not in this server's "
                               f"{message.DESCRIPTOR.name}; refused, not ignored")
-    for fd, value in message.ListFields():
-        if fd.message_type is None:
-            continue
-        inner = f"{path}.{fd.name}" if path else fd.name
-        if fd.is_repeated:
-            for i, item in enumerate(value):
-                _no_unknown_fields(item, f"{inner}[{i}]")
-        else:
-            _no_unknown_fields(value, inner)
+    for name, repeated in _message_fields(message.DESCRIPTOR):
+        if repeated:
+            for i, item in enumerate(getattr(message, name)):
+                _no_unknown_fields(item, f"{path}.{name}[{i}]" if path else f"{name}[{i}]")
+        elif message.HasField(name):
+            _no_unknown_fields(getattr(message, name), f"{path}.{name}" if path else name)
 
 
 def check_generate(request: pb.GenerateRequest | Undecodable) -> None:
@@ -136,6 +145,8 @@ def check_generate(request: pb.GenerateRequest | Undecodable) -> None:
     if isinstance(request, Undecodable):
         raise InvalidArgument("request", f"not a loraplane.v1.GenerateRequest: "
                                          f"{request.reason}")
+    if len(request.chat.messages) > MAX_CHAT_MESSAGES:  # before walking each of them
+        raise InvalidArgument("chat.messages", f"more than {MAX_CHAT_MESSAGES} messages")
     _no_unknown_fields(request, "")
     if request.request_id and not _REQUEST_ID.match(request.request_id):
         raise InvalidArgument("request_id", "1-128 printable ASCII characters")
@@ -155,29 +166,32 @@ def check_generate(request: pb.GenerateRequest | Undecodable) -> None:
         messages = request.chat.messages
         if not messages:
             raise InvalidArgument("chat.messages", "is empty")
-        if len(messages) > MAX_CHAT_MESSAGES:
-            raise InvalidArgument("chat.messages", f"more than {MAX_CHAT_MESSAGES} messages")
         for i, m in enumerate(messages):
             canonical_role(m.role, f"chat.messages[{i}].role")
     _check_sampling(request.sampling)
 
 
 def _check_sampling(s: pb.SamplingParams) -> None:
-    for fd, _ in s.ListFields():
-        if fd.name not in SAMPLING_HONOURED:
+    for fd in _UNHONOURED:
+        if (len(getattr(s, fd.name)) if fd.is_repeated else
+                s.HasField(fd.name) if fd.has_presence else getattr(s, fd.name)):
             raise InvalidArgument(f"sampling.{fd.name}", "not supported by this server; "
                                                          "refused, not ignored")
-    if s.max_tokens and s.min_tokens > s.max_tokens:
+    max_tokens = s.max_tokens
+    if max_tokens and s.min_tokens > max_tokens:
         raise InvalidArgument("sampling.min_tokens", f"{s.min_tokens} exceeds max_tokens "
-                                                     f"{s.max_tokens}")
-    if not math.isfinite(s.temperature) or s.temperature < 0:
-        raise InvalidArgument("sampling.temperature", f"{s.temperature} must be >= 0")
-    if not math.isfinite(s.top_p) or not 0 <= s.top_p <= 1:
-        raise InvalidArgument("sampling.top_p", f"{s.top_p} must be in [0, 1] (0 or 1 = off)")
-    if len(s.stop) > MAX_STOP_STRINGS:
-        raise InvalidArgument("sampling.stop", f"at most {MAX_STOP_STRINGS} stop strings")
-    if any(not x for x in s.stop):
-        raise InvalidArgument("sampling.stop", "stop strings must be non-empty")
+                                                     f"{max_tokens}")
+    temperature, top_p = s.temperature, s.top_p
+    if not 0 <= temperature <= _FLOAT_MAX:  # NaN fails every comparison
+        raise InvalidArgument("sampling.temperature", f"{temperature} must be finite and >= 0")
+    if not 0 <= top_p <= 1:
+        raise InvalidArgument("sampling.top_p", f"{top_p} must be in [0, 1] (0 or 1 = off)")
+    stop = s.stop
+    if stop:
+        if len(stop) > MAX_STOP_STRINGS:
+            raise InvalidArgument("sampling.stop", f"at most {MAX_STOP_STRINGS} stop strings")
+        if not all(stop):
+            raise InvalidArgument("sampling.stop", "stop strings must be non-empty")
 
 
 def check_limits(request: pb.GenerateRequest, limits: ModelLimits,
@@ -192,7 +206,7 @@ def check_limits(request: pb.GenerateRequest, limits: ModelLimits,
         prompt_len = len(ids)
         vocab = limits.vocab_size
         if vocab is not None and ids and max(ids) >= vocab:
-            bad = next(t for t in ids if t >= vocab)
+            bad = next(t for t in ids if t >= vocab)  # only on the way out
             raise InvalidArgument("prompt.token_ids", f"token {bad} is outside the "
                                                       f"vocabulary of {vocab}")
     if context is None:

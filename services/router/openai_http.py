@@ -372,7 +372,8 @@ def create_http_app(dispatcher: Dispatcher, tokens: TokenBook) -> FastAPI:
 
     @app.exception_handler(HTTPException)
     async def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
-        return OpenAIError(exc.status_code, str(exc.detail), code=str(exc.status_code),
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return OpenAIError(exc.status_code, str(exc.detail), code=code,
                            headers=dict(exc.headers or {})).response()
 
     @app.exception_handler(RequestValidationError)

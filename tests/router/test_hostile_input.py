@@ -114,6 +114,11 @@ def test_the_reported_bodies_get_a_400_in_openais_shape_naming_the_field(router)
         except (AssertionError, ValueError) as failure:
             wrong.append((content[:80], failure))
     assert not wrong, "\n".join(f"{body!r}: {failure}" for body, failure in wrong)
+    for method, path, status in (("GET", "/v1/completions", 405), ("POST", "/v1/nope", 404)):
+        response = httpx.request(method, f"{router.http_url}{path}", headers=HEADERS,
+                                 timeout=20)
+        assert response.status_code == status
+        _error_shape(response)  # Starlette's own answers too, not {"detail": ...}
 
 
 def _grpc_fails(router, request: pb.GenerateRequest | bytes) -> grpc.RpcError:
