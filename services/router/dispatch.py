@@ -5,7 +5,8 @@ hand every request to `Dispatcher.generate`, so both get the same resolution, pl
 limits and failover. State is folded from the log on the event loop's thread
 (`services.router.app`), so nothing here takes a lock: one decision sees one state.
 
-Steps of a request:
+Steps of a request (after `services.contracts.generate`'s check of the request, the one
+the workers make too; its base model's limits are checked once step 2 knows the model):
 1. Tenant from the token (`authorize`): a tenant-scoped token's org/team/project is the
    tenant; the request may only repeat it or fill the segments the token leaves as `*`.
 2. Version (`services.catalog.serving`): an alias by its split, sticky per user; an
@@ -50,6 +51,12 @@ from services.catalog.serving import (
 from services.catalog.state import CatalogState, Refusal
 from services.config import Settings
 from services.contracts.events import SLUG_PATTERN, Envelope, TenantRef
+from services.contracts.generate import (
+    InvalidArgument,
+    ModelLimits,
+    check_generate,
+    check_limits,
+)
 from services.contracts.grpc import inference_pb2 as pb
 from services.contracts.grpc import inference_pb2_grpc as pb_grpc
 from services.contracts.qos import TIER_TO_PROTO, lower_tier, tier_of
@@ -85,11 +92,13 @@ class RouteError(Exception):
 
     def __init__(self, code: grpc.StatusCode, message: str, reason: str, *,
                  retry_after_s: float | None = None, retry_after: str | None = None,
-                 after_first_token: bool = False) -> None:
+                 after_first_token: bool = False, field: str | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.reason = reason
+        self.field = field
+        """The request field at fault (its proto path), where one is."""
         self.retry_after_s = retry_after_s
         self.retry_after = retry_after
         """Whole seconds for HTTP `Retry-After` / gRPC `retry-after` metadata."""
@@ -278,6 +287,16 @@ def _same(kept: tuple[object, ...], fresh: tuple[object, ...]) -> bool:
         for a, b in zip(kept, fresh, strict=True))
 
 
+def _checked(check: Callable[..., None], *args: object) -> None:
+    """A rule of `services.contracts.generate` (the one the workers check too), its
+    refusal as a RouteError."""
+    try:
+        check(*args)
+    except InvalidArgument as exc:
+        raise RouteError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), "invalid",
+                         field=exc.field) from None
+
+
 def _refused(refusal: Refusal) -> RouteError:
     return RouteError(_REFUSAL_CODES[refusal.kind], refusal.message, refusal.kind)
 
@@ -319,6 +338,7 @@ class Dispatcher:
         self._hinted: dict[tuple[str, str, int], float] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._routes: dict[tuple[object, ...], CallerRoute] = {}
+        self._limits: dict[str, ModelLimits] = {}
 
     def start_serving(self) -> None:
         """The log is replayed: answer requests from now on. The replayed state is most of the
@@ -553,10 +573,14 @@ class Dispatcher:
         asked = Asked(request.tenant, request.adapter, base_model)
         tenant_label = adapter_label = "-"
         try:
+            _checked(check_generate, request)
             try:
                 decision = self.decide(principal, asked, started)
             finally:
                 self.metrics.route_seconds.observe(self.clock() - started)
+            limits = self._model_limits(decision.base_digest)
+            if limits is not None:
+                _checked(check_limits, request, limits)
         except RouteError as error:
             self.metrics.rejections.labels(error.reason).inc()
             self.metrics.requests.labels(tenant_label, adapter_label, front,
@@ -594,6 +618,20 @@ class Dispatcher:
             level = logging.INFO if outcome in ("ok", "cancelled") else logging.WARNING
             if trace_log.isEnabledFor(level):
                 trace_log.log(level, "%s", json.dumps(trace.as_dict(), default=str))
+
+    def _model_limits(self, digest: str | None) -> ModelLimits | None:
+        """The base model's limits from its registered config (kept per digest: a
+        registration never changes)."""
+        if digest is None:
+            return None
+        limits = self._limits.get(digest)
+        if limits is None:
+            base = next((b for b in self.catalog.base_models.values() if b.digest == digest),
+                        None)
+            if base is None:
+                return None
+            limits = self._limits[digest] = ModelLimits.from_config(base.config)
+        return limits
 
     def _after_placement(self, decision: Decision) -> None:
         """Hints: a cold home prefetches what it is about to load; a cold home passed over

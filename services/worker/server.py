@@ -29,6 +29,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from services.catalog.state import Refusal
+from services.contracts.generate import Undecodable, add_inference_servicer
 from services.contracts.grpc import inference_pb2 as pb
 from services.contracts.grpc import inference_pb2_grpc as pb_grpc
 from services.worker.engine_loop import (
@@ -70,7 +71,7 @@ class InferenceService(pb_grpc.InferenceServicer):
         self.gate = gate
         self.worker_id = worker_id
 
-    async def Generate(self, request: pb.GenerateRequest,
+    async def Generate(self, request: pb.GenerateRequest | Undecodable,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         metrics = self.loop.metrics
         try:
@@ -181,8 +182,7 @@ class WorkerServer:
         self.server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", 64 * 1024 * 1024),
             ("grpc.so_reuseport", 0)])
-        pb_grpc.add_InferenceServicer_to_server(
-            InferenceService(loop, rules, gate, worker_id), self.server)
+        add_inference_servicer(InferenceService(loop, rules, gate, worker_id), self.server)
         pb_grpc.add_WorkerControlServicer_to_server(ControlService(loop), self.server)
         self.health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

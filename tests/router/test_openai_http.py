@@ -73,12 +73,16 @@ def test_completion_chat_and_pinned_versions(router, fleet: Fleet) -> None:
 def test_streaming_completions_and_chat(router) -> None:
     api = client(router)
     chunks = list(api.completions.create(model="tiny-llama:support", prompt="hello",
-                                         stream=True))
+                                         stream=True, stream_options={"include_usage": True}))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == " w1.0 w1.1 w1.2"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    unasked = list(api.completions.create(model="tiny-llama:support", prompt="hello",
+                                          stream=True))
+    assert all(c.choices and c.usage is None for c in unasked)  # usage only when asked
 
     stream = api.chat.completions.create(model="tiny-llama:support", stream=True,
+                                         stream_options={"include_usage": True},
                                          messages=[{"role": "user", "content": "hi"}])
     parts = list(stream)
     assert parts[0].choices[0].delta.role == "assistant"
