@@ -274,22 +274,49 @@ class Probe:
                    and front in (None, f))
 
 
-def stream(who: str, tenant: dict[str, str], adapter: str, n: int, router: RouterProcess,
-           started: threading.Event, out: dict[str, Any]) -> None:
-    """One long stream through the router; its FinalUsage or its error goes to `out`."""
-    try:
-        with grpc.insecure_channel(f"127.0.0.1:{router.grpc_port}") as channel:
-            tokens = 0
-            for answer in pb_grpc.InferenceStub(channel).Generate(
-                    grpc_request(tenant, adapter, n), timeout=120, metadata=metadata(who)):
-                if answer.HasField("token"):
-                    tokens += 1
-                    started.set()
-                else:
-                    out[who] = (answer.final, tokens)
-    except grpc.RpcError as exc:
-        out[who] = (exc.code(), tokens)
-        started.set()
+@dataclass
+class Streams:
+    """Back-to-back long streams of one tenant through the router, from a few threads, so
+    one is in flight whenever the purge lands (the tiny model streams 1000 tokens in about
+    a second). Each stream's (start, end, outcome, tokens) is kept."""
+
+    who: str
+    tenant: dict[str, str]
+    adapter: str
+    router: RouterProcess
+    max_tokens: int
+    ended: list[tuple[float, float, str, int]] = field(default_factory=list)
+    stop: threading.Event = field(default_factory=threading.Event)
+    threads: list[threading.Thread] = field(default_factory=list)
+
+    def start(self, parallel: int = 2) -> Streams:
+        self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(parallel)]
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def _run(self) -> None:
+        with grpc.insecure_channel(f"127.0.0.1:{self.router.grpc_port}") as channel:
+            stub = pb_grpc.InferenceStub(channel)
+            while not self.stop.is_set():
+                began, tokens, outcome = time.monotonic(), 0, "no final"
+                try:
+                    for answer in stub.Generate(grpc_request(self.tenant, self.adapter,
+                                                             self.max_tokens),
+                                                timeout=120, metadata=metadata(self.who)):
+                        if answer.HasField("token"):
+                            tokens += 1
+                        else:
+                            outcome = pb.FinishReason.Name(answer.final.finish_reason)
+                except grpc.RpcError as exc:
+                    outcome = exc.code().name
+                self.ended.append((began, time.monotonic(), outcome, tokens))
+
+    def finish(self) -> list[tuple[float, float, str, int]]:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(120)
+        return self.ended
 
 
 def test_a_purge_ends_serving_on_every_path_across_restarts(site: Site) -> None:
@@ -330,15 +357,9 @@ def _drill(site: Site, blob_log: BlobLog) -> None:
     assert x_home.served_adapter.version == 1
 
     # X and Y stream; X is purged mid-stream
-    started = {"acme": threading.Event(), "rival": threading.Event()}
-    ends: dict[str, Any] = {}
-    runners = [threading.Thread(target=stream, args=("acme", X, "x-bot", 1000, router,
-                                                     started["acme"], ends)),
-               threading.Thread(target=stream, args=("rival", Y, "y-bot", 600, router,
-                                                     started["rival"], ends))]
-    for runner in runners:
-        runner.start()
-    assert started["acme"].wait(60) and started["rival"].wait(60)
+    x_streams = Streams("acme", X, "x-bot", router, 1000).start()
+    y_streams = Streams("rival", Y, "y-bot", router, 600).start()
+    until(lambda: x_streams.ended and y_streams.ended, 120, "both tenants streaming")
     purged_at = time.monotonic()
     purged_wall = datetime.now(UTC)
     with stack.registry.client("admin") as admin:
@@ -348,13 +369,15 @@ def _drill(site: Site, blob_log: BlobLog) -> None:
         assert sorted(answer.json()["expected_workers"]) == ["w1", "w2"]
     probe.purge_id = purge_id
     stack.tail.wait("TenantPurged", purge_id=purge_id, count=2, timeout_s=60)
-    for runner in runners:
-        runner.join(120)
-    x_end, y_end = ends["acme"], ends["rival"]
-    assert not (isinstance(x_end[0], pb.FinalUsage)
-                and x_end[0].finish_reason == pb.FINISH_REASON_LENGTH), x_end
-    assert isinstance(y_end[0], pb.FinalUsage), y_end
-    assert (y_end[0].finish_reason, y_end[1]) == (pb.FINISH_REASON_LENGTH, 600)
+    acked_at = time.monotonic()
+    time.sleep(1.0)
+    x_ended, y_ended = x_streams.finish(), y_streams.finish()
+    cut = [e for e in x_ended if purged_at <= e[1] and e[2] in ("FINISH_REASON_ABORTED",
+                                                                 "ABORTED", "UNAVAILABLE")]
+    assert cut, f"no X stream was cut by the purge: {x_ended[-6:]}"
+    assert all(e[2] == "NOT_FOUND" for e in x_ended if e[0] > acked_at), x_ended[-6:]
+    assert all((e[2], e[3]) == ("FINISH_REASON_LENGTH", 600) for e in y_ended), y_ended
+    assert any(e[0] < purged_at < e[1] for e in y_ended), "no Y stream spanned the purge"
 
     # the window: three phases, a worker restart and a router restart in between
     phase_s = WINDOW_S / 3
