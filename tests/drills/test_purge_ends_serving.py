@@ -68,19 +68,35 @@ PROMPT = [5, 6, 7, 8]
 HIGH = json.dumps({t: 10_000.0 for t in ("platinum", "gold", "silver", "bronze")})
 
 
-class BlobLog(logging.Handler):
-    """The registry's blob route, as its log says: (when, digest, outcome) per download."""
+class BlobReads(logging.Handler):
+    """What the registry's blob route hands out, per digest: (when, digest, outcome).
 
-    LINE = re.compile(r"blob ([0-9a-f]{64}) (sent|refused)")
+    `sent`: the route hashed the blob before sending it (`verify`, called by the route
+    alone, wrapped here and still doing its work); `missing`: it was not in the store;
+    `refused`: the route refused it without looking (its log line)."""
 
-    def __init__(self) -> None:
+    LINE = re.compile(r"blob ([0-9a-f]{64}) refused to \S+: purged")
+
+    def __init__(self, store: Any) -> None:
         super().__init__(logging.INFO)
         self.reads: list[tuple[float, str, str]] = []
+        verify = store.verify
+
+        def counted(digest: str) -> int:
+            try:
+                size: int = verify(digest)
+            except Exception:
+                self.reads.append((time.monotonic(), digest, "missing"))
+                raise
+            self.reads.append((time.monotonic(), digest, "sent"))
+            return size
+
+        store.verify = counted
 
     def emit(self, record: logging.LogRecord) -> None:
         found = self.LINE.match(record.getMessage())
         if found:
-            self.reads.append((time.monotonic(), found.group(1), found.group(2)))
+            self.reads.append((time.monotonic(), found.group(1), "refused"))
 
     def of(self, digests: set[str], since: float) -> Counter[str]:
         return Counter(outcome for at, digest, outcome in self.reads
@@ -320,7 +336,7 @@ class Streams:
 
 
 def test_a_purge_ends_serving_on_every_path_across_restarts(site: Site) -> None:
-    blob_log = BlobLog()
+    blob_log = BlobReads(site.stack.registry.app.state.blobs)
     registry_log = logging.getLogger("loraplane.registry")
     level = registry_log.level
     registry_log.setLevel(logging.INFO)
@@ -332,7 +348,7 @@ def test_a_purge_ends_serving_on_every_path_across_restarts(site: Site) -> None:
         registry_log.setLevel(level)
 
 
-def _drill(site: Site, blob_log: BlobLog) -> None:
+def _drill(site: Site, blob_log: BlobReads) -> None:
     stack, router = site.stack, site.router
     with stack.publisher() as pub:
         x_v1 = publish_files(pub, "x-bot", fresh_adapter(81), "v1", X, qos_tier="gold")
