@@ -102,9 +102,6 @@ class Settings(BaseSettings):
         None, description="Content-addressed blob store (sha256/ab/abcd…); default STATE_DIR/blobs."
     )
     max_upload_bytes: int = Field(512 * 1024 * 1024, ge=1)
-    blob_erasure_grace_s: float = Field(
-        60.0, ge=0, description="A tenant purge keeps the tenant's blobs (re)written this "
-        "shortly before it: an upload in flight may be about to publish them.")
     max_lora_rank: int = Field(128, ge=1)
     allowed_dtypes: list[str] = Field(default_factory=lambda: ["float16", "bfloat16", "float32"])
     auth_tokens: str | None = Field(

@@ -15,6 +15,7 @@ from datetime import UTC, datetime
 from typing import Any, Literal
 
 from services.catalog.release import GateSpec, gate_baseline, gate_request, release_refusal
+from services.catalog.serving import purged_reason
 from services.catalog.state import (
     LEASE_STREAM,
     Adapter,
@@ -176,6 +177,9 @@ def switch_active(state: CatalogState, adapter_id: str, to_version: int,
     target = adapter.versions.get(to_version)
     if target is None:
         raise Refusal("invalid", f"adapter {adapter_id!r} has no version {to_version}")
+    gone = purged_reason(adapter, to_version, target)
+    if gone:
+        raise Refusal("conflict", gone)
     if target.disabled:
         raise Refusal("conflict", f"version {to_version} is disabled; enable it first")
     if adapter.active_version == to_version:
@@ -203,6 +207,9 @@ def roll_back(state: CatalogState, adapter_id: str, to_version: int | None, reas
     target = adapter.versions.get(to_version)
     if target is None:
         raise Refusal("invalid", f"adapter {adapter_id!r} has no version {to_version}")
+    gone = purged_reason(adapter, to_version, target)
+    if gone:
+        raise Refusal("conflict", gone)
     if target.disabled:
         raise Refusal("conflict", f"version {to_version} is disabled")
     if to_version == current:
@@ -253,6 +260,9 @@ def set_split(state: CatalogState, alias: str, split: Iterable[SplitEntry],
         version = adapter.versions.get(entry.version) if adapter else None
         if adapter is None or version is None:
             raise Refusal("invalid", f"{entry.adapter_id} version {entry.version} does not exist")
+        gone = purged_reason(adapter, entry.version, version) if entry.weight else None
+        if gone:
+            raise Refusal("conflict", gone)
         if version.disabled and entry.weight > 0:
             raise Refusal("conflict", f"{entry.adapter_id} version {entry.version} is disabled")
         refused = release_refusal(adapter, entry.version, version) if entry.weight else None

@@ -47,6 +47,7 @@ from services.catalog.serving import (
     ResolutionCache,
     ServingChoice,
     merge_target,
+    purged_reason,
 )
 from services.catalog.state import CatalogState, Refusal
 from services.config import Settings
@@ -298,7 +299,10 @@ def _checked(check: Callable[..., None], *args: object) -> None:
 
 
 def _refused(refusal: Refusal) -> RouteError:
-    return RouteError(_REFUSAL_CODES[refusal.kind], refusal.message, refusal.kind)
+    """A refusal of the serving rule; `not_found` (no such adapter, alias or version, or one
+    a purge erased) is OpenAI's `model_not_found` on the HTTP front."""
+    reason = "model_not_found" if refusal.kind == "not_found" else refusal.kind
+    return RouteError(_REFUSAL_CODES[refusal.kind], refusal.message, reason)
 
 
 def _no_worker(pooled: bool, interval_s: float) -> RouteError:
@@ -703,8 +707,9 @@ class Dispatcher:
                     log.info("retrying %s on %s: %s failed before its first token (%s)",
                              trace.request_id, workers[index + 1], worker, code.name)
                     continue
-                reason = "deadline" if code == grpc.StatusCode.DEADLINE_EXCEEDED else \
-                    "worker_error"
+                reason = ("deadline" if code == grpc.StatusCode.DEADLINE_EXCEEDED else
+                          "model_not_found" if code == grpc.StatusCode.NOT_FOUND else
+                          "worker_error")
                 raise RouteError(code, f"worker {worker}: {detail}", reason) from None
             except (asyncio.CancelledError, GeneratorExit):
                 attempt.outcome = "cancelled"
@@ -735,6 +740,8 @@ class Dispatcher:
         now = self.clock()
         fresh = []
         for adapter in adapters:
+            if self._purged(adapter):
+                continue
             key = (worker, adapter.sha256, tier)
             if now - self._hinted.get(key, -HINT_EVERY_S) >= HINT_EVERY_S:
                 self._hinted[key] = now
@@ -746,6 +753,14 @@ class Dispatcher:
         request = pb.PrefetchRequest(tier=tier, reason=reason, adapters=[
             pb.PinnedVersion(adapter_id=a.adapter_id, version=a.version) for a in fresh])
         self._spawn(self._send_hint(worker, request, reason))
+
+    def _purged(self, recent: RecentAdapter) -> bool:
+        """A version a purge ended is never prefetched (pre-warming remembers what it served
+        before the purge)."""
+        adapter = self.catalog.adapters.get(recent.adapter_id)
+        if adapter is None or recent.version not in adapter.versions:
+            return False
+        return purged_reason(adapter, recent.version, adapter.versions[recent.version]) is not None
 
     async def _send_hint(self, worker: str, request: pb.PrefetchRequest, reason: str) -> None:
         address = self.membership.address(worker)

@@ -39,7 +39,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
-from services.catalog.serving import split_order
+from services.catalog.serving import purged_reason, split_order
 from services.catalog.state import CatalogState
 from services.contracts.events import TenantRef
 from services.contracts.generate import UINT32_MAX
@@ -142,7 +142,7 @@ def listed_models(catalog: CatalogState, tenant: TenantRef) -> list[dict[str, An
         if adapter.tenant != tenant or number is None or number not in adapter.versions:
             continue
         version = adapter.versions[number]
-        if version.disabled or version.rolled_back:
+        if version.disabled or version.rolled_back or purged_reason(adapter, number, version):
             continue
         models.append({"id": f"{version.published.base_model}:{adapter.adapter_id}",
                        "object": "model", "created": int(version.published_at.timestamp()),
@@ -153,7 +153,8 @@ def listed_models(catalog: CatalogState, tenant: TenantRef) -> list[dict[str, An
         entries = [e for e in split_order(alias.split) if e.weight > 0]
         target = catalog.adapters.get(entries[0].adapter_id) if entries else None
         version = target.versions.get(entries[0].version) if target else None
-        if version is None:
+        if (target is None or version is None
+                or purged_reason(target, entries[0].version, version)):
             continue
         models.append({"id": f"{version.published.base_model}:{alias.alias}",
                        "object": "model", "created": int(alias.changed_at.timestamp()),

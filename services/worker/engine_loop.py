@@ -31,7 +31,13 @@ from pathlib import Path
 from typing import Any
 
 from loraplane_kernels.threads import compute_thread
-from services.catalog.serving import MergeSpec, ServingChoice, resolve_pinned, resolve_reference
+from services.catalog.serving import (
+    MergeSpec,
+    ServingChoice,
+    purged_reason,
+    resolve_pinned,
+    resolve_reference,
+)
 from services.catalog.state import CatalogState, Purge, Refusal
 from services.config import Settings
 from services.contracts.events import (
@@ -812,6 +818,10 @@ class EngineLoop:
                     continue
                 if version.disabled:
                     out.append(PrefetchOutcome(key, False, "", "version is disabled"))
+                    continue
+                gone = purged_reason(adapter, key[1], version)
+                if gone:
+                    out.append(PrefetchOutcome(key, False, "", gone))
                     continue
                 if self.residency.state(key) is AdapterState.FAILED:
                     out.append(PrefetchOutcome(key, False, "", self.residency.failure(key)))

@@ -95,7 +95,7 @@ def test_errors_come_in_openais_shape(router, fleet: Fleet) -> None:
     api = client(router)
     with pytest.raises(openai.NotFoundError) as nf:
         api.completions.create(model="tiny-llama:nope", prompt="x")
-    assert nf.value.body["code"] == "not_found" and "nope" in nf.value.body["message"]
+    assert nf.value.body["code"] == "model_not_found" and "nope" in nf.value.body["message"]
     with pytest.raises(openai.PermissionDeniedError):
         api.completions.create(model="tiny-llama:rival-bot", prompt="x")
     with pytest.raises(openai.PermissionDeniedError):

@@ -9,7 +9,7 @@ from typing import IO, Annotated, Literal
 from fastapi import APIRouter, File, Form, Path, Query, Response, UploadFile
 from pydantic import BaseModel, Field
 
-from services.catalog.state import adapter_stream
+from services.catalog.state import CatalogState, adapter_stream
 from services.contracts.events import ID_PATTERN, SLUG_PATTERN, AdapterVersionPublished, TenantRef
 from services.contracts.problems import problem_responses
 from services.registry.deps import (
@@ -28,6 +28,7 @@ from services.registry.deps import (
     writable_adapter,
 )
 from services.registry.domain import (
+    Decision,
     PublishRequest,
     precheck_publish,
     publish_version,
@@ -35,6 +36,7 @@ from services.registry.domain import (
     set_disabled,
     switch_active,
 )
+from services.registry.erasure import restore_upload
 from services.registry.node import Committed, Deadline
 from services.registry.routes.release import gate_spec, read_regression_set
 from services.registry.validation import (
@@ -193,8 +195,13 @@ def publish(
     if checked_set is not None:
         request = replace(request, gate=gate_spec(*checked_set, blobs, settings))
     node.metrics.upload_bytes.inc(facts.size_bytes)
+
+    def decide(state: CatalogState) -> Decision:
+        restore_upload(blobs, facts, files.config, files.weights)  # a purge erased them?
+        return publish_version(state, request, facts, expected, key)
+
     committed = node.execute(
-        "publish", lambda s: publish_version(s, request, facts, expected, key),
+        "publish", decide,
         actor=principal.actor, idempotency_key=key, expect=expect, trace_id=trace,
         request_sha256=_publish_fingerprint(request, expected, facts.sha256,
                                             facts.config_sha256, set_sha256),
