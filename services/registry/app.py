@@ -8,7 +8,8 @@ Every error is an RFC 9457 problem (`services/contracts/problems.py`) with a sta
 `code`: a refusal of the catalog its kind (`not_found`, `conflict`, `precondition`,
 `invalid`, `forbidden`, `key_reused`), an upload `invalid_adapter` or `too_large`
 (naming the `tensor` or `field`), the event log `replaying`, `halted`, `fenced`,
-`timeout` or `unavailable` (503 with Retry-After), a bad request `invalid_request`.
+`standby`, `timeout` or `unavailable` (503 with Retry-After, and `outcome`: whether the
+command was `not_written`, is `unknown`, or `committed`), a bad request `invalid_request`.
 """
 
 from __future__ import annotations
@@ -166,7 +167,8 @@ def create_app(settings: Settings, *, registry_id: str | None = None) -> FastAPI
     @app.exception_handler(WritesUnavailable)
     async def unavailable(request: Request, exc: WritesUnavailable) -> JSONResponse:
         return problem_response(503, exc.code, exc.message, instance=request.url.path,
-                                headers={"Retry-After": str(exc.retry_after_s)})
+                                headers={"Retry-After": str(exc.retry_after_s)},
+                                outcome=exc.outcome)
 
     @app.exception_handler(ValidationError)
     async def invalid(request: Request, exc: ValidationError) -> JSONResponse:
