@@ -603,6 +603,7 @@ def chat(
 @_clear_errors
 def status() -> None:
     """Services and their readiness, workers with adapters per tier, lag, lease age."""
+    import httpx
     from rich.table import Table
     from sqlalchemy import func, select
 
@@ -610,7 +611,6 @@ def status() -> None:
     from services.audit.tables import worker_adapters, workers
     from services.client import (
         ClientError,
-        RegistryClient,
         grpc_serving,
         lease_age_s,
         scrape,
@@ -624,14 +624,17 @@ def status() -> None:
         services.add_column(col)
     for e in document.get("endpoints", []):
         services.add_row(e["name"], escape(e["where"]), escape(e["detail"]))
-    with RegistryClient(settings, timeout_s=5) as registry:
+    for url in settings.registry_urls:  # the active one and every standby
         try:
-            ready = registry.ready()
-            services.add_row("registry", settings.registry_base_url,
-                             "[green]ready[/green]" if ready.get("ready") else
+            ready = httpx.get(f"{url}/readyz", timeout=3).json()
+            services.add_row("registry", url,
+                             "[green]ready (active)[/green]" if ready.get("ready") else
+                             f"[yellow]standby[/yellow], serving reads: "
+                             f"{escape(str(ready.get('reason')))}"
+                             if ready.get("role") == "standby" else
                              f"[red]{escape(str(ready.get('reason')))}[/red]")
-        except ClientError as exc:
-            services.add_row("registry", settings.registry_base_url, f"[red]{exc}[/red]")
+        except (httpx.HTTPError, ValueError) as exc:
+            services.add_row("registry", url, f"[red]not answering: {escape(str(exc))}[/red]")
     host = "127.0.0.1" if settings.router_host in ("0.0.0.0", "") else settings.router_host
     router_ready = scrape(f"http://{host}:{settings.router_http_port}/metrics") \
         .get("loraplane_router_ready")

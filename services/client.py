@@ -24,6 +24,7 @@ from tenacity import Retrying, retry_if_exception_type, stop_after_delay
 from services.config import Settings
 from services.contracts.grpc import inference_pb2 as pb
 from services.contracts.grpc import inference_pb2_grpc as pb_grpc
+from services.endpoints import not_written, registry_client
 
 ENDPOINTS_FILE = "endpoints.json"
 
@@ -149,13 +150,14 @@ def _rewind(files: Any) -> None:
 
 @dataclass
 class RegistryClient:
-    """The registry's REST API.
+    """The registry's REST API, over every URL of `LORAPLANE_REGISTRY_URL`
+    (`services.endpoints`: requests follow the active registry among its standbys).
 
-    A command sent with an Idempotency-Key (publish, purge) that gets 503 (the event log
-    is unavailable for a moment: a broker restart, a failed write being settled) is sent
-    again with the same key after the answer's Retry-After, for up to `retry_s`: the key
-    makes the registry answer a repeat with the first answer, so nothing is done twice.
-    Other commands answer the 503 at once, for the caller to decide."""
+    A command that gets 503 is sent again after the answer's Retry-After, for up to
+    `retry_s`, when that cannot do it twice: it carries an Idempotency-Key (publish,
+    purge: the registry answers a repeat with the first answer), or the registry said
+    it was `not_written` (a standby during a takeover, a registry replaying). Other 503s
+    (the outcome is unknown) are answered at once, for the caller to decide."""
 
     settings: Settings
     token: str | None = None
@@ -163,10 +165,20 @@ class RegistryClient:
     retry_s: float = 30.0
 
     def __post_init__(self) -> None:
-        self.url = self.settings.registry_base_url
+        self.urls = self.settings.registry_urls
         token = self.token or api_token(self.settings)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=self.timeout_s)
+        self._http = registry_client(self.urls, headers=headers, timeout=self.timeout_s)
+
+    @property
+    def url(self) -> str:
+        """The registry that answered last."""
+        transport = self._http._transport
+        return str(getattr(transport, "current", self.urls[0]))
+
+    @property
+    def where(self) -> str:
+        return self.urls[0] if len(self.urls) == 1 else ", ".join(self.urls)
 
     def close(self) -> None:
         self._http.close()
@@ -179,8 +191,7 @@ class RegistryClient:
 
     def request(self, method: str, path: str, *, ok: tuple[int, ...] = (200, 201, 202),
                 **kw: Any) -> Any:
-        if "Idempotency-Key" not in (kw.get("headers") or {}):
-            return self._answer(method, path, ok, self._send(method, path, **kw))
+        keyed = "Idempotency-Key" in (kw.get("headers") or {})
         retrying = Retrying(
             stop=stop_after_delay(self.retry_s), reraise=True,
             retry=retry_if_exception_type(_Unavailable),
@@ -191,7 +202,7 @@ class RegistryClient:
             for attempt in retrying:
                 with attempt:
                     response = self._send(method, path, **kw)
-                    if response.status_code == 503:
+                    if response.status_code == 503 and (keyed or not_written(response)):
                         raise _Unavailable(response)
         except _Unavailable as exc:
             response = exc.response
@@ -201,13 +212,13 @@ class RegistryClient:
         try:
             return self._http.request(method, path, **kw)
         except httpx.ConnectError:
-            raise ClientError(f"no registry at {self.url}: is `loraplane up` running? "
+            raise ClientError(f"no registry at {self.where}: is `loraplane up` running? "
                               "(or set LORAPLANE_REGISTRY_URL)") from None
         except httpx.TimeoutException:
-            raise ClientError(f"the registry at {self.url} did not answer in "
+            raise ClientError(f"the registry at {self.where} did not answer in "
                               f"{self.timeout_s:.0f}s") from None
         except httpx.HTTPError as exc:
-            raise ClientError(f"registry at {self.url}: {exc}") from None
+            raise ClientError(f"registry at {self.where}: {exc}") from None
 
     @staticmethod
     def _answer(method: str, path: str, ok: tuple[int, ...], response: httpx.Response) -> Any:
@@ -221,7 +232,7 @@ class RegistryClient:
         try:
             response = self._http.get("/readyz", timeout=3)
         except httpx.HTTPError:
-            raise ClientError(f"no registry at {self.url}: is `loraplane up` running?") \
+            raise ClientError(f"no registry at {self.where}: is `loraplane up` running?") \
                 from None
         return dict(response.json())
 
