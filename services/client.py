@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -330,7 +332,8 @@ class RegistryClient:
             if name in {m["name"] for m in known}:  # another model under this folder name
                 name = f"{name[:87]}-{digest[:12]}"
         self.request("POST", "/v1/base-models", ok=(201,),
-                     json={"name": name, "digest": digest, "config": config})
+                     json={"name": name, "digest": digest, "config": config},
+                     headers={"Idempotency-Key": uuid.uuid4().hex})
         return name, digest, True
 
     def split(self, alias: str, weights: list[tuple[str, int, int]]) -> dict[str, Any]:
@@ -397,23 +400,56 @@ def adapter_ref(adapter: str | None) -> pb.AdapterRef | None:
     return pb.AdapterRef(alias=adapter)
 
 
+FAILOVER_CODES = frozenset({grpc.StatusCode.UNAVAILABLE})
+"""A router that answers this before the first token may be gone: try the next one."""
+
+
 @dataclass
 class InferenceClient:
+    """Inference through the routers of `LORAPLANE_ROUTER_ADDRESSES` (default the one at
+    ROUTER_HOST:ROUTER_PORT). Any router serves any request, so a request whose router
+    cannot be reached (no connection within `connect_timeout_s`, or UNAVAILABLE before
+    the first token) goes to the next one; after a token, the
+    error is the caller's, as the request may have been served. Requests go to the
+    router that answered last."""
+
     settings: Settings
     token: str | None = None
     timeout_s: float = 300.0
+    connect_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
-        host = self.settings.router_host
-        host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-        self.address = f"{host}:{self.settings.router_port}"
-        self._channel = grpc.insecure_channel(self.address)
-        self._stub = pb_grpc.InferenceStub(self._channel)
+        self.addresses = self.settings.router_targets
+        self._current = 0
+        self._channels = [grpc.insecure_channel(a) for a in self.addresses]
+        self._stubs = [pb_grpc.InferenceStub(c) for c in self._channels]
+        self._states: list[grpc.ChannelConnectivity | None] = [None] * len(self._channels)
+        self._usable = [threading.Event() for _ in self._channels]
+        self._watchers: list[tuple[grpc.Channel, Callable[[Any], None]]] = []
+        if len(self._channels) > 1:  # one router needs no choosing
+            for index, channel in enumerate(self._channels):
+                def watch(state: grpc.ChannelConnectivity, index: int = index) -> None:
+                    self._states[index] = state
+                    if state in (grpc.ChannelConnectivity.READY, grpc.ChannelConnectivity.IDLE):
+                        self._usable[index].set()
+                    else:
+                        self._usable[index].clear()
+
+                channel.subscribe(watch, try_to_connect=True)
+                self._watchers.append((channel, watch))
         token = self.token or api_token(self.settings)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
 
+    @property
+    def address(self) -> str:
+        """The router that answered last."""
+        return self.addresses[self._current]
+
     def close(self) -> None:
-        self._channel.close()
+        for channel, watch in self._watchers:
+            channel.unsubscribe(watch)
+        for channel in self._channels:
+            channel.close()
 
     def __enter__(self) -> InferenceClient:
         return self
@@ -437,12 +473,35 @@ class InferenceClient:
             request.chat.messages.extend(pb.ChatMessage(role=r, content=c) for r, c in chat)
         else:
             request.text = text or ""
-        try:
-            for answer in self._stub.Generate(request, timeout=self.timeout_s,
-                                              metadata=self._metadata):
-                yield answer.token if answer.HasField("token") else answer.final
-        except grpc.RpcError as exc:
-            raise ClientError(status_line(exc, self.address)) from None
+        deadline = time.monotonic() + self.timeout_s
+        count = len(self.addresses)
+        for step in range(count):
+            index = (self._current + step) % count
+            last = step == count - 1
+            if not last and not self._reachable(index):
+                continue
+            answered = False
+            try:
+                calls = self._stubs[index].Generate(
+                    request, timeout=max(0.01, deadline - time.monotonic()),
+                    metadata=self._metadata)
+                for answer in calls:
+                    if not answered:
+                        answered = True
+                        self._current = index
+                    yield answer.token if answer.HasField("token") else answer.final
+                return
+            except grpc.RpcError as exc:
+                if answered or last or exc.code() not in FAILOVER_CODES:
+                    raise ClientError(status_line(exc, self.addresses[index])) from None
+
+    def _reachable(self, index: int) -> bool:
+        """The router's connection is up (or idle: the call connects), or comes up within
+        `connect_timeout_s`; a router that refused the last connection is skipped."""
+        if self._states[index] in (grpc.ChannelConnectivity.TRANSIENT_FAILURE,
+                                   grpc.ChannelConnectivity.SHUTDOWN):
+            return False
+        return self._usable[index].wait(self.connect_timeout_s)
 
     def complete(self, tenant: str, **kw: Any) -> Completion:
         parts: list[str] = []
@@ -477,8 +536,6 @@ def lease_age_s(settings: Settings, now: float | None = None) -> float | None:
     """Seconds since the newest registry lease on the liveness topic (None: none seen).
 
     Reads only the last few records of each partition: the lease stream is one key."""
-    import time
-
     from confluent_kafka import Consumer, TopicPartition
 
     from services.contracts.codec import decode

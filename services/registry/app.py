@@ -18,6 +18,7 @@ import logging
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -176,6 +177,19 @@ def create_app(settings: Settings, *, registry_id: str | None = None) -> FastAPI
         return problem_response(422, "invalid_request", detail, instance=request.url.path,
                                 field=fields[0].field if fields else None,
                                 errors=[f.model_dump() for f in fields])
+
+    @app.middleware("http")
+    async def who_answered(request: Request, call_next: Any) -> Any:
+        """Which instance answered and how current its reads are: `X-Loraplane-Read:
+        linearizable` from the writer while its writes commit (see `read_consistency`),
+        `stale-possible` otherwise (a standby, or a writer cut off from the log)."""
+        response = await call_next(request)
+        node: RegistryNode | None = getattr(app.state, "node", None)
+        if node is not None:
+            response.headers["X-Loraplane-Registry"] = node.registry_id
+            response.headers["X-Loraplane-Role"] = node.role
+            response.headers["X-Loraplane-Read"] = node.read_consistency()
+        return response
 
     app.add_middleware(BodyLimit, limit=settings.max_upload_bytes + MULTIPART_SLACK_BYTES)
     return app

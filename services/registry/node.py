@@ -25,8 +25,10 @@ Who writes (`registry_election`):
   writer and take the log back.
 - `lease` (an active registry and standbys): an instance starts as a standby that folds
   the log and serves reads; writes answer 503 `standby`. When nothing from the writer
-  (no adapter event, no lease of another instance) has been folded for `lease_ttl_s`,
-  and a re-read of the log to its end confirms it, the standby takes over: it
+  (no adapter event, no lease of another instance) has been folded for `lease_ttl_s`
+  (plus a random part of a lease interval, so standbys do not all move at once; at
+  start, counted from the start), and a re-read of the log to its end confirms it, the
+  standby takes over: it
   initialises the `transactional.id` (Kafka fences the old writer: its open transaction
   is aborted and it can never commit again), re-reads the log to its end (so it decides
   on everything the old writer committed), and leases at the next epoch. An active
@@ -52,6 +54,7 @@ Failure handling:
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 import uuid
@@ -131,7 +134,8 @@ class RegistryNode:
                  registry_id: str | None = None) -> None:
         self.settings = settings
         self.metrics = metrics or RegistryMetrics()
-        self.registry_id = registry_id or f"registry-{uuid.uuid4().hex[:12]}"
+        self.registry_id = (registry_id or settings.registry_id
+                            or f"registry-{uuid.uuid4().hex[:12]}")
         self.election = settings.registry_election
         self.fold = CatalogFold(settings.stale_lease_threshold_s, on_folded=self._count)
         self.follower = LogFollower(settings, self.fold, reader_id=self.registry_id,
@@ -269,14 +273,18 @@ class RegistryNode:
     # --- the lease and the election ----------------------------------------------------
 
     def _lease_thread(self) -> None:
+        """A lease every `lease_interval_s`, at a fixed rate: a slow renewal does not push
+        the next one back (readiness counts on a commit every interval)."""
         interval = self.settings.lease_interval_s
+        due = time.monotonic()
         while not self._stop.is_set() and self._fenced is None:
             if self.active.is_set():
                 try:
                     self.renew_lease()
                 except WritesUnavailable as exc:
                     log.warning("lease not renewed: %s", exc.message)
-            self._stop.wait(interval)
+            due = max(due + interval, time.monotonic())
+            self._stop.wait(due - time.monotonic())
 
     def renew_lease(self) -> Committed:
         expires = datetime.now(UTC) + timedelta(seconds=self.settings.lease_ttl_s)
@@ -291,14 +299,19 @@ class RegistryNode:
         return time.monotonic() - self._writer_seen
 
     def _election_thread(self) -> None:
+        """Take over once the writer has been silent for `lease_ttl_s` (counted from this
+        instance's start when nobody has ever leased), plus a random part of a lease
+        interval: standbys started together, or noticing the same silence, do not all
+        take over at once (each would fence the one before; safe, but a needless
+        failover)."""
         ttl = self.settings.lease_ttl_s
         tick = min(0.25, self.settings.lease_interval_s / 4)
+        jitter = random.Random()
+        wait = ttl + jitter.uniform(0, self.settings.lease_interval_s)
         while not self._stop.wait(tick):
             if self.active.is_set() or self.follower.halt is not None:
                 continue
-            with self.state_lock:
-                never_leased = self.state.lease is None
-            if not never_leased and self.writer_silent_s() < ttl:
+            if self.writer_silent_s() < wait:
                 continue
             # Read the log to its end first: a reader that is merely behind must not
             # mistake its own lag for a silent writer.
@@ -307,14 +320,19 @@ class RegistryNode:
                     continue
             except FollowerHalted:
                 continue
+            silent = self.writer_silent_s()
+            if silent < wait:
+                continue
             with self.state_lock:
                 never_leased = self.state.lease is None
-            silent = self.writer_silent_s()
-            if never_leased or silent >= ttl:
-                self._take_over(silent, "no writer has leased yet" if never_leased else
-                                f"nothing from the writer for {silent:.1f}s")
+            if never_leased:
+                self._take_over(None, "no writer has leased yet")
+            else:
+                self._take_over(silent, f"nothing from the writer for {silent:.1f}s")
+            wait = ttl + jitter.uniform(0, self.settings.lease_interval_s)
 
-    def _take_over(self, silent: float, why: str) -> None:
+    def _take_over(self, silent: float | None, why: str) -> None:
+        """`silent`: how long the old writer had been silent (None: there was none)."""
         started = time.monotonic()
         log.warning("%s: %s; taking over the writer role", self.registry_id, why)
         try:
@@ -340,6 +358,9 @@ class RegistryNode:
         except WritesUnavailable as exc:
             log.warning("%s: first lease after taking over failed: %s", self.registry_id,
                         exc.message)
+            return
+        if silent is None:
+            log.warning("%s: took the writer role at epoch %d", self.registry_id, self.epoch)
             return
         self.last_takeover_s = round(silent + time.monotonic() - started, 3)
         self.metrics.takeovers.inc()
@@ -554,6 +575,21 @@ class RegistryNode:
     @property
     def writable(self) -> bool:
         return self.readiness()[0]
+
+    def read_consistency(self) -> str:
+        """`linearizable` when a read answered now reflects every write committed so far.
+
+        True of the writer while its writes commit, under the `lease` election: a standby
+        takes over only after `lease_ttl_s` of silence, longer than the `2 x
+        lease_interval_s` within which `readiness` requires a commit, so while this
+        instance is ready no other can have committed. Evaluated after a read, it covers
+        that read. A standby's reads, a writer's once its commits stop, and any under the
+        `start` election (a new instance fences the old one without waiting) may lag:
+        `stale-possible`."""
+        lease_bounds_reads = (self.election == "lease"
+                              and 2 * self.settings.lease_interval_s < self.settings.lease_ttl_s)
+        ready, _ = self.readiness()
+        return "linearizable" if ready and lease_bounds_reads else "stale-possible"
 
     def readiness(self) -> tuple[bool, str]:
         """(ready to take writes, why not): what `/readyz` says."""
