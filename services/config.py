@@ -186,6 +186,10 @@ class Settings(BaseSettings):
         "(default ROUTER_HOST:ROUTER_PORT): any router serves any request, and a client "
         "moves on to the next when one does not answer.")
     router_missed_heartbeats: int = Field(3, ge=1)
+    router_heartbeat_stall_grace_s: float = Field(
+        15.0, ge=0, description="A worker whose heartbeats stop while nothing at all is read "
+        "from the partition carrying them (its leader failing over) stays in the ring this "
+        "much longer than `router_missed_heartbeats` intervals.")
     router_ring_vnodes: int = Field(160, ge=1, description="Ring points per worker.")
     router_load_epsilon: float = Field(
         0.25, gt=0, description="Bounded load: no worker above (1+eps) x mean in-flight.")
