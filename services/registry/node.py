@@ -274,7 +274,9 @@ class RegistryNode:
 
     def _lease_thread(self) -> None:
         """A lease every `lease_interval_s`, at a fixed rate: a slow renewal does not push
-        the next one back (readiness counts on a commit every interval)."""
+        the next one back (readiness counts on a commit every interval). After one that
+        took longer than an interval, half an interval passes first, so the writes queued
+        behind it get the command lock."""
         interval = self.settings.lease_interval_s
         due = time.monotonic()
         while not self._stop.is_set() and self._fenced is None:
@@ -283,13 +285,15 @@ class RegistryNode:
                     self.renew_lease()
                 except WritesUnavailable as exc:
                     log.warning("lease not renewed: %s", exc.message)
-            due = max(due + interval, time.monotonic())
+            due = max(due + interval, time.monotonic() + interval / 2)
             self._stop.wait(due - time.monotonic())
 
     def renew_lease(self) -> Committed:
+        """One lease, with a write's deadline: over a slow link a commit takes seconds, and
+        a lease that gave up after one interval would never commit there, while the
+        version wall of every worker ran out although writes still went through."""
         expires = datetime.now(UTC) + timedelta(seconds=self.settings.lease_ttl_s)
-        deadline = Deadline(min(self.settings.lease_interval_s,
-                                self.settings.registry_write_timeout_s))
+        deadline = Deadline(self.settings.registry_write_timeout_s)
         return self.execute("lease", lambda s: renew_lease(s, self.registry_id, self.epoch,
                                                            expires),
                             actor=self.registry_id, deadline=deadline)
