@@ -97,10 +97,21 @@ def _as_service_user() -> dict[str, Any]:
             .gr_name, "extra_groups": []}
 
 
+def _run_as_service_user(argv: list[str], **kwargs: Any) -> subprocess.CompletedProcess[Any]:
+    """`argv` as the service user. Through `setpriv` where it exists: Python's own `user=`
+    forks the whole process, which aborts the child when the parent runs gRPC threads (a
+    cluster test restarting PostgreSQL under load); setpriv lets the fork be a vfork."""
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        return subprocess.run(argv, check=False, **_as_service_user(), **kwargs)
+    who = _as_service_user()
+    return subprocess.run([setpriv, f"--reuid={who['user']}", f"--regid={who['group']}",
+                           "--clear-groups", "--", *argv], check=False, **kwargs)
+
+
 def _may(*checks: str) -> bool:
     """Whether the service user passes `test CHECKS`: the kernel's own answer for it."""
-    return subprocess.run(["test", *checks], check=False, capture_output=True,
-                          **_as_service_user()).returncode == 0
+    return _run_as_service_user(["test", *checks], capture_output=True).returncode == 0
 
 
 def _open_parents(path: Path) -> None:
@@ -206,11 +217,11 @@ class LocalPostgres(ChildOwner):
         if not (pgdata / "PG_VERSION").exists():
             if pgdata.exists():
                 raise PostgresError(f"{pgdata} exists but is not a PostgreSQL data directory")
-            result = subprocess.run(
-                [str(self.bin_dir / "initdb"), "-D", str(pgdata), "--auth=trust", "-U",
-                 "postgres", "--encoding=UTF8"],
-                capture_output=True, text=True, check=False,
-                **(_as_service_user() if self._user else {}))
+            initdb = [str(self.bin_dir / "initdb"), "-D", str(pgdata), "--auth=trust", "-U",
+                      "postgres", "--encoding=UTF8"]
+            result = (_run_as_service_user(initdb, capture_output=True, text=True)
+                      if self._user else
+                      subprocess.run(initdb, capture_output=True, text=True, check=False))
             if result.returncode != 0:
                 raise PostgresError(f"initdb failed:\n{result.stdout}{result.stderr}")
             if self.trust_network:
