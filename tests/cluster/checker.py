@@ -15,7 +15,9 @@ model of an adapter. What it verifies (each failure is an `Anomaly`):
    a state the log actually went through;
 3. the version wall (`version_wall`): no request served a version that the log had
    superseded (another version switched active) longer than `wall_s` before the request
-   was sent;
+   was sent; and no routed request was refused by the wall while the registry was
+   demonstrably committing (a write acknowledged within the last `wall_s` minus what a
+   lease may take): the wall is for a registry that cannot write, not a slow one;
 4. deadlines (`deadlines`): no generation took longer than its deadline plus slack;
 5. served_by (`served_by`): every completed generation is in the `served_by` view with
    the worker, version and digest the client was told;
@@ -357,6 +359,28 @@ def check_version_wall(ops: list[dict[str, Any]], adapter_log: list[LogRecord], 
                                     "worst_staleness_s": round(worst, 2), "wall_s": wall_s}
 
 
+def check_wall_while_writable(ops: list[dict[str, Any]], wall_s: float, lease_slack_s: float,
+                              report: Report) -> None:
+    """`lease_slack_s`: how late a lease may be on a working registry (an interval and a
+    write's deadline, and a second for the worker to read it)."""
+    acked = sorted(op["complete"] for op in ops if op["f"] in ("publish", "switch", "purge")
+                   and op["outcome"] == "ok")
+    window = wall_s - lease_slack_s
+    spurious = []
+    for op in ops:
+        if op["f"] != "generate" or op["outcome"] != "fail" or op["client"] == "direct" \
+                or "version wall" not in op["result"].get("error", ""):
+            continue
+        at = op["invoke"]
+        if any(at - window <= c <= at for c in acked):
+            spurious.append(op)
+    for op in spurious[:5]:
+        report.add("version_wall", f"request {op['id']} refused by the wall while writes "
+                                   f"were being acknowledged: {op['result']['error'][:160]}")
+    if len(spurious) > 5:
+        report.add("version_wall", f"... and {len(spurious) - 5} more")
+
+
 # --- 4. deadlines ------------------------------------------------------------------------------
 
 
@@ -443,10 +467,27 @@ def check_purges(ops: list[dict[str, Any]], database_url: str, report: Report) -
 
 def check_audit_chain(records: Iterable[LogRecord], database_url: str, report: Report,
                       wait_s: float = 60.0) -> None:
-    """Rows = the log's records, offset for offset, and the hash chain recomputed."""
+    """Rows = the log's records, offset for offset, and the hash chain recomputed.
+
+    A record whose event id an earlier record already carried, byte for byte, is a
+    redelivery (a producer that sent an event again: readers are idempotent on event ids,
+    by design) and is not stored again; the same id with other bytes is an anomaly."""
     by_partition: dict[tuple[str, int], list[LogRecord]] = defaultdict(list)
-    for record in records:
-        by_partition[(record.topic, record.partition)].append(record)
+    first: dict[str, LogRecord] = {}
+    redelivered = 0
+    for record in sorted(records, key=lambda r: (r.topic, r.partition, r.offset)):
+        event_id = str(record.event.get("event_id"))
+        earlier = first.get(event_id)
+        if earlier is None:
+            first[event_id] = record
+            by_partition[(record.topic, record.partition)].append(record)
+        elif earlier.value == record.value:
+            redelivered += 1
+        else:
+            report.add("audit_chain", f"event {event_id} is in the log twice with different "
+                                      f"bytes: {earlier.topic}[{earlier.partition}]@"
+                                      f"{earlier.offset} and {record.topic}[{record.partition}]"
+                                      f"@{record.offset}")
     deadline = time.monotonic() + wait_s
     checked = 0
     with psycopg.connect(database_url, autocommit=True) as conn:
@@ -479,33 +520,46 @@ def check_audit_chain(records: Iterable[LogRecord], database_url: str, report: R
                 missing = sorted(set(expected) - set(stored))
                 extra = sorted(set(stored) - set(expected))[:3]
                 why = {}
-                for offset, _ in missing[:3]:  # what became of it: a dead letter?
+                for offset, event_id in missing[:3]:  # what became of it?
                     letter = conn.execute(
                         'SELECT reason FROM dead_letters WHERE topic = %s AND partition = %s '
                         'AND "offset" = %s', (topic, partition, offset)).fetchone()
-                    why[offset] = letter[0][:300] if letter else "not a dead letter either"
+                    elsewhere = conn.execute(
+                        'SELECT topic, partition, "offset" FROM events WHERE event_id = %s',
+                        (event_id,)).fetchone()
+                    kind = next((r.event.get("type") for r in logged if r.offset == offset),
+                                None)
+                    why[offset] = (f"{kind}: dead letter: {letter[0][:200]}" if letter else
+                                   f"{kind}: stored from {elsewhere}" if elsewhere else
+                                   f"{kind}: neither stored nor a dead letter")
                 report.add("audit_chain", f"{topic}[{partition}]: {len(stored)} rows for "
                                           f"{len(expected)} records; missing {missing[:3]} "
                                           f"({why}), not in the log {extra}")
             checked += len(rows)
-    report.stats["audit_chain"] = {"rows_checked": checked}
+    report.stats["audit_chain"] = {"rows_checked": checked, "redelivered_records": redelivered}
 
 
 # --- 8. readiness ------------------------------------------------------------------------------
 
 
 def check_readiness(ops: list[dict[str, Any]], report: Report, bound_s: float,
-                    unwritable: list[tuple[float, float]] = ()) -> None:  # type: ignore[assignment]
-    """`unwritable`: windows (start, end) in which no write can commit anywhere."""
+                    unwritable: list[tuple[float, float]] = (),  # type: ignore[assignment]
+                    leases: dict[str, list[float]] | None = None) -> None:
+    """`unwritable`: windows (start, end) in which no write can commit anywhere;
+    `leases`: registry id → when each of its leases in the log was decided (a commit no
+    client saw; it committed at that time or later)."""
     probes = [op for op in ops if op["f"] == "ready" and op["outcome"] == "ok"]
     lies = []
     writes = [op for op in ops if op["f"] in ("publish", "switch", "purge")]
     hung = [op for op in writes if op["outcome"] == "unknown" and op["result"].get("registry")
-            and op["result"].get("code") in ("unavailable", "timeout")]
-    acked = defaultdict(list)  # registry → when its acknowledged writes were answered
+            and op["result"].get("code") in ("unavailable", "timeout")
+            and op["result"].get("said") != "committed"]  # committed, only read back late
+    acked: dict[str, list[float]] = defaultdict(list)  # registry → its commits' times
     for op in writes:
         if op["outcome"] == "ok" and op["result"].get("registry"):
             acked[op["result"]["registry"]].append(op["complete"])
+    for registry, times in (leases or {}).items():
+        acked[registry].extend(times)
 
     def last_commit_before(who: str, at: float) -> float:
         return max((t for t in acked[who] if t < at), default=-math.inf)
@@ -540,19 +594,24 @@ def check_readiness(ops: list[dict[str, Any]], report: Report, bound_s: float,
 
 
 def check(history: dict[str, Any], *, bootstrap: str, topics: dict[str, str],
-          database_url: str, wall_s: float, readiness_bound_s: float,
+          database_url: str, wall_s: float, readiness_bound_s: float, lease_slack_s: float,
           unwritable: list[tuple[float, float]] = (),  # type: ignore[assignment]
           ) -> Report:
-    """`topics`: {"adapter": …, "worker": …} topic names."""
+    """`topics`: {"adapter": …, "worker": …, "liveness": …} topic names."""
     ops = history["ops"]
     report = Report()
     adapter_log = read_topic(bootstrap, topics["adapter"])
     worker_log = read_topic(bootstrap, topics["worker"])
+    leases: dict[str, list[float]] = defaultdict(list)
+    for record in read_topic(bootstrap, topics["liveness"]):
+        if record.event.get("type") == "RegistryLease":
+            leases[record.event["payload"]["registry_id"]].append(record.occurred_at)
     check_writes(ops, adapter_log, report)
     check_linearizable(ops, adapter_log, report)
     check_version_wall(ops, adapter_log, wall_s, report)
+    check_wall_while_writable(ops, wall_s, lease_slack_s, report)
     check_deadlines(ops, report)
-    check_readiness(ops, report, readiness_bound_s, unwritable)
+    check_readiness(ops, report, readiness_bound_s, unwritable, leases)
     check_served_by(ops, database_url, report)
     check_purges(ops, database_url, report)
     check_audit_chain([*adapter_log, *worker_log], database_url, report)

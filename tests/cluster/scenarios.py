@@ -97,21 +97,60 @@ def registry_kafka_partition(run: Run) -> None:
 
 
 def worker_kafka_partition(run: Run) -> None:
+    """The routers drop the silent worker from their rings within 3 s, so the wall is
+    also probed directly: a request straight to the worker (as a router that still
+    listed it would send it), pinned to the version that was active when the partition
+    began, once the wall's time has passed; the writers have switched past it by then."""
     cluster = run.cluster
     worker = "worker-1"
-    assert cluster.faults is not None
+    assert cluster.faults is not None and run.load is not None
+    plan = run.load.adapters[0]
+    with run.load.http() as http:
+        pinned = run.load.read(http, "direct", plan).result["active"]
     run.phase("fault", partitioned=f"{worker} | kafka-*")
     cluster.faults.partition([cluster.host(worker)], cluster.hosts("kafka-"))
-    run.hold(cluster.spec.version_wall_s + 8)
+    time.sleep(cluster.spec.version_wall_s + 3)  # not shortened in quick mode
+    probe = direct_generate(run, worker, plan, pinned)
+    run.notes["direct_probe_after_wall"] = probe.result.get("error") or probe.outcome
     run.notes["wall_refusals"] = _metric(cluster, worker,
                                          "loraplane_worker_stale_lease_rejections_total")
-    run.notes["serving_during_partition"] = grpc_serving(_worker_address(cluster, worker))
+    run.hold(4)
     run.phase("healed")
     cluster.faults.heal_partitions(cluster.network.hosts.values())  # type: ignore[union-attr]
     run.notes["recovered_s"] = round(run.wait_for(
         lambda: grpc_serving(_worker_address(cluster, worker)), 90,
         f"{worker} did not serve again after the heal"), 2)
     run.hold(8)
+
+
+def direct_generate(run: Run, worker: str, plan: AdapterPlan, version: int) -> Any:
+    """One request straight to a worker with the generated stubs, recorded as a
+    generation (so the checker holds it to the version wall like any other)."""
+    import grpc
+
+    from services.contracts.grpc import inference_pb2 as pb
+    from services.contracts.grpc import inference_pb2_grpc as pb_grpc
+
+    org, team, project = plan.tenant.split("/")
+    op = run.history.invoke("direct", "generate", adapter=plan.adapter_id, tenant=plan.tenant,
+                            deadline_s=10.0, worker=worker, pinned=version)
+    request = pb.GenerateRequest(
+        tenant=pb.TenantSignature(org_id=org, team_id=team, project_id=project,
+                                  user_id="direct"),
+        adapter=pb.AdapterRef(pinned=pb.PinnedVersion(adapter_id=plan.adapter_id,
+                                                      version=version)),
+        text="w1 w2", sampling=pb.SamplingParams(max_tokens=2))
+    with grpc.insecure_channel(_worker_address(run.cluster, worker)) as channel:
+        try:
+            answers = list(pb_grpc.InferenceStub(channel).Generate(request, timeout=10.0))
+        except grpc.RpcError as exc:
+            return History.complete(op, "fail", code=exc.code().name,
+                                    error=f"{exc.code().name}: {exc.details()}")
+    final = next(a.final for a in answers if a.HasField("final"))
+    return History.complete(op, "ok", router="direct", worker=final.worker_id,
+                            trace_id=final.trace_id, adapter=final.served_adapter.adapter_id,
+                            version=final.served_adapter.version,
+                            sha256=final.served_adapter.sha256)
 
 
 def router_worker_partition(run: Run) -> None:
@@ -367,10 +406,13 @@ def run_scenario(cluster: Cluster, scenario: Scenario, *, seed: int, quick: bool
     settings = cluster.settings
     report = check(history, bootstrap=cluster.bootstrap,
                    topics={"adapter": settings.adapter_events_topic,
-                           "worker": settings.worker_events_topic},
+                           "worker": settings.worker_events_topic,
+                           "liveness": settings.liveness_topic},
                    database_url=libpq_url(cluster.database_url),
                    wall_s=cluster.spec.version_wall_s,
                    readiness_bound_s=2 * cluster.spec.lease_interval_s + 1.0,
+                   lease_slack_s=(cluster.spec.lease_interval_s + cluster.spec.write_timeout_s
+                                  + 1.0),
                    unwritable=run.unwritable)
     if scenario_error is not None:
         report.add("scenario", f"the scenario itself failed: {scenario_error!r}")
