@@ -412,7 +412,8 @@ class Cluster:
         settings = self.client_settings()
         values = settings.model_dump(mode="json")
         keys = ("kafka_bootstrap", "database_url", "registry_url", "router_addresses",
-                "state_dir", "topic_partitions", "api_token")
+                "state_dir", "topic_partitions", "topic_replication", "audit_metrics_port",
+                "canary_metrics_port")  # the admin token stays in admin.token (0600)
         document = {
             "pid": os.getpid(), "state_dir": str(self.root),
             "env": {f"LORAPLANE_{k.upper()}": str(values[k]) for k in keys
@@ -423,6 +424,8 @@ class Cluster:
             "workers": [{"worker_id": h.name, "address": f"{h.address}:{WORKER_PORT}",
                          "metrics": f"http://{h.address}:{WORKER_METRICS_PORT}/metrics"}
                         for h in self.hosts("worker-")],
+            "endpoints": [{"name": name, "where": where, "started_here": True,
+                           "detail": what} for name, where, what in self.describe()],
             "timings_s": self.timings,
         }
         (self.root / "endpoints.json").write_text(json.dumps(document, indent=2))

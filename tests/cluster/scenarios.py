@@ -47,7 +47,7 @@ class Run:
         return random.Random(self.seed)
 
     def hold(self, seconds: float) -> None:
-        time.sleep(seconds * (0.6 if self.quick else 1.0))
+        time.sleep(seconds * (0.5 if self.quick else 1.0))
 
     def phase(self, name: str, **detail: Any) -> None:
         self.history.phase(name, **detail)
