@@ -88,10 +88,8 @@ class InferenceService(pb_grpc.InferenceServicer):
             metrics.stale_lease_rejections.inc()
             metrics.requests.labels("UNAVAILABLE").inc()
             await context.abort(grpc.StatusCode.UNAVAILABLE, wall)
-        try:
-            with self.loop.follower.lock:
-                choose(self.loop.follower.state, work, self.loop.base_digest)
-        except Refusal as refusal:
+        refusal = await self._refusal(work)
+        if refusal is not None:
             code = REFUSAL_CODE[refusal.kind]
             metrics.requests.labels(code).inc()
             await context.abort(grpc.StatusCode[code], refusal.message)
@@ -116,6 +114,22 @@ class InferenceService(pb_grpc.InferenceServicer):
         finally:
             if not finished:  # cancelled by the client, or its deadline passed
                 self.loop.cancel(ticket)
+
+    async def _refusal(self, work: Any) -> Refusal | None:
+        """The serving rule's answer to this request. A version that is not servable by
+        this worker's fold may be one the router has just read a switch to: the log is
+        read to its end once (a second at most) before such a refusal stands."""
+        follower = self.loop.follower
+        for last in (False, True):
+            try:
+                with follower.lock:
+                    choose(follower.state, work, self.loop.base_digest)
+                return None
+            except Refusal as refusal:
+                if last or refusal.kind != "precondition" or not await asyncio.to_thread(
+                        follower.follower.sync, 1.0):
+                    return refusal
+        return None
 
     @staticmethod
     async def _refuse(context: grpc.aio.ServicerContext, refused: Refused) -> None:
