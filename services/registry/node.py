@@ -53,7 +53,10 @@ Failure handling:
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
+import math
 import random
 import threading
 import time
@@ -120,6 +123,40 @@ class Deadline:
         return max(0.0, self.at - time.monotonic())
 
 
+class CommandLock:
+    """The one lock commands run under: first come, first served, with leases ahead of
+    the queue. A plain lock let a lease lose the race for it again and again to client
+    writes queued behind slow commits, until its deadline: writes committed every few
+    seconds while no lease did, and every worker's version wall ran out (the cluster's
+    registry-kill run, right after a takeover)."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._held = False
+        self._queue: list[tuple[int, int]] = []
+        self._tickets = itertools.count()
+
+    def acquire(self, timeout: float, *, urgent: bool = False) -> bool:
+        with self._changed:
+            ticket = (0 if urgent else 1, next(self._tickets))
+            heapq.heappush(self._queue, ticket)
+            if self._changed.wait_for(lambda: not self._held and self._queue[0] == ticket,
+                                      timeout=None if math.isinf(timeout) else
+                                      max(0.0, timeout)):
+                heapq.heappop(self._queue)
+                self._held = True
+                return True
+            self._queue.remove(ticket)
+            heapq.heapify(self._queue)
+            self._changed.notify_all()
+            return False
+
+    def release(self) -> None:
+        with self._changed:
+            self._held = False
+            self._changed.notify_all()
+
+
 @dataclass(frozen=True)
 class Committed:
     """A command's event: just written, or the first answer to a retried idempotent key."""
@@ -141,7 +178,7 @@ class RegistryNode:
         self.follower = LogFollower(settings, self.fold, reader_id=self.registry_id,
                                     snapshot_name="registry")
         self.state_lock = self.follower.lock
-        self._command_lock = threading.Lock()
+        self._command_lock = CommandLock()
         self._producer: EventProducer | None = None
         self._fenced: str | None = None
         self._needs_sync = False
@@ -246,8 +283,11 @@ class RegistryNode:
         self.metrics.ready.set(1)
         if self.election == "start":
             assert self._producer is not None
-            with self._command_lock:
+            self._command_lock.acquire(math.inf, urgent=True)
+            try:
                 self._activate(self._producer)
+            finally:
+                self._command_lock.release()
         else:
             log.info("%s: replayed; standing by (writes go to the instance holding the "
                      "lease)", self.registry_id)
@@ -346,7 +386,9 @@ class RegistryNode:
             log.warning("%s: cannot take over: %s", self.registry_id, exc)
             return
         timeout = self.settings.registry_write_timeout_s
-        with self._command_lock:
+        if not self._command_lock.acquire(timeout, urgent=True):
+            return
+        try:
             try:
                 synced = self.follower.sync(timeout)
             except FollowerHalted:
@@ -356,6 +398,8 @@ class RegistryNode:
                 log.warning("%s: %s; staying standby", self.registry_id, self.last_error)
                 return
             self._activate(producer)
+        finally:
+            self._command_lock.release()
         self.stepped_down = None
         try:
             self.renew_lease()
@@ -454,7 +498,7 @@ class RegistryNode:
         outcome = "error"
         try:
             self.require_state()
-            if not self._command_lock.acquire(timeout=deadline.left()):
+            if not self._command_lock.acquire(deadline.left(), urgent=command == "lease"):
                 raise WritesUnavailable(
                     f"no answer within {deadline.seconds:g}s: earlier writes are still "
                     "waiting on the event log", retry_after_s=self._retry_after(),
