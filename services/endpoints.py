@@ -45,6 +45,7 @@ class RegistryFailover(httpx.BaseTransport):
                       or "idempotency-key" in request.headers)
         count = len(self.urls)
         failure: Exception | None = None
+        refused: httpx.Response | None = None  # a `not_written` 503 passed over
         for step in range(count):
             index = (start + step) % count
             self._aim(request, self.urls[index])
@@ -60,11 +61,14 @@ class RegistryFailover(httpx.BaseTransport):
                 failure = exc
                 continue
             if step < count - 1 and response.status_code == 503 and not_written(response):
-                response.close()
+                response.close()  # its body is read: still answerable below
+                refused = response
                 continue
             with self._lock:
                 self._current = index
             return response
+        if refused is not None:  # a standby said why, where the rest did not answer
+            return refused
         assert failure is not None
         raise failure
 

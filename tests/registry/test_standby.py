@@ -158,3 +158,29 @@ def test_a_client_with_both_urls_follows_the_active(ha_settings: Settings) -> No
     finally:
         second.stop()
         first.stop()
+
+
+def test_a_standby_s_refusal_is_the_answer_when_the_other_url_does_not_answer(
+        ha_settings: Settings) -> None:
+    """Writes sent to [standby, a registry that is down]: the client gets the standby's
+    503 `standby` (and retries it within retry_s), not 'no registry' for the dead one."""
+    from services.client import ClientError, RegistryClient
+    from services.stack.process import free_port
+
+    first = RunningRegistry(ha_settings, registry_id="registry-a").start()
+    wait_for(first.node.active.is_set, 10, "the first registry never took the writer role")
+    second = RunningRegistry(ha_settings, registry_id="registry-b").start()
+    try:
+        with first.client() as a, second.client() as b:
+            register_base(a)
+            assert publish(a, "bot", build_adapter(), "v1").status_code == 201
+            wait_for(lambda: b.get("/v1/adapters/bot").status_code == 200, 5,
+                     "the standby never folded the publish")
+        urls = f"{second.url},http://127.0.0.1:{free_port()}"
+        client_settings = ha_settings.model_copy(update={"registry_url": urls})
+        with RegistryClient(client_settings, token="admin-token", retry_s=1.5) as client, \
+                pytest.raises(ClientError, match="standby"):
+            client.switch("bot", 1)
+    finally:
+        second.stop()
+        first.stop()
