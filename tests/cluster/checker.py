@@ -26,9 +26,12 @@ model of an adapter. What it verifies (each failure is an `Anomaly`):
 7. audit chain (`audit_chain`): per partition, the `events` rows are exactly the log's
    records in offset order, and each row's hash is SHA-256(previous hash || stored
    bytes) from a zero genesis;
-8. readiness (`readiness`): no registry answered `/readyz` 200 while a write it was
-   handling hung on the log for longer than the stated bound, nor inside a window the
-   scenario declares unwritable (past the bound).
+8. readiness (`readiness`): no registry answered `/readyz` 200 more than the stated bound
+   into a window the scenario declares unwritable for it (cut off from the brokers, too
+   few brokers for `min.insync.replicas`), nor while a write it held hung on the log
+   longer than the bound past its last commit the checker can see (an acknowledged
+   write, or a lease in the log, counted as committed as late as a write's deadline
+   after it was decided: a slow log commits late, and only the registry knows when).
 """
 
 from __future__ import annotations
@@ -543,11 +546,12 @@ def check_audit_chain(records: Iterable[LogRecord], database_url: str, report: R
 
 
 def check_readiness(ops: list[dict[str, Any]], report: Report, bound_s: float,
-                    unwritable: list[tuple[float, float]] = (),  # type: ignore[assignment]
-                    leases: dict[str, list[float]] | None = None) -> None:
-    """`unwritable`: windows (start, end) in which no write can commit anywhere;
-    `leases`: registry id → when each of its leases in the log was decided (a commit no
-    client saw; it committed at that time or later)."""
+                    unwritable: list[tuple[str | None, float, float]] = (),  # type: ignore[assignment]
+                    leases: dict[str, list[float]] | None = None,
+                    commit_slack_s: float = 0.0) -> None:
+    """`unwritable`: (registry id or None for every one, start, end) windows in which it
+    cannot commit; `leases`: registry id → when each of its leases in the log was decided
+    (a commit no client saw, at most `commit_slack_s` later)."""
     probes = [op for op in ops if op["f"] == "ready" and op["outcome"] == "ok"]
     lies = []
     writes = [op for op in ops if op["f"] in ("publish", "switch", "purge")]
@@ -559,7 +563,7 @@ def check_readiness(ops: list[dict[str, Any]], report: Report, bound_s: float,
         if op["outcome"] == "ok" and op["result"].get("registry"):
             acked[op["result"]["registry"]].append(op["complete"])
     for registry, times in (leases or {}).items():
-        acked[registry].extend(times)
+        acked[registry].extend(t + commit_slack_s for t in times)
 
     def last_commit_before(who: str, at: float) -> float:
         return max((t for t in acked[who] if t < at), default=-math.inf)
@@ -576,10 +580,10 @@ def check_readiness(ops: list[dict[str, Any]], report: Report, bound_s: float,
                             f"({at - since:.1f}s after its last known commit)")
                 break
         else:
-            for start, end in unwritable:
-                if start + bound_s < at < end:
+            for registry, start, end in unwritable:
+                if registry in (None, who) and start + bound_s < at < end:
                     lies.append(f"{who} said ready at {at:.2f}, {at - start:.1f}s into a "
-                                "window where no write can commit")
+                                "window where it cannot commit")
                     break
     for lie in lies[:10]:
         report.add("readiness", lie)
@@ -595,7 +599,8 @@ def check_readiness(ops: list[dict[str, Any]], report: Report, bound_s: float,
 
 def check(history: dict[str, Any], *, bootstrap: str, topics: dict[str, str],
           database_url: str, wall_s: float, readiness_bound_s: float, lease_slack_s: float,
-          unwritable: list[tuple[float, float]] = (),  # type: ignore[assignment]
+          write_timeout_s: float,
+          unwritable: list[tuple[str | None, float, float]] = (),  # type: ignore[assignment]
           ) -> Report:
     """`topics`: {"adapter": …, "worker": …, "liveness": …} topic names."""
     ops = history["ops"]
@@ -611,7 +616,7 @@ def check(history: dict[str, Any], *, bootstrap: str, topics: dict[str, str],
     check_version_wall(ops, adapter_log, wall_s, report)
     check_wall_while_writable(ops, wall_s, lease_slack_s, report)
     check_deadlines(ops, report)
-    check_readiness(ops, report, readiness_bound_s, unwritable, leases)
+    check_readiness(ops, report, readiness_bound_s, unwritable, leases, write_timeout_s)
     check_served_by(ops, database_url, report)
     check_purges(ops, database_url, report)
     check_audit_chain([*adapter_log, *worker_log], database_url, report)

@@ -39,7 +39,8 @@ class Run:
     quick: bool
     history: History = field(default_factory=History)
     notes: dict[str, Any] = field(default_factory=dict)
-    unwritable: list[tuple[float, float]] = field(default_factory=list)
+    unwritable: list[tuple[str | None, float, float]] = field(default_factory=list)
+    """(registry host or None for all, start, end): where no write can commit."""
     load: Load | None = None
 
     @property
@@ -86,6 +87,7 @@ def registry_kafka_partition(run: Run) -> None:
         cluster.registry_status(_url(cluster, old)) or {}).get("reason")
     run.hold(6)
     run.phase("healed")
+    run.unwritable.append((old, started, time.time()))
     cluster.faults.heal_partitions(cluster.network.hosts.values())  # type: ignore[union-attr]
     run.notes["step_down_s"] = round(run.wait_for(
         lambda: (cluster.registry_status(_url(cluster, old)) or {}).get("role") == "standby",
@@ -223,8 +225,8 @@ def kafka_kills(run: Run) -> None:
         h.name: (cluster.registry_status(_url(cluster, h.name)) or {}).get("reason")
         for h in cluster.hosts("registry-")}
     run.phase("healed", restarted=[second, first])
+    run.unwritable.append((None, down_at, time.time()))
     cluster.nodes[second].start()
-    run.unwritable.append((down_at, time.time()))
     cluster.nodes[first].start()
     run.hold(10)
 
@@ -413,6 +415,7 @@ def run_scenario(cluster: Cluster, scenario: Scenario, *, seed: int, quick: bool
                    readiness_bound_s=2 * cluster.spec.lease_interval_s + 1.0,
                    lease_slack_s=(cluster.spec.lease_interval_s + cluster.spec.write_timeout_s
                                   + 1.0),
+                   write_timeout_s=cluster.spec.write_timeout_s,
                    unwritable=run.unwritable)
     if scenario_error is not None:
         report.add("scenario", f"the scenario itself failed: {scenario_error!r}")
