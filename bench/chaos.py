@@ -17,6 +17,7 @@ runs the full set.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 from pathlib import Path
@@ -50,6 +51,8 @@ def main() -> int:
         print(f"chaos: unknown scenarios {unknown}; known: {', '.join(SCENARIOS)}",
               file=sys.stderr)
         return 2
+    # SIGTERM stops the run like Ctrl-C: the cluster's teardown still runs
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     bench = BenchRun("chaos", quick=args.quick)
     out_dir = CACHE.parent / "test-state" / "chaos"
     results: list[dict[str, Any]] = []

@@ -166,6 +166,20 @@ def router_worker_partition(run: Run) -> None:
     run.hold(8)
 
 
+def router_kill(run: Run) -> None:
+    """kill -9 of a router: every client holds both addresses and goes on through the
+    other one, before its request's first token."""
+    cluster = run.cluster
+    run.phase("fault", killed="router-1")
+    cluster.kill("router-1")
+    run.hold(12)
+    run.phase("healed", restarted="router-1")
+    cluster.nodes["router-1"].start()
+    run.notes["router_back_s"] = round(run.wait_for(
+        lambda: cluster.nodes["router-1"].ready(), 120, "router-1 did not come back"), 2)
+    run.hold(6)
+
+
 def registry_standby_partition(run: Run) -> None:
     cluster = run.cluster
     assert cluster.faults is not None
@@ -274,6 +288,8 @@ SCENARIOS = {s.name: s for s in (
              "two brokers killed in turn (writes cannot commit), restarted"),
     Scenario("router-worker-partition", "rw", router_worker_partition,
              "router-1 cut off from worker-1 only"),
+    Scenario("router-kill", "ro", router_kill,
+             "kill -9 of router-1; clients hold both router addresses"),
     Scenario("registry-standby-partition", "rr", registry_standby_partition,
              "the two registries cut off from each other (both still reach Kafka)"),
     Scenario("registry-kill", "rx", registry_kill,
@@ -304,7 +320,7 @@ def _metric(cluster: Cluster, worker: str, name: str) -> float:
     return sum(v for k, v in values.items() if k.split("{")[0] == name)
 
 
-def setup_adapters(run: Run, load: Load, plans: list[AdapterPlan]) -> None:
+def setup_adapters(load: Load, plans: list[AdapterPlan]) -> None:
     """v1 of each adapter, active, through the same clients (recorded as `setup`)."""
     with load.http() as http:
         for plan in plans:
@@ -380,7 +396,7 @@ def run_scenario(cluster: Cluster, scenario: Scenario, *, seed: int, quick: bool
     purge_plan = AdapterPlan(f"{scenario.code}-p", f"{scenario.code}p/chaos/run")
     load = Load(target, run.history, plans, files, seed=seed, generators=2)
     run.load = load
-    setup_adapters(run, load, [*plans, purge_plan])
+    setup_adapters(load, [*plans, purge_plan])
     wait_served(load, [*plans, purge_plan])
     load.start()
     try:
