@@ -116,9 +116,11 @@ class InferenceService(pb_grpc.InferenceServicer):
                 self.loop.cancel(ticket)
 
     async def _refusal(self, work: Any) -> Refusal | None:
-        """The serving rule's answer to this request. A version that is not servable by
-        this worker's fold may be one the router has just read a switch to: the log is
-        read to its end once (a second at most) before such a refusal stands."""
+        """The serving rule's answer to this request. A version this worker's fold does
+        not know, or does not take for active, may be one the router has just read the
+        publish of or a switch to (a worker catching up after a partition, or merely a
+        few milliseconds behind): the log is read to its end once (a second at most)
+        before such a refusal stands."""
         follower = self.loop.follower
         for last in (False, True):
             try:
@@ -126,7 +128,8 @@ class InferenceService(pb_grpc.InferenceServicer):
                     choose(follower.state, work, self.loop.base_digest)
                 return None
             except Refusal as refusal:
-                if last or refusal.kind != "precondition" or not await asyncio.to_thread(
+                if last or refusal.kind not in ("precondition", "not_found") \
+                        or not await asyncio.to_thread(
                         follower.follower.sync, 1.0):
                     return refusal
         return None

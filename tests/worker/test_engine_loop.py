@@ -279,3 +279,14 @@ def test_a_version_the_router_just_switched_to_is_served_once_the_log_is_read(
     refused = asyncio.run(service._refusal(pinned(1)))  # superseded: still refused
     assert refused is not None and refused.kind == "precondition"
     assert "neither the active version" in refused.message
+
+    def publish_and_switch(timeout_s: float) -> bool:  # a version it has not read at all
+        reads.append(timeout_s)
+        rig.publish("bot", 3, seed=3)
+        rig.switch("bot", 3)
+        return True
+
+    monkeypatch.setattr(rig.follower.follower, "sync", publish_and_switch)
+    assert asyncio.run(service._refusal(pinned(3))) is None
+    missing = asyncio.run(service._refusal(pinned(9)))
+    assert missing is not None and missing.kind == "not_found"
