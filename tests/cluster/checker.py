@@ -448,14 +448,18 @@ def check_purges(ops: list[dict[str, Any]], database_url: str, report: Report) -
             purge_id = op["result"]["purge_id"]
             wait_until = op["complete"] + op["args"]["deadline_s"] + 20
             while True:
-                row = conn.execute("SELECT status, workers_missing FROM purge_proofs "
+                row = conn.execute("SELECT status, workers_missing, blobs_erased_at, "
+                                   "deadline_at, last_ack_at FROM purge_proofs "
                                    "WHERE purge_id = %s", (purge_id,)).fetchone()
                 if row is not None and row[0] != "pending":
                     break
                 if time.time() > wait_until:
                     break
                 time.sleep(1.0)
-            seen[purge_id] = row[0] if row else None
+            seen[purge_id] = None if row is None else {
+                "status": row[0], "workers_missing": row[1],
+                "blobs_erased_at": str(row[2]), "deadline_at": str(row[3]),
+                "last_ack_at": str(row[4])}
             if row is None:
                 report.add("purges", f"purge {purge_id} is not in purge_proofs")
             elif row[0] == "pending":
