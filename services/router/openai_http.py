@@ -15,6 +15,9 @@ resolution, placement, limits and failover are the same. Specifics:
   limit is 429 with `Retry-After`. An error after the first token of a stream arrives as
   an SSE event with an `error` member (the official client raises it as `APIError`).
 - Chat messages are passed to the worker, which renders the base model's chat template.
+- A client that disconnects stops the work, streamed or not: its request's streams are
+  closed, so the router cancels the worker's calls and the worker aborts the sequences
+  (traced `cancelled`).
 """
 
 from __future__ import annotations
@@ -23,9 +26,9 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import grpc
 from fastapi import Depends, FastAPI, Header, Request
@@ -306,7 +309,12 @@ class Front:
         any token is an HTTP error status rather than a broken stream."""
         streams = [self.dispatcher.generate(caller.principal, r, timeout_s=None, front="http",
                                             base_model=base) for r in requests]
-        firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
+        try:
+            firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
+        except asyncio.CancelledError:  # the client left (`_unless_gone`)
+            for stream in streams:
+                await stream.aclose()
+            raise
         failure = next((f for f in firsts if isinstance(f, BaseException)), None)
         if failure is not None:
             for stream in streams:
@@ -456,6 +464,10 @@ def create_http_app(dispatcher: Dispatcher, tokens: TokenBook) -> FastAPI:
     async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
         return exc.response()
 
+    @app.exception_handler(ClientGone)
+    async def _gone(_: Request, __: ClientGone) -> Response:
+        return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
@@ -485,12 +497,12 @@ def create_http_app(dispatcher: Dispatcher, tokens: TokenBook) -> FastAPI:
                           code="model_not_found")
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionBody, who: Who) -> Response:
+    async def completions(body: CompletionBody, who: Who, request: Request) -> Response:
         _ready()
         base, ref = parse_model(body.model, dispatcher.catalog)
         requests = front.requests(who, body, base, ref, body.prompts(), body.max_tokens)
-        opened = await front.open_streams(who, requests, base)
-        return await _respond(front, opened, body, f"cmpl-{requests[0].request_id}",
+        opened = await _unless_gone(request, front.open_streams(who, requests, base))
+        return await _respond(request, front, opened, body, f"cmpl-{requests[0].request_id}",
                               ("text_completion", "text_completion"),
                               lambda index, response: {
                                   "index": index, "text": response.token.text
@@ -501,13 +513,13 @@ def create_http_app(dispatcher: Dispatcher, tokens: TokenBook) -> FastAPI:
                                          "finish_reason": _finish_of(o.final)})
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatBody, who: Who) -> Response:
+    async def chat(body: ChatBody, who: Who, request: Request) -> Response:
         _ready()
         base, ref = parse_model(body.model, dispatcher.catalog)
         limit = body.max_completion_tokens if body.max_completion_tokens is not None \
             else body.max_tokens
         requests = front.requests(who, body, base, ref, [body.messages], limit)
-        opened = await front.open_streams(who, requests, base)
+        opened = await _unless_gone(request, front.open_streams(who, requests, base))
         started: set[int] = set()
 
         def chunk(index: int, response: pb.GenerateResponse) -> dict[str, Any]:
@@ -520,7 +532,8 @@ def create_http_app(dispatcher: Dispatcher, tokens: TokenBook) -> FastAPI:
             return {"index": index, "delta": delta, "logprobs": None,
                     "finish_reason": _finish(response)}
 
-        return await _respond(front, opened, body, f"chatcmpl-{requests[0].request_id}",
+        return await _respond(request, front, opened, body,
+                              f"chatcmpl-{requests[0].request_id}",
                               ("chat.completion.chunk", "chat.completion"), chunk,
                               lambda o: {"index": o.index, "message": {
                                   "role": "assistant", "content": "".join(o.text)},
@@ -552,7 +565,42 @@ def create_http_app(dispatcher: Dispatcher, tokens: TokenBook) -> FastAPI:
     return app
 
 
-async def _respond(front: Front, opened: list[tuple[pb.GenerateResponse, AsyncIterator[Any]]],
+class ClientGone(Exception):
+    """The HTTP client disconnected before its answer was complete."""
+
+
+_T = TypeVar("_T")
+
+
+async def _unless_gone(request: Request, work: Awaitable[_T]) -> _T:
+    """`work`, cancelled as soon as the client disconnects (then `ClientGone`).
+
+    uvicorn does not cancel a handler whose client left, so without this a non-streamed
+    answer (and any answer still waiting for its first token) is generated to its end for
+    nobody. Cancelling `work` closes the request's streams: the router cancels the worker's
+    calls and the worker aborts the sequences before their next step. (A streamed answer
+    is stopped by Starlette itself, which listens for the disconnect while it streams.)"""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    gone = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        gone.cancel()
+    if task.cancelled():
+        raise ClientGone()
+    return task.result()
+
+
+async def _respond(request: Request, front: Front,
+                   opened: list[tuple[pb.GenerateResponse, AsyncIterator[Any]]],
                    body: _Body, rid: str, objects: tuple[str, str], chunk_choice: Any,
                    full_choice: Any) -> Response:
     """The answer in OpenAI's shape: SSE chunks (`objects[0]`) or one body (`objects[1]`)."""
@@ -564,7 +612,7 @@ async def _respond(front: Front, opened: list[tuple[pb.GenerateResponse, AsyncIt
                                                                                  response)]},
                        lambda finals: {**head, "choices": [], "usage": usage_of(finals)},
                        len(opened))
-    outcomes = await front.gather(opened)
+    outcomes = await _unless_gone(request, front.gather(opened))
     _raise_worker_errors(outcomes)
     finals = [o.final for o in outcomes]
     return JSONResponse({

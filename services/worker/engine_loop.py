@@ -545,7 +545,7 @@ class EngineLoop:
             waiting = self._parked.get(ticket.digest, [])
             if ticket in waiting:
                 waiting.remove(ticket)
-            self._trace(ticket, "aborted", 0, 0)
+            self._trace(ticket, "cancelled", 0, 0)
             ticket.status = "done"
             self.metrics.requests.labels("CANCELLED").inc()
 
@@ -699,6 +699,8 @@ class EngineLoop:
         self.metrics.requests.labels(
             "CANCELLED" if ticket.cancelled else ("INTERNAL" if result is None else "OK")).inc()
         status = {"length": "ok", "stop": "ok", "abort": "aborted"}.get(reason, "error")
+        if ticket.cancelled:  # the client left or its deadline passed: nobody reads on
+            status = "cancelled"
         self._trace(ticket, status, prompt, completion)
         ttft = ((ticket.first_token_at - ticket.arrival) * 1e3
                 if ticket.first_token_at is not None else 0.0)

@@ -390,7 +390,7 @@ def test_health_reflection_prefetch_hints_and_deadlines(stack: Stack) -> None:
     traces = stack.tail.wait("RequestServed", where=lambda e: any(
         r.request_id == "req-deadline" for r in e.payload.requests))
     trace = next(r for e in traces for r in e.payload.requests if r.request_id == "req-deadline")
-    assert trace.status == "aborted" and trace.completion_tokens < 900
+    assert trace.status == "cancelled" and trace.completion_tokens < 900
     after = datetime.now(UTC)
     idle = stack.tail.wait("WorkerHeartbeat", where=lambda e: e.occurred_at > after)[-1]
     assert idle.payload.free_kv_blocks == 512, "every KV block is free (or cached) again"
