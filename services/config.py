@@ -161,7 +161,14 @@ class Settings(BaseSettings):
         1.0, gt=0, description="How often workers emit WorkerHeartbeat (the router's clock "
         "for liveness: a worker that misses `router_missed_heartbeats` of them leaves the ring).")
     worker_trace_flush_s: float = Field(
-        0.5, gt=0, description="RequestServed batches: at most this old before they are sent.")
+        0.5, gt=0, description="RequestServed batches: at most this old before they are sent "
+        "(when `worker_trace_durable` is off; with it on, traces are sent at once).")
+    worker_trace_durable: bool = Field(
+        True, description="Hold each request's final message (FinalUsage) until its trace is "
+        "acknowledged by the broker, so every client that got a complete answer has a durable "
+        "trace even if the worker dies right after. Traces finishing while one write is in "
+        "flight go out together in the next (group commit); the engine never waits. Off: "
+        "traces are batched every `worker_trace_flush_s` and a kill -9 loses the last batch.")
     stale_lease_threshold_s: float = Field(
         30.0, gt=0, description="Version wall: a worker whose last registry lease is older "
         "refuses requests (UNAVAILABLE) rather than serve a possibly stale version.")

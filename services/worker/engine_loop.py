@@ -115,6 +115,9 @@ class Finished:
     choice: ServingChoice | None
     ttft_ms: float
     total_ms: float
+    durable: concurrent.futures.Future[None] | None = None
+    """Set once the request's trace is in the log: the front sends FinalUsage after it
+    (`worker_trace_durable`; None when off)."""
 
 
 Output = TokenEvent | Refused | Finished
@@ -701,16 +704,17 @@ class EngineLoop:
         status = {"length": "ok", "stop": "ok", "abort": "aborted"}.get(reason, "error")
         if ticket.cancelled:  # the client left or its deadline passed: nobody reads on
             status = "cancelled"
-        self._trace(ticket, status, prompt, completion)
+        durable = self._trace(ticket, status, prompt, completion)
         ttft = ((ticket.first_token_at - ticket.arrival) * 1e3
                 if ticket.first_token_at is not None else 0.0)
         self._emit(ticket, Finished(reason, prompt, completion, cached, ticket.choice, ttft,
-                                    (now - ticket.arrival) * 1e3))
+                                    (now - ticket.arrival) * 1e3, durable))
 
-    def _trace(self, ticket: Ticket, status: str, prompt: int, completion: int) -> None:
+    def _trace(self, ticket: Ticket, status: str, prompt: int, completion: int
+               ) -> concurrent.futures.Future[None] | None:
         choice = ticket.choice
         work = ticket.work
-        self.events.trace(ServedRequest(
+        return self.events.trace(ServedRequest(
             request_id=work.request_id, trace_id=work.trace_id, tenant=work.tenant,
             user_id=work.user_id, adapter_id=choice.adapter_id if choice else None,
             version=choice.version if choice else None,

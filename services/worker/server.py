@@ -6,7 +6,10 @@ worker is not ready or behind the version wall, resolved once for a quick refusa
 handed to the engine loop as a `Ticket` with its own output queue. The loop hands each
 iteration's outputs over in one hop (`call_soon_threadsafe`); this side only turns them
 into messages. A client cancel or a passed deadline cancels the handler, which cancels
-the ticket: the engine aborts the sequence and frees its KV.
+the ticket: the engine aborts the sequence before its next step, frees its KV and traces
+the request `cancelled`. The final message (FinalUsage) waits until the request's trace
+is in the log (`services.worker.events`), so an answer a client saw complete is always
+traced, even if the worker dies the next moment.
 
 Errors: INVALID_ARGUMENT names the field; the serving rule's refusals map to NOT_FOUND,
 PERMISSION_DENIED and FAILED_PRECONDITION; the version wall and not-ready are
@@ -103,6 +106,8 @@ class InferenceService(pb_grpc.InferenceServicer):
                 for output in await outputs.get():
                     if isinstance(output, Finished):
                         finished = True
+                        if output.durable is not None:  # the trace is in the log first
+                            await asyncio.wrap_future(output.durable)
                         yield pb.GenerateResponse(final=self._usage(work.trace_id, output))
                         return
                     elif isinstance(output, Refused):
