@@ -19,7 +19,11 @@ Steps of a request:
    when the placement is cold. A refusal is RESOURCE_EXHAUSTED with a retry-after.
 5. Forwarding with the client's deadline. A worker that fails before its first response is
    replaced once by the next ring worker; after the first response the worker's error
-   goes to the client as it is. Every attempt is written into the request's `RouteTrace`.
+   goes to the client as it is, and the request is traced `cut` by the router's witness
+   (`services.router.witness`): a worker that died cannot trace it. Every attempt is
+   written into the request's `RouteTrace`. A client that leaves (a gRPC cancel or
+   deadline, an HTTP disconnect) closes the request's stream here, which cancels the
+   worker's call: the worker aborts the sequence and traces it `cancelled`.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
 from typing import NamedTuple
 
 import grpc
@@ -49,7 +54,7 @@ from services.catalog.serving import (
 )
 from services.catalog.state import CatalogState, Refusal
 from services.config import Settings
-from services.contracts.events import SLUG_PATTERN, Envelope, TenantRef
+from services.contracts.events import SLUG_PATTERN, Envelope, ServedRequest, TenantRef
 from services.contracts.grpc import inference_pb2 as pb
 from services.contracts.grpc import inference_pb2_grpc as pb_grpc
 from services.contracts.qos import TIER_TO_PROTO, lower_tier, tier_of
@@ -59,6 +64,7 @@ from services.router.membership import Membership
 from services.router.metrics import RouterMetrics
 from services.router.prewarm import RecentAdapter, RecentUse, plan
 from services.router.ring import Placement, Ring, Tier, place_on, ring_key
+from services.router.witness import CutWitness
 
 log = logging.getLogger("loraplane.router")
 trace_log = logging.getLogger("loraplane.router.trace")
@@ -319,6 +325,8 @@ class Dispatcher:
         self._hinted: dict[tuple[str, str, int], float] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._routes: dict[tuple[object, ...], CallerRoute] = {}
+        self.witness: CutWitness | None = None
+        """Traces requests cut mid-stream (set by the app; None: not traced)."""
 
     def start_serving(self) -> None:
         """The log is replayed: answer requests from now on. The replayed state is most of the
@@ -575,8 +583,8 @@ class Dispatcher:
         workers = [placement.worker] + ([placement.fallback] if placement.fallback else [])
         outcome = "error"
         try:
-            async for response in self._forward(forwarded, workers, deadline, trace, started,
-                                                front):
+            async for response in self._forward(forwarded, decision, workers, deadline, trace,
+                                                started, front):
                 yield response
             outcome = "ok"
         except RouteError as error:
@@ -625,9 +633,9 @@ class Dispatcher:
             forwarded.adapter.pinned.version = decision.choice.version
         return forwarded
 
-    async def _forward(self, request: pb.GenerateRequest, workers: list[str], deadline: float,
-                       trace: RouteTrace, started: float, front: str
-                       ) -> AsyncIterator[pb.GenerateResponse]:
+    async def _forward(self, request: pb.GenerateRequest, decision: Decision,
+                       workers: list[str], deadline: float, trace: RouteTrace, started: float,
+                       front: str) -> AsyncIterator[pb.GenerateResponse]:
         for index, worker in enumerate(workers):
             remaining = deadline - self.clock()
             if remaining <= 0:
@@ -640,6 +648,7 @@ class Dispatcher:
                 request, timeout=remaining)
             self.membership.acquire(worker)
             self.metrics.in_flight.labels(worker).inc()
+            response = None
             try:
                 async for response in call:
                     if attempt.responses == 0:
@@ -655,6 +664,9 @@ class Dispatcher:
                 if attempt.responses:
                     attempt.outcome = "failed_after_first_token"
                     self.metrics.midstream_errors.labels(code.name).inc()
+                    tokens = attempt.responses - (response is not None
+                                                  and response.HasField("final"))
+                    self._witness_cut(request, decision, trace, worker, tokens)
                     raise RouteError(code, detail, "worker_error",
                                      after_first_token=True) from None
                 attempt.outcome = "failed_before_first_token"
@@ -675,6 +687,28 @@ class Dispatcher:
                 call.cancel()
                 self.membership.release(worker)
                 self.metrics.in_flight.labels(worker).dec()
+
+    def _witness_cut(self, request: pb.GenerateRequest, decision: Decision, trace: RouteTrace,
+                     worker: str, tokens: int) -> None:
+        """Trace a request whose worker's stream broke after `tokens` tokens reached the
+        client: the version this router pinned, the worker's base digest."""
+        if self.witness is None:
+            return
+        choice = decision.choice
+        view = self.membership.workers.get(worker)
+        base_digest = view.base_digest if view is not None else decision.base_digest
+        if base_digest is None:  # pragma: no cover - a placed worker has a heartbeat
+            log.warning("cannot trace cut request %s: no base digest", request.request_id)
+            return
+        self.witness.record(worker, ServedRequest(
+            request_id=request.request_id, trace_id=request.trace_id, tenant=decision.tenant,
+            user_id=request.tenant.user_id,
+            adapter_id=choice.adapter_id if choice else None,
+            version=choice.version if choice else None,
+            adapter_sha256=choice.sha256 if choice else None, base_model_digest=base_digest,
+            prompt_tokens=0, completion_tokens=tokens,
+            started_at=datetime.fromtimestamp(trace.started_at, UTC),
+            finished_at=datetime.now(UTC), status="cut"))
 
     # --- connections and hints -------------------------------------------------------------
 
