@@ -22,9 +22,9 @@ from services.registry.deps import (
     TraceId,
     WriteDeadline,
     Writer,
-    ensure_read_scope,
     ensure_write_scope,
     request_fingerprint,
+    visible,
     writable_adapter,
 )
 from services.registry.domain import (
@@ -223,7 +223,7 @@ def get_adapter(adapter_id: AdapterIdPath, principal: Reader, node: Node,
                 response: Response) -> AdapterView:
     with node.state_lock:
         adapter = node.state.adapter(adapter_id)
-        ensure_read_scope(principal, adapter.tenant)
+        visible(principal, adapter.tenant, "adapter", adapter_id)
         view = adapter_view(adapter)
     response.headers["ETag"] = f'"{view.etag}"'
     return view
@@ -238,7 +238,7 @@ def list_versions(
 ) -> Page[VersionView]:
     with node.state_lock:
         adapter = node.state.adapter(adapter_id)
-        ensure_read_scope(principal, adapter.tenant)
+        visible(principal, adapter.tenant, "adapter", adapter_id)
         numbers = sorted(n for n in adapter.versions if cursor is None or n > cursor)
         return page_of(numbers, limit, lambda n: version_view(adapter, adapter.versions[n]),
                        lambda n: n)
@@ -249,7 +249,7 @@ def get_version(adapter_id: AdapterIdPath, version: VersionPath, principal: Read
                 node: Node) -> VersionView:
     with node.state_lock:
         adapter = node.state.adapter(adapter_id)
-        ensure_read_scope(principal, adapter.tenant)
+        visible(principal, adapter.tenant, "adapter", adapter_id)
         return version_view(adapter, node.state.version(adapter_id, version))
 
 
