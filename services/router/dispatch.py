@@ -572,8 +572,7 @@ class Dispatcher:
             if error.audit is not None:  # the caller was told less: the real reason here
                 trace_log.info("%s", json.dumps({
                     "trace_id": trace_id, "request_id": request_id, "front": front,
-                    "tenant": "/".join((asked.signature.org_id, asked.signature.team_id,
-                                        asked.signature.project_id)),
+                    "tenant": authorize(principal, asked.signature).key,
                     "status": error.reason, "answered": error.message,
                     "reason": error.audit}))
             raise
