@@ -10,6 +10,7 @@ from fastapi import APIRouter, File, Form, Path, Query, Response, UploadFile
 from pydantic import BaseModel, Field
 
 from services.catalog.state import adapter_stream
+from services.contracts.capacity import AdapterLimits
 from services.contracts.events import ID_PATTERN, SLUG_PATTERN, AdapterVersionPublished, TenantRef
 from services.contracts.problems import problem_responses
 from services.registry.deps import (
@@ -36,7 +37,7 @@ from services.registry.domain import (
     switch_active,
 )
 from services.registry.node import Committed, Deadline
-from services.registry.routes.release import gate_spec, read_regression_set
+from services.registry.routes.release import fits_context, gate_spec, read_regression_set
 from services.registry.validation import (
     MAX_CONFIG_BYTES,
     UnpackedAdapter,
@@ -175,14 +176,15 @@ def publish(
         return published_view(prior.envelope, prior.position, base_config)
 
     base_config = dict(base.config)
+    if checked_set is not None:
+        fits_context(checked_set[1], base_config, settings)
     try:
         files = _adapter_files(adapter_config, adapter_model, archive, settings.max_upload_bytes)
         writer = blobs.writer()
         try:
             facts = validate_adapter(files.config, files.weights, files.weights_size,
-                                     base_config, max_rank=settings.max_lora_rank,
-                                     allowed_dtypes=list(settings.allowed_dtypes), sink=writer,
-                                     base_name=base.name)
+                                     base_config, limits=AdapterLimits.of(settings),
+                                     sink=writer, base_name=base.name)
             writer.commit()
         finally:
             writer.discard()

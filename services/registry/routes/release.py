@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
@@ -31,6 +32,7 @@ from services.catalog.state import (
     alias_stream,
 )
 from services.config import Settings
+from services.contracts.capacity import OverCapacity, check_context, serving_context
 from services.contracts.events import (
     ID_PATTERN,
     GateCaseResult,
@@ -93,6 +95,23 @@ def read_regression_set(upload: UploadFile, settings: Settings) -> tuple[bytes, 
         return data, parse_regression_set(data, max_cases=settings.gate_max_cases)
     except RegressionSetError as exc:
         raise Refusal("invalid", f"regression set {exc}") from None
+
+
+def fits_context(parsed: RegressionSet, base_config: Mapping[str, Any],
+                 settings: Settings) -> None:
+    """Every case must fit the context a worker serves on the version's base model (the
+    one capacity rule, `services.contracts.capacity`), or no worker could run the gate:
+    422 naming the line. A text prompt counts as one token here (the registry has no
+    tokenizer); the worker refuses a longer one when it runs the case."""
+    context = serving_context(settings, base_config)
+    for numbered in parsed.cases:
+        case = numbered.case
+        prompt = len(case.prompt_token_ids) if case.prompt_token_ids is not None else 1
+        try:
+            check_context(prompt, case.max_tokens, context)
+        except OverCapacity as exc:
+            raise Refusal("invalid", f"regression set line {numbered.line}: "
+                                     f"{exc.message}") from None
 
 
 def gate_spec(data: bytes, parsed: RegressionSet, blobs: Blobs, settings: Settings) -> GateSpec:
@@ -223,6 +242,10 @@ def post_gate(adapter_id: AdapterIdPath, version: VersionPath, principal: Writer
     settings = node.settings
     if regression_set is not None:
         data, parsed = read_regression_set(regression_set, settings)
+        with node.state_lock:
+            base = node.state.version(adapter_id, version).published.base_model
+            base_config = node.state.base_models[base].config
+        fits_context(parsed, base_config, settings)
         spec = gate_spec(data, parsed, blobs, settings)
     else:
         with node.state_lock:
