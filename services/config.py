@@ -114,9 +114,9 @@ class Settings(BaseSettings):
     auth_tokens: str | None = Field(
         None,
         description='JSON list of {"sha256": hex of the token, "role": admin|publisher|reader|'
-        'worker|inference, "tenant": "org/team/project" for publishers and inference callers '
-        '(a "*" segment matches any), optional "qos_tier" of an inference caller}. Tokens are '
-        'stored hashed.',
+        'worker|inference|canary (what each may do: services/contracts/roles.py), "tenant": '
+        '"org/team/project" for publishers and inference callers (a "*" segment matches '
+        'any), optional "qos_tier" of an inference caller}. Tokens are stored hashed.',
     )
 
     # --- worker ----------------------------------------------------------------------------

@@ -140,7 +140,8 @@ def test_client_router_worker(stack: Stack) -> None:
                 final.served_adapter.version) == ("w1", "support", 1)
         with pytest.raises(grpc.RpcError) as caught:
             list(router.stub().Generate(request, metadata=bearer("rival"), timeout=30))
-        assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+        # the request names acme: a tenant the rival's token does not cover
+        assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
     finally:
         router.stop()
 
