@@ -81,10 +81,10 @@ from services.worker.residency import Residency, owner_choice, version_choice
 
 log = logging.getLogger("loraplane.worker.engine_loop")
 
-REFUSAL_CODE = {"not_found": "NOT_FOUND", "forbidden": "PERMISSION_DENIED",
-                "precondition": "FAILED_PRECONDITION", "conflict": "FAILED_PRECONDITION",
-                "invalid": "INVALID_ARGUMENT"}
-"""`Refusal.kind` of the serving rule → gRPC status code name."""
+REFUSAL_CODE = {"not_found": "NOT_FOUND", "precondition": "FAILED_PRECONDITION",
+                "conflict": "FAILED_PRECONDITION", "invalid": "INVALID_ARGUMENT"}
+"""`Refusal.kind` of the serving rule, as answered (`Refusal.public`) → gRPC status code
+name; another tenant's adapter or alias (`forbidden`) is answered as NOT_FOUND."""
 
 
 def choose(catalog: CatalogState, work: WorkItem, base_digest: str) -> ServingChoice | None:
@@ -477,7 +477,10 @@ class EngineLoop:
                 if choice is not None:
                     self.residency.reconcile(self.follower.state, {choice.adapter_id})
         except Refusal as refusal:
-            self._refuse(ticket, REFUSAL_CODE[refusal.kind], refusal.message)
+            answer = refusal.public()
+            if answer is not refusal:
+                log.info("request %s refused: %s", ticket.work.request_id, refusal.message)
+            self._refuse(ticket, REFUSAL_CODE[answer.kind], answer.message)
             return
         ticket.choice = choice
         if self.merge is not None:
