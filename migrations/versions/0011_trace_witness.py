@@ -10,16 +10,16 @@ router's first. A router's row is checked against the others of its request thro
 `ix_request_traces_request`; a worker's row passes as it is, so no query pays more for
 the few router rows than one index probe each.
 
-Revision ID: 0010
-Revises: 0009
+Revision ID: 0011
+Revises: 0010
 Create Date: 2026-12-02
 """
 
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0010"
-down_revision = "0009"
+revision = "0011"
+down_revision = "0010"
 branch_labels = None
 depends_on = None
 
