@@ -167,14 +167,19 @@ def test_grpc_cancel(stack: Stack, router: RunningRouter) -> None:
 
 
 def test_grpc_deadline(stack: Stack, router: RunningRouter) -> None:
+    """A deadline a fifth of what the whole answer takes here (timed first: the tiny model's
+    speed follows the machine's load)."""
+    sent_at = time.monotonic()
+    answer = list(router.stub().Generate(_grpc_request(f"whole-{uuid.uuid4().hex[:8]}"),
+                                         metadata=bearer("acme"), timeout=120))
+    assert answer[-1].final.completion_tokens == MAX_TOKENS
+    deadline_s = max(0.2, (time.monotonic() - sent_at) / 5)
     request_id = f"deadline-{uuid.uuid4().hex[:8]}"
     sent_at = time.monotonic()
-    tokens = 0
     with pytest.raises(grpc.RpcError) as caught:
-        for response in router.stub().Generate(_grpc_request(request_id),
-                                               metadata=bearer("acme"), timeout=1.0):
-            tokens += response.HasField("token")
+        list(router.stub().Generate(_grpc_request(request_id), metadata=bearer("acme"),
+                                    timeout=deadline_s))
     left_at = datetime.now(UTC)
     assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert tokens > 0 and time.monotonic() - sent_at < 3.0
+    assert time.monotonic() - sent_at < deadline_s + 2.0
     assert_stopped(stack, trace_of(stack, request_id=request_id), left_at)
