@@ -102,7 +102,8 @@ class WorkerRuntime:
             default_max_tokens=settings.worker_default_max_tokens,
             tokenizer=self.engine.tokenizer,
             chat_template=ChatTemplate.from_model_dir(self.model_dir)
-            if settings.base_model else None)
+            if settings.base_model else None,
+            grammars=self.engine.grammars)
         self.gate = Gate(self.loop, self.wall)
 
     def _on_batch(self, batch: list[Envelope]) -> None:

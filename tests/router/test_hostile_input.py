@@ -146,9 +146,10 @@ def test_grpc_refuses_unknown_roles_fields_and_bytes_by_name(router, fleet: Flee
         (_chat("User"), "chat.messages[0].role"),
     ]
     newer = _chat("user").SerializeToString()
-    sampling_field_8 = pb.SamplingParams(max_tokens=3).SerializeToString() + bytes([8 << 3, 5])
-    cases.append((newer + bytes([6 << 3 | 2, len(sampling_field_8)]) + sampling_field_8,
-                  "sampling"))  # a top_k-like field this build does not know
+    sampling_field_99 = pb.SamplingParams(max_tokens=3).SerializeToString() + bytes(
+        [0x98, 0x06, 5])
+    cases.append((newer + bytes([6 << 3 | 2, len(sampling_field_99)]) + sampling_field_99,
+                  "sampling"))  # a field this build does not know
     cases.append((newer + bytes([12 << 3, 1]), "request"))  # an unknown top-level field
     cases.append((pb.GenerateRequest(tenant=pb.TenantSignature(qos_tier=99),  # type: ignore[arg-type]
                                      text="x"), "tenant.qos_tier"))
