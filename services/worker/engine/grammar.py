@@ -126,7 +126,8 @@ class GrammarCache:
                     choice = {"type": "function", "function": {"name": choice}}
                 tag = xgr.get_model_structural_tag(
                     TOOL_FORMATS[asked["format"]], tools=asked["tools"], tool_choice=choice,
-                    reasoning="disabled", parallel_tool_calls=asked["parallel"])
+                    reasoning="disabled", parallel_tool_calls=asked["parallel"],
+                    max_whitespace_cnt=1)  # (as compact as xgrammar allows here)
                 return compiler.compile_structural_tag(tag)
         except (RuntimeError, ValueError, TypeError, KeyError) as exc:
             detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
