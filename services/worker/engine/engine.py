@@ -27,7 +27,15 @@ from .lora_ops import Segments, base_fusion_threshold
 from .model import ForwardBatch, LlamaModel
 from .precision import serving_dtype
 from .request import ChoiceResult, FinishReason, GenerationRequest, GenerationResult, TokenEvent
-from .sampling import SamplerRow, find_stop, held_back, make_generator, prompt_logprobs, sample
+from .sampling import (
+    SamplerRow,
+    find_stop,
+    held_back,
+    make_generator,
+    prompt_logprobs,
+    sample,
+    take_rows,
+)
 from .scheduler import ScheduledChunk, Scheduler, SchedulerLimits
 from .sequence import Sequence, SequenceStatus
 
@@ -375,7 +383,7 @@ class Engine:
                 rows.extend([i] * len(running))
         if not seqs:
             return events
-        chosen = logits[:len(wanted.sampling)].index_select(0, torch.tensor(rows))
+        chosen = take_rows(logits, rows).clone()
         top = max(s.request.sampling.top_logprobs for s in seqs)
         picked = sample(chosen, [SamplerRow(
             params=s.request.sampling, generator=s.generator, prompt_ids=s.prompt_ids,

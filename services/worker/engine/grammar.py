@@ -36,11 +36,14 @@ def new_bitmask(rows: int, vocab: int) -> torch.Tensor:
     return xgr.allocate_token_bitmask(rows, vocab)
 
 
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """Disallowed tokens to -inf, in place on [rows, V] (xgrammar's CPU or GPU kernel)."""
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
+                  rows: list[int] | None = None) -> None:
+    """Disallowed tokens to -inf, in place on [rows, V], on the listed rows only (all when
+    None), by xgrammar's CPU or GPU kernel."""
     import xgrammar as xgr
 
-    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=logits.shape[1])
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device),
+                                    vocab_size=logits.shape[1], indices=rows)
 
 
 def tool_call_guide(tool_format: str, tools: list[dict[str, Any]], choice: str,

@@ -84,6 +84,14 @@ def _occurrences(rows: Sequence[Sequence[int]], vocab: int) -> torch.Tensor:
     return counts[:, :vocab]
 
 
+def take_rows(t: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
+    """`t[rows]` as a new tensor: the rows themselves when that is all of them, else one
+    copy per row (torch's CPU `index_select` of long rows is tens of times slower)."""
+    if len(rows) == t.shape[0] and all(i == r for i, r in enumerate(rows)):
+        return t
+    return torch.stack([t[i] for i in rows])
+
+
 def _column(values: Sequence[float]) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32).unsqueeze(1)
 
@@ -152,13 +160,10 @@ def apply_guides(logits: torch.Tensor, rows: Sequence[SamplerRow]) -> None:
         return
     from .grammar import apply_bitmask, new_bitmask
 
-    bitmask = new_bitmask(len(constrained), logits.shape[1])
-    for k, i in enumerate(constrained):
-        rows[i].guide.fill_mask(bitmask, k)  # type: ignore[union-attr]
-    index = torch.tensor(constrained)
-    sub = logits.index_select(0, index)
-    apply_bitmask(sub, bitmask)
-    logits.index_copy_(0, index, sub)
+    bitmask = new_bitmask(len(rows), logits.shape[1])
+    for i in constrained:
+        rows[i].guide.fill_mask(bitmask, i)  # type: ignore[union-attr]
+    apply_bitmask(logits, bitmask, constrained if len(constrained) < len(rows) else None)
 
 
 def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> None:
@@ -237,19 +242,19 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplerRow],
            eos_ids: tuple[int, ...], top_logprobs: int = 0) -> Sampled:
     """Pick one token per row of float32 logits [S, V] (rows' own copy: changed in place)."""
     want = [i for i, r in enumerate(rows) if r.want_logprob]
-    raw = logits.index_select(0, torch.tensor(want)).log_softmax(dim=-1) if want else None
+    raw = take_rows(logits, want).log_softmax(dim=-1) if want else None
     process(logits, rows, eos_ids)
     tokens = logits.argmax(dim=-1)
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
     if sampled:
-        index = torch.tensor(sampled)
-        warped = warp(logits.index_select(0, index), [rows[i].params for i in sampled])
-        tokens.index_copy_(0, index, draw(warped, [rows[i].generator for i in sampled]))
+        warped = warp(take_rows(logits, sampled).clone() if len(sampled) < len(rows)
+                      else logits, [rows[i].params for i in sampled])
+        tokens[torch.tensor(sampled)] = draw(warped, [rows[i].generator for i in sampled])
     out = tokens.tolist()
     logprobs: list[float | None] = [None] * len(rows)
     top: list[list[tuple[int, float]]] = [[] for _ in rows]
     if raw is not None:
-        chosen = raw.gather(1, tokens.index_select(0, torch.tensor(want)).unsqueeze(1))
+        chosen = raw.gather(1, tokens[torch.tensor(want)].unsqueeze(1))
         for k, i in enumerate(want):
             logprobs[i] = float(chosen[k, 0])
         if top_logprobs:
