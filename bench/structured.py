@@ -4,8 +4,10 @@ One engine in this process (the worker's engine settings, CPU, fp32), a random L
 (hidden 512, 4 layers, GQA) over SmolLM2's 49,152-token byte-level BPE tokenizer when the
 model cache has it (else the tests' small BPE tokenizer), `--requests` requests of 32
 prompt tokens, up to 32 output tokens each, sampled (temperature 1, seeded), all
-submitted at once and run to completion. Runs, alternating, each `--repeats` times
-(median reported), each a ratio to the plain n = 1 run measured in the same process:
+submitted at once and run to completion. Runs, alternating, each `--repeats` times, each
+a ratio to the plain n = 1 run measured in the same process. The figures take each run's
+fastest repeat (on a shared machine the other repeats measure its neighbours' load as
+much as this code); the medians are kept beside them:
 
 - `json_0`: no request constrained (the baseline);
 - `json_25` / `json_100`: 25% / 100% of the requests constrained by a JSON schema
@@ -14,7 +16,7 @@ submitted at once and run to completion. Runs, alternating, each `--repeats` tim
   prompt is computed once per request and its KV blocks shared by the four choices).
 
 Constrained requests end when their JSON does, so every run is counted in generated
-tokens per second; `mask_us_per_constrained_token` is the extra time of the 100% run
+tokens per second; `extra_us_per_constrained_token` is the extra time of the 100% run
 over the baseline, per constrained token.
 
 Usage: python bench/structured.py [--quick] [--requests 16] [--repeats 3]
@@ -129,19 +131,21 @@ def main() -> None:
         "schema": SCHEMA}, "runs": {}}
     for name, samples in measured.items():
         rates = [t / s for t, _, s in samples]
-        best = samples[rates.index(statistics.median(rates))] if len(rates) % 2 else \
-            samples[0]
+        best = samples[rates.index(max(rates))]
         report["runs"][name] = {
-            "tokens_per_s": round(statistics.median(rates), 1),
+            "tokens_per_s": round(max(rates), 1),
+            "tokens_per_s_median": round(statistics.median(rates), 1),
             "tokens": best[0], "constrained_tokens": best[1],
             "seconds": [round(s, 3) for _, _, s in samples]}
     base = report["runs"]["json_0"]["tokens_per_s"]
+    median_base = report["runs"]["json_0"]["tokens_per_s_median"]
     for name in runs:
-        report["runs"][name]["ratio_to_json_0"] = round(
-            report["runs"][name]["tokens_per_s"] / base, 3)
+        entry = report["runs"][name]
+        entry["ratio_to_json_0"] = round(entry["tokens_per_s"] / base, 3)
+        entry["median_ratio_to_json_0"] = round(entry["tokens_per_s_median"] / median_base, 3)
     full = report["runs"]["json_100"]
     extra = 1 / full["tokens_per_s"] - 1 / base
-    report["mask_us_per_constrained_token"] = round(extra * 1e6, 1)
+    report["extra_us_per_constrained_token"] = round(extra * 1e6, 1)
     record.save(args.out, report, [
         Figure(name=f"tokens/s, {label}", value=report["runs"][name]["tokens_per_s"],
                unit="tokens/s", baseline="no request constrained, n = 1, same process",

@@ -85,10 +85,16 @@ class ToolCallStream:
             start = self._buffer.find(OPEN)
             if start == -1:
                 keep = 0 if final else _partial_prefix(self._buffer, OPEN)
-                shown.append(self._buffer[:len(self._buffer) - keep])
+                tail = self._buffer[:len(self._buffer) - keep]
+                if self.calls and not tail.strip():  # blanks after a call: not content
+                    if final:
+                        self._buffer = ""
+                    break  # (held until text that is not blank follows, if any does)
+                shown.append(tail)
                 self._buffer = self._buffer[len(self._buffer) - keep:]
                 break
-            shown.append(self._buffer[:start])
+            if not (self.calls and not self._buffer[:start].strip()):
+                shown.append(self._buffer[:start])
             end = self._buffer.find(CLOSE, start)
             if end == -1:
                 self._buffer = self._buffer[start:]
@@ -106,10 +112,7 @@ class ToolCallStream:
             else:
                 found.append(self._found(call))
             self._buffer = self._buffer[end + len(CLOSE):]
-        text = "".join(shown)
-        if self.calls and not text.strip():
-            text = ""  # blanks between calls are not content
-        return text, found
+        return "".join(shown), found
 
     def _llama(self, final: bool) -> tuple[str, list[ParsedCall]]:
         stripped = self._buffer.lstrip()

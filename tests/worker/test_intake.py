@@ -241,3 +241,23 @@ def test_every_sampling_field_reaches_the_engine_and_others_are_refused(
     with pytest.raises(InvalidArgument) as caught:
         work_item(odd_tier, rules)
     assert caught.value.field == "tenant.qos_tier"
+
+
+def test_tools_reach_a_template_that_never_mentions_them() -> None:
+    """A chatml template without tools (SmolLM2's) is told about them the Hermes way, in
+    its system message, and its calls are parsed in that format."""
+    from services.worker.chat import ChatTemplate
+
+    chatml = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+              "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+              "{% endif %}")
+    template = ChatTemplate(chatml, {})
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+    text = template.render([{"role": "user", "content": "hi"}], [tool])
+    assert text.startswith("<|im_start|>system\nYou may call one or more functions")
+    assert '"name": "get_weather"' in text and "<tool_call>" in text
+    assert template.tool_format == "hermes"
+    assert template.render([{"role": "user", "content": "hi"}]).startswith("<|im_start|>user")
+    llama = ChatTemplate("{{ '<|python_tag|>' if tools else '' }}{{ messages[0]['content'] }}",
+                         {})
+    assert llama.tool_format == "llama3_json" and llama.renders_tools
