@@ -219,9 +219,9 @@ class TenantBlobsDeleted(Payload):
     """The registry erased a purged tenant's adapter files from the blob store.
 
     Written on the tenant's stream right after its `TenantPurgeRequested` (so it is read
-    after it), once the files are gone. A digest another live tenant's version also
-    references stays, as does one written too recently to be sure no upload in flight is
-    about to reference it; both are listed with `kept`.
+    after it), once the files are gone. A digest that a version the purge did not end also
+    references (another tenant's, or one published after the purge) stays, listed with
+    `kept`. A purge is met only once this is written (`services.catalog.purge`).
     """
 
     purge_id: str = Field(min_length=1, max_length=64)
@@ -230,8 +230,8 @@ class TenantBlobsDeleted(Payload):
         description="The tenant's blobs no longer in the blob store (removed by this erasure).")
     kept: list[Sha256Hex] = Field(
         default_factory=list,
-        description="The tenant's blobs left in place: shared with a live tenant's version, or "
-                    "written within the upload grace period before the purge.")
+        description="The tenant's blobs left in place: a version the purge did not end holds "
+                    "the same bytes (another tenant's, or one published after the purge).")
 
 
 class RegistryLease(Payload):

@@ -8,8 +8,9 @@ registered base model's config.json. The data is then streamed once, in chunks: 
 special support), and copied to the caller's sink (the blob store's temporary file).
 
 The rules mirror what a worker's engine accepts (`services/worker/engine/adapter.py`),
-so the registry never publishes an adapter a worker would refuse; this module keeps no
-torch dependency, which is why the projection shape table is restated here.
+so the registry never publishes an adapter a worker would refuse; the limits both check
+(rank, dtype, target modules) are one rule they both call, `services.contracts.capacity`.
+This module keeps no torch dependency.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import IO, Any
 
 import numpy as np
 
+from services.contracts.capacity import AdapterLimits, OverCapacity
 from services.contracts.peft import (
     CONFIG_FILE,
     PARENT,
@@ -118,6 +120,14 @@ class LoraConfig:
     """`base_model_name_or_path`: the model the adapter says it was trained on."""
 
 
+def over_capacity(exc: OverCapacity, *, tensor: str | None = None,
+                  field: str | None = None) -> UploadRejected:
+    """A limit of the fleet (`services.contracts.capacity`): 422 naming it (`limit`)."""
+    where = f"{CONFIG_FILE}: " if field == "adapter_config" else \
+        f"tensor {tensor}: " if tensor else f"{WEIGHTS_FILE}: "
+    return UploadRejected(where + exc.message, tensor=tensor, field=field, limit=exc.limit)
+
+
 def too_large_config(size: int) -> UploadRejected:
     """One status for one problem: an oversized adapter_config.json is 413 however sent."""
     return UploadRejected(f"{CONFIG_FILE} is {size} bytes, over the {MAX_CONFIG_BYTES}-byte "
@@ -158,10 +168,10 @@ def parse_lora_config(raw: bytes) -> LoraConfig:
             raise UploadRejected(f"{CONFIG_FILE}: target_modules regex is invalid: {exc}") from exc
         declared: tuple[str, ...] | str = targets
     elif isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets):
-        unknown = sorted(set(targets) - set(TARGET_MODULES))
-        if unknown:
-            raise UploadRejected(f"{CONFIG_FILE}: target_modules {unknown} are not projections "
-                                 f"of a Llama-family model ({list(TARGET_MODULES)})")
+        try:
+            AdapterLimits.check_modules(targets)
+        except OverCapacity as exc:
+            raise over_capacity(exc, field="adapter_config") from None
         declared = tuple(targets)
     else:
         raise UploadRejected(f"{CONFIG_FILE}: target_modules must be a non-empty list or a "
@@ -281,10 +291,12 @@ def read_header(source: IO[bytes], total_size: int) -> SafetensorsLayout:
 
 
 def check_tensors(layout: SafetensorsLayout, lora: LoraConfig, base: BaseModelShape, *,
-                  max_rank: int, allowed_dtypes: list[str]) -> tuple[tuple[str, ...], str]:
-    """PEFT naming, coverage, shapes, rank and dtype; returns (modules, dtype)."""
-    if lora.rank > max_rank:
-        raise UploadRejected(f"{CONFIG_FILE}: r={lora.rank} exceeds the maximum rank {max_rank}")
+                  limits: AdapterLimits) -> tuple[tuple[str, ...], str]:
+    """PEFT naming, coverage, shapes, and the fleet's limits; returns (modules, dtype)."""
+    try:
+        limits.check_rank(lora.rank)
+    except OverCapacity as exc:
+        raise over_capacity(exc, field="adapter_config") from None
     if not layout.tensors:
         raise UploadRejected(f"{WEIGHTS_FILE} contains no tensors")
     dtypes = set()
@@ -308,11 +320,12 @@ def check_tensors(layout: SafetensorsLayout, lora: LoraConfig, base: BaseModelSh
         if lora.layers is not None and layer not in lora.layers:
             raise UploadRejected(f"tensor {entry.name} is outside layers_to_transform",
                                  tensor=entry.name)
-        if entry.dtype not in _DTYPES or _DTYPES[entry.dtype][0] not in allowed_dtypes:
-            name = _DTYPES[entry.dtype][0] if entry.dtype in _DTYPES else entry.dtype
-            raise UploadRejected(f"tensor {entry.name} has dtype {name}; allowed: "
-                                 f"{allowed_dtypes}", tensor=entry.name)
-        dtypes.add(entry.dtype)
+        name = _DTYPES[entry.dtype][0] if entry.dtype in _DTYPES else entry.dtype
+        try:
+            limits.check_dtypes({name})
+        except OverCapacity as exc:
+            raise over_capacity(exc, tensor=entry.name) from None
+        dtypes.add(name)
         if which in pairs.setdefault((layer, module), {}):
             raise UploadRejected(f"tensor {entry.name} duplicates another lora_{which}",
                                  tensor=entry.name)
@@ -323,8 +336,10 @@ def check_tensors(layout: SafetensorsLayout, lora: LoraConfig, base: BaseModelSh
             raise UploadRejected(f"tensor {entry.name} has shape {list(entry.shape)}, expected "
                                  f"{list(want)} (r={lora.rank}, {module} {fin}->{fout})",
                                  tensor=entry.name)
-    if len(dtypes) > 1:
-        raise UploadRejected(f"{WEIGHTS_FILE} mixes dtypes {sorted(dtypes)}")
+    try:
+        dtype = limits.check_dtypes(dtypes)
+    except OverCapacity as exc:
+        raise over_capacity(exc, field="adapter_model") from None
     layers = sorted(lora.layers) if lora.layers is not None else range(base.num_hidden_layers)
     present = {module for _, module in pairs}
     declared = lora.targets if isinstance(lora.targets, tuple) else tuple(sorted(present))
@@ -337,7 +352,7 @@ def check_tensors(layout: SafetensorsLayout, lora: LoraConfig, base: BaseModelSh
                             f".lora_{which}.weight")
                     raise UploadRejected(f"tensor {name} is missing", tensor=name)
     modules = tuple(m for m in TARGET_MODULES if m in present)
-    return modules, _DTYPES[dtypes.pop()][0]
+    return modules, dtype
 
 
 # --- the data ------------------------------------------------------------------------------
@@ -369,8 +384,8 @@ def scan_data(source: IO[bytes], layout: SafetensorsLayout, hasher: Any,
 
 
 def validate_adapter(config_bytes: bytes, weights: IO[bytes], weights_size: int,
-                     base_config: Mapping[str, Any], *, max_rank: int,
-                     allowed_dtypes: list[str], sink: IO[bytes] | None = None,
+                     base_config: Mapping[str, Any], *, limits: AdapterLimits,
+                     sink: IO[bytes] | None = None,
                      base_name: str | None = None) -> ArtifactFacts:
     """Every check, in order of cost; the weights are read once and copied to `sink`.
 
@@ -383,8 +398,7 @@ def validate_adapter(config_bytes: bytes, weights: IO[bytes], weights_size: int,
         raise UploadRejected(f"registered base model: {exc}") from exc
     layout = read_header(weights, weights_size)
     try:
-        modules, dtype = check_tensors(layout, lora, base, max_rank=max_rank,
-                                       allowed_dtypes=allowed_dtypes)
+        modules, dtype = check_tensors(layout, lora, base, limits=limits)
     except UploadRejected as exc:
         declared = lora.declared_base
         if declared and base_name and not declared_base_matches(declared, base_name,

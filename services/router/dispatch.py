@@ -47,6 +47,7 @@ from services.catalog.serving import (
     ResolutionCache,
     ServingChoice,
     merge_target,
+    purged_reason,
 )
 from services.catalog.state import CatalogState, Refusal
 from services.config import Settings
@@ -60,7 +61,8 @@ from services.contracts.generate import (
 from services.contracts.grpc import inference_pb2 as pb
 from services.contracts.grpc import inference_pb2_grpc as pb_grpc
 from services.contracts.qos import TIER_TO_PROTO, lower_tier, tier_of
-from services.registry.auth import TENANT_SCOPED, Principal
+from services.contracts.roles import TENANT_SCOPED, Permission
+from services.registry.auth import Principal
 from services.router.limits import DEFAULT_TIER, Admission, Limits
 from services.router.membership import Membership
 from services.router.metrics import RouterMetrics
@@ -81,7 +83,6 @@ HINT_EVERY_S = 2.0
 
 _SLUG = re.compile(SLUG_PATTERN)
 _REFUSAL_CODES = {"not_found": grpc.StatusCode.NOT_FOUND,
-                  "forbidden": grpc.StatusCode.PERMISSION_DENIED,
                   "precondition": grpc.StatusCode.FAILED_PRECONDITION,
                   "invalid": grpc.StatusCode.INVALID_ARGUMENT,
                   "conflict": grpc.StatusCode.FAILED_PRECONDITION}
@@ -92,13 +93,17 @@ class RouteError(Exception):
 
     def __init__(self, code: grpc.StatusCode, message: str, reason: str, *,
                  retry_after_s: float | None = None, retry_after: str | None = None,
-                 after_first_token: bool = False, field: str | None = None) -> None:
+                 after_first_token: bool = False, field: str | None = None,
+                 audit: str | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.reason = reason
         self.field = field
         """The request field at fault (its proto path), where one is."""
+        self.audit = audit
+        """The real reason where the caller is told less (another tenant's adapter or
+        alias, answered as a missing one): logged to the route trace log, never sent."""
         self.retry_after_s = retry_after_s
         self.retry_after = retry_after
         """Whole seconds for HTTP `Retry-After` / gRPC `retry-after` metadata."""
@@ -174,13 +179,17 @@ def _authorize(principal: Principal, *asked: str) -> TenantRef:
     """Cached per token and asked tenant: the same callers ask again and again, and a refusal
     (an exception) is never cached."""
     names = ("org", "team", "project")
-    if principal.role == "admin":
+    if not principal.holds(Permission.INFER):
+        raise RouteError(grpc.StatusCode.PERMISSION_DENIED,
+                         f"role {principal.role} may not run inference", "forbidden")
+    if principal.role not in TENANT_SCOPED:
         if not all(asked):
             raise RouteError(grpc.StatusCode.INVALID_ARGUMENT,
-                             "an admin token must name the tenant (org, team, project)",
-                             "invalid")
+                             f"an {principal.role} token must name the tenant (org, team, "
+                             "project)", "invalid")
         values = list(asked)
-    elif principal.role in TENANT_SCOPED and principal.tenant_pattern is not None:
+    else:
+        assert principal.tenant_pattern is not None  # TokenBook gives scoped roles one
         values = []
         for name, scope, value in zip(names, principal.tenant_pattern, asked, strict=True):
             if scope != "*":
@@ -195,9 +204,6 @@ def _authorize(principal: Principal, *asked: str) -> TenantRef:
                                  "invalid")
             else:
                 values.append(value)
-    else:
-        raise RouteError(grpc.StatusCode.PERMISSION_DENIED,
-                         f"role {principal.role} may not run inference", "forbidden")
     return _tenant(values[0], values[1], values[2])
 
 
@@ -298,7 +304,14 @@ def _checked(check: Callable[..., None], *args: object) -> None:
 
 
 def _refused(refusal: Refusal) -> RouteError:
-    return RouteError(_REFUSAL_CODES[refusal.kind], refusal.message, refusal.kind)
+    """The serving rule's refusal as the caller is answered (`Refusal.public`: another
+    tenant's name reads as a missing one), the real reason kept in `audit`; `not_found`
+    (no such adapter, alias or version, or one a purge erased) is OpenAI's
+    `model_not_found` on the HTTP front."""
+    answer = refusal.public()
+    reason = "model_not_found" if answer.kind == "not_found" else answer.kind
+    return RouteError(_REFUSAL_CODES[answer.kind], answer.message, reason,
+                      audit=refusal.message if answer is not refusal else None)
 
 
 def _no_worker(pooled: bool, interval_s: float) -> RouteError:
@@ -585,6 +598,12 @@ class Dispatcher:
             self.metrics.rejections.labels(error.reason).inc()
             self.metrics.requests.labels(tenant_label, adapter_label, front,
                                          error.reason).inc()
+            if error.audit is not None:  # the caller was told less: the real reason here
+                trace_log.info("%s", json.dumps({
+                    "trace_id": trace_id, "request_id": request_id, "front": front,
+                    "tenant": authorize(principal, asked.signature).key,
+                    "status": error.reason, "answered": error.message,
+                    "reason": error.audit}))
             raise
         choice, placement = decision.choice, decision.placement
         tenant_label = decision.tenant.key
@@ -703,8 +722,9 @@ class Dispatcher:
                     log.info("retrying %s on %s: %s failed before its first token (%s)",
                              trace.request_id, workers[index + 1], worker, code.name)
                     continue
-                reason = "deadline" if code == grpc.StatusCode.DEADLINE_EXCEEDED else \
-                    "worker_error"
+                reason = ("deadline" if code == grpc.StatusCode.DEADLINE_EXCEEDED else
+                          "model_not_found" if code == grpc.StatusCode.NOT_FOUND else
+                          "worker_error")
                 raise RouteError(code, f"worker {worker}: {detail}", reason) from None
             except (asyncio.CancelledError, GeneratorExit):
                 attempt.outcome = "cancelled"
@@ -735,6 +755,8 @@ class Dispatcher:
         now = self.clock()
         fresh = []
         for adapter in adapters:
+            if self._purged(adapter):
+                continue
             key = (worker, adapter.sha256, tier)
             if now - self._hinted.get(key, -HINT_EVERY_S) >= HINT_EVERY_S:
                 self._hinted[key] = now
@@ -746,6 +768,14 @@ class Dispatcher:
         request = pb.PrefetchRequest(tier=tier, reason=reason, adapters=[
             pb.PinnedVersion(adapter_id=a.adapter_id, version=a.version) for a in fresh])
         self._spawn(self._send_hint(worker, request, reason))
+
+    def _purged(self, recent: RecentAdapter) -> bool:
+        """A version a purge ended is never prefetched (pre-warming remembers what it served
+        before the purge)."""
+        adapter = self.catalog.adapters.get(recent.adapter_id)
+        if adapter is None or recent.version not in adapter.versions:
+            return False
+        return purged_reason(adapter, recent.version, adapter.versions[recent.version]) is not None
 
     async def _send_hint(self, worker: str, request: pb.PrefetchRequest, reason: str) -> None:
         address = self.membership.address(worker)

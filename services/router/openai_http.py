@@ -39,11 +39,12 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
-from services.catalog.serving import split_order
+from services.catalog.serving import purged_reason, split_order
 from services.catalog.state import CatalogState
 from services.contracts.events import TenantRef
 from services.contracts.generate import UINT32_MAX
 from services.contracts.grpc import inference_pb2 as pb
+from services.contracts.roles import Permission, holders
 from services.registry.auth import Principal, TokenBook
 from services.router.dispatch import Dispatcher, RouteError, authorize
 from services.router.model_info import on_worker
@@ -101,7 +102,8 @@ class OpenAIError(Exception):
         param, message = http_param(error.field), error.message
         if param and error.field and message.startswith(f"{error.field}:"):
             message = param + message[len(error.field):]  # the body's name, not the proto's
-        return cls(status, message, code=error.reason, param=param, headers=headers)
+        code = "model_not_found" if status == 404 else error.reason
+        return cls(status, message, code=code, param=param, headers=headers)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message,
@@ -149,7 +151,7 @@ def listed_models(catalog: CatalogState, tenant: TenantRef) -> list[dict[str, An
         if adapter.tenant != tenant or number is None or number not in adapter.versions:
             continue
         version = adapter.versions[number]
-        if version.disabled or version.rolled_back:
+        if version.disabled or version.rolled_back or purged_reason(adapter, number, version):
             continue
         base = version.published.base_model
         models.append({"id": f"{base}:{adapter.adapter_id}",
@@ -162,7 +164,8 @@ def listed_models(catalog: CatalogState, tenant: TenantRef) -> list[dict[str, An
         entries = [e for e in split_order(alias.split) if e.weight > 0]
         target = catalog.adapters.get(entries[0].adapter_id) if entries else None
         version = target.versions.get(entries[0].version) if target else None
-        if version is None:
+        if (target is None or version is None
+                or purged_reason(target, entries[0].version, version)):
             continue
         base = version.published.base_model
         models.append({"id": f"{base}:{alias.alias}",
@@ -327,20 +330,39 @@ def _sse(data: dict[str, Any]) -> bytes:
 # --- the app ------------------------------------------------------------------------------------
 
 
-def caller(
-    request: Request,
-    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
-    tenant: Annotated[str | None, Header(alias="X-Loraplane-Tenant")] = None,
-    scope: Annotated[str | None, Header(alias="X-Loraplane-Compliance-Scope")] = None,
-    region: Annotated[str | None, Header(alias="X-Loraplane-Region")] = None,
-) -> Caller:
-    """The token's principal and tenant signature: 401 / 403 / 400 in OpenAI's shape."""
-    dispatcher: Dispatcher = request.app.state.dispatcher
-    tokens: TokenBook = request.app.state.tokens
-    principal = tokens.resolve(credentials.credentials) if credentials else None
-    if principal is None:
-        dispatcher.metrics.rejections.labels("unauthenticated").inc()
-        raise OpenAIError(401, "missing or unknown bearer token", code="invalid_api_key")
+class Allowed:
+    """A route's permission (`services.contracts.roles`), kept on the dependency so the
+    routes' table can be read back; resolves the caller's principal and tenant signature:
+    401 / 403 / 400 in OpenAI's shape."""
+
+    def __init__(self, permission: Permission) -> None:
+        self.permission = permission
+
+    def __call__(
+        self,
+        request: Request,
+        credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
+        tenant: Annotated[str | None, Header(alias="X-Loraplane-Tenant")] = None,
+        scope: Annotated[str | None, Header(alias="X-Loraplane-Compliance-Scope")] = None,
+        region: Annotated[str | None, Header(alias="X-Loraplane-Region")] = None,
+    ) -> Caller:
+        dispatcher: Dispatcher = request.app.state.dispatcher
+        tokens: TokenBook = request.app.state.tokens
+        principal = tokens.resolve(credentials.credentials) if credentials else None
+        if principal is None:
+            dispatcher.metrics.rejections.labels("unauthenticated").inc()
+            raise OpenAIError(401, "missing or unknown bearer token", code="invalid_api_key")
+        if not principal.holds(self.permission):
+            dispatcher.metrics.rejections.labels("forbidden").inc()
+            raise OpenAIError(403, f"role {principal.role} may not {self.permission.value} "
+                              f"(roles that may: {', '.join(holders(self.permission))})",
+                              code="forbidden")
+        return caller(dispatcher, principal, tenant, scope, region)
+
+
+def caller(dispatcher: Dispatcher, principal: Principal, tenant: str | None,
+           scope: str | None, region: str | None) -> Caller:
+    """The tenant signature the token and the headers give."""
     parts = tenant.split("/") if tenant else ["", "", ""]
     if len(parts) != 3:
         raise OpenAIError(400, "X-Loraplane-Tenant is org/team/project",
@@ -355,7 +377,7 @@ def caller(
     return Caller(principal, signature, ref)
 
 
-Who = Annotated[Caller, Depends(caller)]
+Who = Annotated[Caller, Depends(Allowed(Permission.INFER))]
 
 
 def create_http_app(dispatcher: Dispatcher, tokens: TokenBook) -> FastAPI:

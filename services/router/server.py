@@ -20,11 +20,15 @@ from grpc_reflection.v1alpha import reflection
 from services.contracts.generate import Undecodable, add_inference_servicer
 from services.contracts.grpc import inference_pb2 as pb
 from services.contracts.grpc import inference_pb2_grpc as pb_grpc
+from services.contracts.roles import Permission, holders
 from services.registry.auth import Principal, TokenBook
 from services.router.dispatch import Dispatcher, RouteError, authorize
 from services.router.model_info import model_entries, on_worker
 
 INFERENCE_SERVICE = pb.DESCRIPTOR.services_by_name["Inference"].full_name
+RPC_PERMISSIONS: dict[str, Permission] = {"Generate": Permission.INFER}
+"""Each RPC of the router's Inference service → the permission its caller's role needs
+(`services.contracts.roles`); a token whose role lacks it is PERMISSION_DENIED."""
 
 
 def bearer_of(metadata: object) -> str | None:
@@ -42,7 +46,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self.dispatcher = dispatcher
         self.tokens = tokens
 
-    async def _principal(self, context: grpc.aio.ServicerContext) -> Principal:
+    async def _principal(self, context: grpc.aio.ServicerContext, rpc: str) -> Principal:
         token = bearer_of(context.invocation_metadata())
         principal = self.tokens.resolve(token) if token else None
         if principal is None:
@@ -50,11 +54,17 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED,
                                 "missing or unknown bearer token (authorization metadata)")
         assert principal is not None
+        permission = RPC_PERMISSIONS[rpc]
+        if not principal.holds(permission):
+            self.dispatcher.metrics.rejections.labels("forbidden").inc()
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"role {principal.role} may not {permission.value} (roles "
+                                f"that may: {', '.join(holders(permission))})")
         return principal
 
     async def Generate(self, request: pb.GenerateRequest | Undecodable,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
-        principal = await self._principal(context)
+        principal = await self._principal(context, "Generate")
         if isinstance(request, Undecodable):
             self.dispatcher.metrics.rejections.labels("invalid").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,

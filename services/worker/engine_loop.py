@@ -31,7 +31,13 @@ from pathlib import Path
 from typing import Any
 
 from loraplane_kernels.threads import compute_thread
-from services.catalog.serving import MergeSpec, ServingChoice, resolve_pinned, resolve_reference
+from services.catalog.serving import (
+    MergeSpec,
+    ServingChoice,
+    purged_reason,
+    resolve_pinned,
+    resolve_reference,
+)
 from services.catalog.state import CatalogState, Purge, Refusal
 from services.config import Settings
 from services.contracts.events import (
@@ -76,10 +82,10 @@ from services.worker.residency import Residency, owner_choice, version_choice
 
 log = logging.getLogger("loraplane.worker.engine_loop")
 
-REFUSAL_CODE = {"not_found": "NOT_FOUND", "forbidden": "PERMISSION_DENIED",
-                "precondition": "FAILED_PRECONDITION", "conflict": "FAILED_PRECONDITION",
-                "invalid": "INVALID_ARGUMENT"}
-"""`Refusal.kind` of the serving rule → gRPC status code name."""
+REFUSAL_CODE = {"not_found": "NOT_FOUND", "precondition": "FAILED_PRECONDITION",
+                "conflict": "FAILED_PRECONDITION", "invalid": "INVALID_ARGUMENT"}
+"""`Refusal.kind` of the serving rule, as answered (`Refusal.public`) → gRPC status code
+name; another tenant's adapter or alias (`forbidden`) is answered as NOT_FOUND."""
 
 
 def choose(catalog: CatalogState, work: WorkItem, base_digest: str) -> ServingChoice | None:
@@ -474,7 +480,10 @@ class EngineLoop:
                 if choice is not None:
                     self.residency.reconcile(self.follower.state, {choice.adapter_id})
         except Refusal as refusal:
-            self._refuse(ticket, REFUSAL_CODE[refusal.kind], refusal.message)
+            answer = refusal.public()
+            if answer is not refusal:
+                log.info("request %s refused: %s", ticket.work.request_id, refusal.message)
+            self._refuse(ticket, REFUSAL_CODE[answer.kind], answer.message)
             return
         ticket.choice = choice
         if self.merge is not None:
@@ -817,6 +826,10 @@ class EngineLoop:
                     continue
                 if version.disabled:
                     out.append(PrefetchOutcome(key, False, "", "version is disabled"))
+                    continue
+                gone = purged_reason(adapter, key[1], version)
+                if gone:
+                    out.append(PrefetchOutcome(key, False, "", gone))
                     continue
                 if self.residency.state(key) is AdapterState.FAILED:
                     out.append(PrefetchOutcome(key, False, "", self.residency.failure(key)))

@@ -8,8 +8,9 @@ iteration's outputs over in one hop (`call_soon_threadsafe`); this side only tur
 into messages. A client cancel or a passed deadline cancels the handler, which cancels
 the ticket: the engine aborts the sequence and frees its KV.
 
-Errors: INVALID_ARGUMENT names the field; the serving rule's refusals map to NOT_FOUND,
-PERMISSION_DENIED and FAILED_PRECONDITION; the version wall and not-ready are
+Errors: INVALID_ARGUMENT names the field; the serving rule's refusals map to NOT_FOUND
+(another tenant's adapter or alias too, in the same words) and FAILED_PRECONDITION; the
+version wall and not-ready are
 UNAVAILABLE; a full adapter pool is RESOURCE_EXHAUSTED with `retry-after` (seconds) and
 `retry-after-ms` trailers, as the router sends them.
 """
@@ -94,9 +95,12 @@ class InferenceService(pb_grpc.InferenceServicer):
             with self.loop.follower.lock:
                 choose(self.loop.follower.state, work, self.loop.base_digest)
         except Refusal as refusal:
-            code = REFUSAL_CODE[refusal.kind]
+            answer = refusal.public()
+            if answer is not refusal:
+                log.info("request %s refused: %s", work.request_id, refusal.message)
+            code = REFUSAL_CODE[answer.kind]
             metrics.requests.labels(code).inc()
-            await context.abort(grpc.StatusCode[code], refusal.message)
+            await context.abort(grpc.StatusCode[code], answer.message)
         outputs: asyncio.Queue[list[Output]] = asyncio.Queue()
         ticket = Ticket(work, sink=outputs, time_limit_s=context.time_remaining())
         self.loop.submit(ticket)

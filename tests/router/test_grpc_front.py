@@ -242,12 +242,12 @@ def test_tokens_decide_the_tenant_and_cross_tenant_requests_are_refused(
     router.wait_ring({"w1"})
     stub = router.stub()
     cases = [
-        ("rival", request("support", tenant=None), grpc.StatusCode.PERMISSION_DENIED),
-        ("rival", request("acme-support", tenant=None), grpc.StatusCode.PERMISSION_DENIED),
+        ("rival", request("support", tenant=None), grpc.StatusCode.NOT_FOUND),
+        ("rival", request("acme-support", tenant=None), grpc.StatusCode.NOT_FOUND),
         ("rival", request(pinned=("acme-support", 1), tenant=None),
-         grpc.StatusCode.PERMISSION_DENIED),
+         grpc.StatusCode.NOT_FOUND),
         ("rival", request("support", tenant=ACME), grpc.StatusCode.PERMISSION_DENIED),
-        ("acme", request("rival-bot"), grpc.StatusCode.PERMISSION_DENIED),
+        ("acme", request("rival-bot"), grpc.StatusCode.NOT_FOUND),
         ("reader", request("support"), grpc.StatusCode.PERMISSION_DENIED),
         ("acme-any", request("support", tenant=None), grpc.StatusCode.INVALID_ARGUMENT),
         ("acme", request("nope"), grpc.StatusCode.NOT_FOUND),

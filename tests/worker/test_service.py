@@ -141,6 +141,7 @@ def test_client_router_worker(stack: Stack) -> None:
                 final.served_adapter.version) == ("w1", "support", 1)
         with pytest.raises(grpc.RpcError) as caught:
             list(router.stub().Generate(request, metadata=bearer("rival"), timeout=30))
+        # the request names acme: a tenant the rival's token does not cover
         assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
     finally:
         router.stop()
@@ -187,9 +188,9 @@ def test_refusals_name_the_reason(stack: Stack) -> None:
         cases = [
             # another tenant's adapter, by alias and pinned: never served
             (dict(tenant=rival, adapter=alias("private"), ids=[4, 5]),
-             grpc.StatusCode.PERMISSION_DENIED, "another tenant"),
+             grpc.StatusCode.NOT_FOUND, "adapter 'private' does not exist"),
             (dict(tenant=rival, adapter=pinned("private", 1), ids=[4, 5]),
-             grpc.StatusCode.PERMISSION_DENIED, "another tenant"),
+             grpc.StatusCode.NOT_FOUND, "adapter 'private' does not exist"),
             (dict(tenant=ACME, adapter=alias("nope"), ids=[4]),
              grpc.StatusCode.NOT_FOUND, "does not exist"),
             (dict(tenant=ACME, adapter=pinned("private", 9), ids=[4]),

@@ -2,7 +2,9 @@
 
 Everything that would make the engine's output differ from PEFT's is refused here with a
 message naming the field or tensor (DoRA, trained biases, modules the model lacks,
-per-module rank/alpha patterns, embedding LoRA), before any slot is touched.
+per-module rank/alpha patterns, embedding LoRA), before any slot is touched. Given the
+pool's limits, so is an adapter past them (rank, dtype, target modules): the same checks
+the registry makes at publish (`services.contracts.capacity`), so both agree.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 import torch
 from safetensors.torch import load as load_safetensors_bytes
 
+from services.contracts.capacity import AdapterLimits, OverCapacity
 from services.contracts.peft import (
     CONFIG_FILE,
     PARENT,
@@ -236,9 +239,15 @@ def _layers(raw: Any) -> set[int] | None:
     return {int(x) for x in raw}
 
 
-def parse_adapter(files: AdapterFiles, cfg: ModelConfig,
-                  digest: AdapterDigest | None = None) -> LoraAdapter:
-    """Validate a PEFT LoRA adapter against `cfg` and return its per-module weights."""
+def dtype_name(dtype: torch.dtype) -> str:
+    """`torch.bfloat16` → "bfloat16": the names `services.contracts.capacity` uses."""
+    return str(dtype).removeprefix("torch.")
+
+
+def parse_adapter(files: AdapterFiles, cfg: ModelConfig, digest: AdapterDigest | None = None,
+                  limits: AdapterLimits | None = None) -> LoraAdapter:
+    """Validate a PEFT LoRA adapter against `cfg` (and, given them, the pool's `limits`)
+    and return its per-module weights."""
     try:
         conf = json.loads(files.config_json)
     except json.JSONDecodeError as exc:
@@ -270,12 +279,15 @@ def parse_adapter(files: AdapterFiles, cfg: ModelConfig,
         raise AdapterError("target_modules is missing")
     if not isinstance(targets, str):
         targets = list(targets)
-        unknown = sorted(set(targets) - set(TARGET_MODULES))
-        if unknown:
-            raise AdapterError(
-                f"target_modules {unknown} are not projections of this model "
-                f"(supported: {list(TARGET_MODULES)})"
-            )
+        try:
+            AdapterLimits.check_modules(targets)
+        except OverCapacity as exc:
+            raise AdapterError(exc.message) from None
+    if limits is not None:
+        try:
+            limits.check_rank(rank)
+        except OverCapacity as exc:
+            raise AdapterError(exc.message) from None
     layers = _layers(conf.get("layers_to_transform"))
     # fan_in_fan_out only concerns Conv1D-style base weights; for nn.Linear projections PEFT
     # itself resets it to False, so it does not change the maths here.
@@ -305,6 +317,11 @@ def parse_adapter(files: AdapterFiles, cfg: ModelConfig,
         pairs.setdefault((layer, module), {})[which] = tensor
     if not pairs:
         raise AdapterError(f"{WEIGHTS_FILE} contains no LoRA weights")
+    if limits is not None:
+        try:
+            limits.check_dtypes({dtype_name(t.dtype) for t in tensors.values()})
+        except OverCapacity as exc:
+            raise AdapterError(exc.message) from None
     entries: list[tuple[Key, torch.Tensor, torch.Tensor, float]] = []
     for (layer, module), ab in sorted(pairs.items()):
         where = f"layer {layer} {module}"

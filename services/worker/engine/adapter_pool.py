@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from services.contracts.capacity import AdapterLimits, OverCapacity
 from services.contracts.peft import TARGET_MODULES
 
 from .adapter import AdapterDigest, AdapterFiles, LoraAdapter, module_shape, parse_adapter
@@ -88,6 +89,8 @@ class AdapterPool:
     ) -> None:
         self.cfg = cfg
         self.max_rank = max_rank
+        self.limits = AdapterLimits(max_rank)
+        """What this pool holds, checked as the registry checks it at publish."""
         self.dtype = dtype
         self.element_size = torch.empty((), dtype=dtype).element_size()
         self.shapes = {m: module_shape(cfg, m) for m in TARGET_MODULES}
@@ -160,7 +163,7 @@ class AdapterPool:
             if pin:
                 self._pinned.add(key)
             return self.info(key)
-        return self.place(parse_adapter(files, self.cfg, key), pin=pin)
+        return self.place(parse_adapter(files, self.cfg, key, self.limits), pin=pin)
 
     def place(self, adapter: LoraAdapter, *, pin: bool = False) -> AdapterSlotInfo:
         """Put an already parsed, checked adapter (e.g. from a host-memory tier) into the
@@ -175,9 +178,10 @@ class AdapterPool:
             if pin:
                 self._pinned.add(key)
             return self.info(key)
-        if adapter.rank > self.max_rank:
-            raise AdapterError(f"adapter rank {adapter.rank} exceeds the pool's max_rank "
-                               f"{self.max_rank}")
+        try:
+            self.limits.check_rank(adapter.rank)
+        except OverCapacity as exc:
+            raise AdapterError(exc.message) from None
         for (layer, module), w in adapter.weights.items():
             shape = (int(w.a.shape[1]), int(w.b.shape[0]))
             if shape != self.shapes.get(module) or not 0 <= layer < self.cfg.num_hidden_layers:

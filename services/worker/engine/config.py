@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from services.contracts.capacity import DEFAULT_MAX_POSITIONS
+
 from .errors import CheckpointError, UnsupportedModelError
 
 SUPPORTED_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2"})
@@ -78,7 +80,8 @@ class ModelConfig:
                 num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
                 head_dim=int(raw.get("head_dim") or hidden // heads),
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-                max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+                max_position_embeddings=int(raw.get("max_position_embeddings")
+                                            or DEFAULT_MAX_POSITIONS),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 rope=_parse_rope(raw),
                 eos_token_ids=_eos_ids(raw.get("eos_token_id")),

@@ -129,7 +129,7 @@ def test_unknown_module_tensor_refused(tiny, tmp_path):
 
 def test_rank_above_pool_max_refused(tiny):
     eng = make_engine(tiny, max_lora_rank=8)
-    with pytest.raises(AdapterError, match="max_rank"):
+    with pytest.raises(AdapterError, match="maximum rank 8"):
         eng.load_adapter(tiny.adapters["all_r16_rs"])
 
 
