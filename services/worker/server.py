@@ -43,12 +43,10 @@ from services.worker.engine_loop import (
     choose,
 )
 from services.worker.intake import InvalidArgument, PromptRules, render_chat, work_item
-from services.worker.outputs import ResponseBuilder, TokenTexts
+from services.worker.outputs import FINISH, ResponseBuilder, TokenTexts
 
 log = logging.getLogger("loraplane.worker.server")
 
-FINISH = {"length": pb.FINISH_REASON_LENGTH, "stop": pb.FINISH_REASON_STOP,
-          "abort": pb.FINISH_REASON_ABORTED, "error": pb.FINISH_REASON_ERROR}
 INFERENCE = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 CONTROL = pb.DESCRIPTOR.services_by_name["WorkerControl"].full_name
 
