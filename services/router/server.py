@@ -26,7 +26,9 @@ from services.router.dispatch import Dispatcher, RouteError, authorize
 from services.router.model_info import model_entries, on_worker
 
 INFERENCE_SERVICE = pb.DESCRIPTOR.services_by_name["Inference"].full_name
-RPC_PERMISSIONS: dict[str, Permission] = {"Generate": Permission.INFER}
+RPC_PERMISSIONS: dict[str, Permission] = {
+    "Generate": Permission.INFER, "Tokenize": Permission.INFER,
+    "Detokenize": Permission.INFER, "ModelInfo": Permission.INFER}
 """Each RPC of the router's Inference service → the permission its caller's role needs
 (`services.contracts.roles`); a token whose role lacks it is PERMISSION_DENIED."""
 
@@ -87,7 +89,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def _unary(self, context: grpc.aio.ServicerContext, method: str, request: object,
                      signature: pb.TenantSignature, adapter: pb.AdapterRef,
                      base_model: str) -> object:
-        principal = await self._principal(context)
+        principal = await self._principal(context, method)
         try:
             return await on_worker(self.dispatcher, principal, signature, adapter,
                                    base_model or None, method, request,
@@ -111,7 +113,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         base model); `model` picks one entry (NOT_FOUND when the caller has no such)."""
         from services.router.openai_http import listed_models
 
-        principal = await self._principal(context)
+        principal = await self._principal(context, "ModelInfo")
         try:
             tenant = authorize(principal, request.tenant)
         except RouteError as error:
