@@ -295,6 +295,10 @@ class Demo:
         self.router = f"127.0.0.1:{settings.router_port}"
         self.answers: list[Answer] = []
         self.chat_prompt = chat_prompt(model_dir, QUESTION)
+        self.structured = STRUCTURED if options.base_model is None else {}
+        """The schemas asked for: on the packaged model, whose tokenizer can spell JSON and
+        whose initech adapter was trained to answer in it (another base model's
+        vocabulary may not hold the characters JSON needs)."""
 
     def run(self) -> None:
         db = make_engine(str(self.settings.database_url))
@@ -397,7 +401,7 @@ class Demo:
                                       project_id=owner.tenant.project, user_id=user),
             adapter=ref, sampling=pb.SamplingParams(max_tokens=max_tokens),
             chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content=QUESTION)]))
-        schema = STRUCTURED.get(adapter.adapter_id) if adapter is not None else None
+        schema = self.structured.get(adapter.adapter_id) if adapter is not None else None
         if schema is not None:  # as `response_format: {"type": "json_schema", ...}` asks
             request.sampling.guide.json_schema = json.dumps(schema)
             request.sampling.max_tokens = max(max_tokens, 96)
@@ -458,7 +462,7 @@ class Demo:
         import jsonschema
 
         for (who, adapter, _), (final, answer) in zip(jobs, results, strict=True):
-            schema = STRUCTURED.get(adapter.adapter_id) if adapter is not None else None
+            schema = self.structured.get(adapter.adapter_id) if adapter is not None else None
             if schema is None:
                 continue
             try:
