@@ -429,7 +429,10 @@ class InferenceClient:
         try:
             for answer in self._stub.Generate(request, timeout=self.timeout_s,
                                               metadata=self._metadata):
-                yield answer.token if answer.HasField("token") else answer.final
+                if answer.HasField("token"):
+                    yield answer.token
+                elif answer.HasField("final"):
+                    yield answer.final
         except grpc.RpcError as exc:
             raise ClientError(status_line(exc, self.address)) from None
 

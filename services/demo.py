@@ -62,6 +62,13 @@ from services.stack.stack import Stack
 console = Console()
 
 QUESTION = "What is the capital of France?"
+STRUCTURED = {"initech-json": {
+    "type": "object", "properties": {
+        "answer": {"type": "string", "maxLength": 160},
+        "confidence": {"type": "number", "minimum": 0, "maximum": 1}},
+    "required": ["answer", "confidence"], "additionalProperties": False}}
+"""Tenants whose answers are asked for with `response_format: json_schema` (the grammar
+holds each token to the schema); the demo validates what comes back."""
 """The question every tenant and the base model answer, side by side."""
 CANARY_STAGES = [5, 25, 100]
 TENANTS = (
@@ -288,6 +295,10 @@ class Demo:
         self.router = f"127.0.0.1:{settings.router_port}"
         self.answers: list[Answer] = []
         self.chat_prompt = chat_prompt(model_dir, QUESTION)
+        self.structured = STRUCTURED if options.base_model is None else {}
+        """The schemas asked for: on the packaged model, whose tokenizer can spell JSON and
+        whose initech adapter was trained to answer in it (another base model's
+        vocabulary may not hold the characters JSON needs)."""
 
     def run(self) -> None:
         db = make_engine(str(self.settings.database_url))
@@ -390,6 +401,10 @@ class Demo:
                                       project_id=owner.tenant.project, user_id=user),
             adapter=ref, sampling=pb.SamplingParams(max_tokens=max_tokens),
             chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content=QUESTION)]))
+        schema = self.structured.get(adapter.adapter_id) if adapter is not None else None
+        if schema is not None:  # as `response_format: {"type": "json_schema", ...}` asks
+            request.sampling.guide.json_schema = json.dumps(schema)
+            request.sampling.max_tokens = max(max_tokens, 96)
         metadata = (("authorization", f"Bearer {self.tokens.for_tenant(owner.tenant_path)}"),)
         for attempt in range(retries):
             try:
@@ -436,9 +451,29 @@ class Demo:
             table.add_row(who, answer.strip() or "(empty)", served, final.worker_id,
                           f"{final.time_to_first_token_ms:.0f} ms")
         console.print(table)
+        self._validate_structured(jobs, results)
         texts = {a.text for a in self.answers}
         console.print(f"{len(texts)} different answers from {len(self.answers)} requests on "
                       f"one base model; {len({a.worker for a in self.answers})} workers served")
+
+    def _validate_structured(self, jobs: list[tuple[str, TenantAdapter | None, TenantAdapter]],
+                             results: list[tuple[pb.FinalUsage, str]]) -> None:
+        """Each answer asked for with a JSON schema, parsed and validated on screen."""
+        import jsonschema
+
+        for (who, adapter, _), (final, answer) in zip(jobs, results, strict=True):
+            schema = self.structured.get(adapter.adapter_id) if adapter is not None else None
+            if schema is None:
+                continue
+            try:
+                jsonschema.validate(json.loads(answer), schema)
+            except (ValueError, jsonschema.ValidationError) as exc:
+                reason = pb.FinishReason.Name(final.finish_reason)
+                raise DemoFailed(f"{who}: the json_schema answer does not validate "
+                                 f"({reason}): {exc}") from None
+            fields = ", ".join(schema["required"])
+            console.print(f"{who}: served with response_format json_schema; the answer "
+                          f"parses and validates against its schema ({fields}): {answer}")
 
     # 4 ------------------------------------------------------------------------------------
 

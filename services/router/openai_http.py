@@ -31,7 +31,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Annotated, Any, TypeVar
 
 import grpc
@@ -50,12 +50,21 @@ from services.contracts.grpc import inference_pb2 as pb
 from services.contracts.roles import Permission, holders
 from services.registry.auth import Principal, TokenBook
 from services.router.dispatch import Dispatcher, RouteError, authorize
+from services.router.model_info import on_worker
+from services.router.openai_answers import (
+    ChunkMaker,
+    PromptAnswer,
+    chat_choices,
+    completion_choices,
+)
 from services.router.openai_schema import (
     BodyError,
     ChatBody,
     ChatMessage,
     CompletionBody,
+    DetokenizeBody,
     OpenAIBody,
+    TokenizeBody,
     http_param,
     parse,
     read_body,
@@ -76,10 +85,6 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permi
           404: "not_found_error", 409: "conflict_error", 429: "rate_limit_error",
           503: "service_unavailable_error", 504: "timeout_error"}
 _VERSION = re.compile(r"^[0-9]{1,10}$")
-_FINISH = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_STOP: "stop",
-           pb.FINISH_REASON_ABORTED: "abort", pb.FINISH_REASON_ERROR: "error",
-           pb.FINISH_REASON_UNSPECIFIED: "stop"}
-
 
 class OpenAIError(Exception):
     def __init__(self, status: int, message: str, *, code: str | None = None,
@@ -141,7 +146,9 @@ def parse_model(model: str, catalog: CatalogState) -> tuple[str | None, pb.Adapt
 def listed_models(catalog: CatalogState, tenant: TenantRef) -> list[dict[str, Any]]:
     """The caller's servable adapters and aliases as `base:name`, and the base models."""
     models = [{"id": b.name, "object": "model", "created": int(b.registered_at.timestamp()),
-               "owned_by": "loraplane"} for b in catalog.base_models.values()]
+               "owned_by": "loraplane", "root": b.name, "parent": None,
+               "max_model_len": b.config.get("max_position_embeddings")}
+              for b in catalog.base_models.values()]
     for adapter in catalog.adapters.values():
         number = adapter.active_version
         if adapter.tenant != tenant or number is None or number not in adapter.versions:
@@ -149,9 +156,11 @@ def listed_models(catalog: CatalogState, tenant: TenantRef) -> list[dict[str, An
         version = adapter.versions[number]
         if version.disabled or version.rolled_back or purged_reason(adapter, number, version):
             continue
-        models.append({"id": f"{version.published.base_model}:{adapter.adapter_id}",
+        base = version.published.base_model
+        models.append({"id": f"{base}:{adapter.adapter_id}",
                        "object": "model", "created": int(version.published_at.timestamp()),
-                       "owned_by": tenant.key})
+                       "owned_by": tenant.key, "root": f"{adapter.adapter_id}@{number}",
+                       "parent": base})
     for alias in catalog.aliases.values():
         if alias.tenant != tenant:
             continue
@@ -161,22 +170,14 @@ def listed_models(catalog: CatalogState, tenant: TenantRef) -> list[dict[str, An
         if (target is None or version is None
                 or purged_reason(target, entries[0].version, version)):
             continue
-        models.append({"id": f"{version.published.base_model}:{alias.alias}",
+        base = version.published.base_model
+        models.append({"id": f"{base}:{alias.alias}",
                        "object": "model", "created": int(alias.changed_at.timestamp()),
-                       "owned_by": tenant.key})
+                       "owned_by": tenant.key, "root": alias.alias, "parent": base})
     return sorted(models, key=lambda m: m["id"])
 
 
 # --- running requests -----------------------------------------------------------------------
-
-
-@dataclass
-class Outcome:
-    """One prompt's answer, gathered from the worker's stream."""
-
-    index: int
-    text: list[str] = field(default_factory=list)
-    final: pb.FinalUsage | None = None
 
 
 @dataclass(frozen=True)
@@ -207,8 +208,14 @@ class Front:
                 request.text = prompt
             elif prompt and isinstance(prompt[0], ChatMessage):
                 request.chat.messages.extend(
-                    pb.ChatMessage(role=m.role, content=m.text())  # role: canonical
+                    pb.ChatMessage(role=m.role, content=m.text(),  # role: canonical
+                                   tool_call_id=m.tool_call_id or "",
+                                   tool_calls=[pb.ToolCall(id=c.id, name=c.function.name,
+                                                           arguments=c.function.arguments)
+                                               for c in m.tool_calls or []])
                     for m in prompt)  # type: ignore[union-attr]
+                if isinstance(body, ChatBody):
+                    request.chat.tools.extend(body.tools_pb())
             else:
                 request.token_ids.ids.extend(prompt)  # type: ignore[arg-type]
             built.append(request)
@@ -240,17 +247,14 @@ class Front:
         return list(zip(firsts, streams, strict=True))  # type: ignore[arg-type]
 
     async def gather(self, opened: list[tuple[pb.GenerateResponse, AsyncIterator[Any]]]
-                     ) -> list[Outcome]:
+                     ) -> list[PromptAnswer]:
         async def one(index: int, first: pb.GenerateResponse,
-                      stream: AsyncIterator[pb.GenerateResponse]) -> Outcome:
-            outcome = Outcome(index)
+                      stream: AsyncIterator[pb.GenerateResponse]) -> PromptAnswer:
+            outcome = PromptAnswer(index)
             async with contextlib.aclosing(stream):  # type: ignore[type-var]
                 response: pb.GenerateResponse | None = first
                 while response is not None:
-                    if response.HasField("token"):
-                        outcome.text.append(response.token.text)
-                    elif response.HasField("final"):
-                        outcome.final = response.final
+                    outcome.add(response)
                     response = await anext(stream, None)
             return outcome
 
@@ -445,15 +449,11 @@ def create_http_app(dispatcher: Dispatcher, tokens: TokenBook) -> FastAPI:
         base, ref = parse_model(body.model, dispatcher.catalog)
         requests = front.requests(who, body, base, ref, body.prompts(), body.max_tokens)
         opened = await _unless_gone(request, front.open_streams(who, requests, base))
+        logprobs = body.logprobs is not None
         return await _respond(request, front, opened, body, f"cmpl-{requests[0].request_id}",
                               ("text_completion", "text_completion"),
-                              lambda index, response: {
-                                  "index": index, "text": response.token.text
-                                  if response.HasField("token") else "", "logprobs": None,
-                                  "finish_reason": _finish(response)},
-                              lambda o: {"index": o.index, "text": "".join(o.text),
-                                         "logprobs": None,
-                                         "finish_reason": _finish_of(o.final)})
+                              ChunkMaker(False, body.n, body.echo, logprobs),
+                              lambda o: completion_choices(o, body.n, body.echo, logprobs))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request, who: Who) -> Response:
@@ -464,24 +464,46 @@ def create_http_app(dispatcher: Dispatcher, tokens: TokenBook) -> FastAPI:
             else body.max_tokens
         requests = front.requests(who, body, base, ref, [body.messages], limit)
         opened = await _unless_gone(request, front.open_streams(who, requests, base))
-        started: set[int] = set()
-
-        def chunk(index: int, response: pb.GenerateResponse) -> dict[str, Any]:
-            delta: dict[str, Any] = {}
-            if index not in started:
-                started.add(index)
-                delta["role"] = "assistant"
-            if response.HasField("token"):
-                delta["content"] = response.token.text
-            return {"index": index, "delta": delta, "logprobs": None,
-                    "finish_reason": _finish(response)}
-
         return await _respond(request, front, opened, body,
                               f"chatcmpl-{requests[0].request_id}",
-                              ("chat.completion.chunk", "chat.completion"), chunk,
-                              lambda o: {"index": o.index, "message": {
-                                  "role": "assistant", "content": "".join(o.text)},
-                                  "logprobs": None, "finish_reason": _finish_of(o.final)})
+                              ("chat.completion.chunk", "chat.completion"),
+                              ChunkMaker(True, body.n, False, body.logprobs),
+                              lambda o: chat_choices(o, body.n, body.logprobs))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request, who: Who) -> dict[str, Any]:
+        """vLLM's route, tenant-scoped: the model resolves as for a completion."""
+        _ready()
+        body = parse(TokenizeBody, await read_body(request))
+        base, ref = parse_model(body.model, dispatcher.catalog)
+        ask = pb.TokenizeRequest(tenant=who.signature, adapter=ref, base_model=base or "")
+        if body.messages is not None:
+            ask.chat.messages.extend(pb.ChatMessage(role=m.role, content=m.text())
+                                     for m in body.messages)
+            ask.chat.tools.extend(ChatBody.tools_pb(body))  # type: ignore[arg-type]
+        else:
+            ask.text = body.prompt or ""
+        try:
+            reply = await on_worker(dispatcher, who.principal, who.signature, ref, base,
+                                    "Tokenize", ask)
+        except RouteError as error:
+            raise OpenAIError.of(error) from None
+        return {"count": reply.count, "max_model_len": reply.max_model_len,
+                "tokens": list(reply.token_ids)}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request, who: Who) -> dict[str, Any]:
+        _ready()
+        body = parse(DetokenizeBody, await read_body(request))
+        base, ref = parse_model(body.model, dispatcher.catalog)
+        ask = pb.DetokenizeRequest(tenant=who.signature, adapter=ref, base_model=base or "",
+                                   token_ids=body.tokens)
+        try:
+            reply = await on_worker(dispatcher, who.principal, who.signature, ref, base,
+                                    "Detokenize", ask)
+        except RouteError as error:
+            raise OpenAIError.of(error) from None
+        return {"prompt": reply.text}
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
@@ -552,8 +574,8 @@ async def _respond(request: Request, front: Front,
     if body.stream:
         head = {"id": rid, "object": objects[0], "created": created, "model": body.model}
         return _stream(front, opened,
-                       lambda index, response: {**head, "choices": [chunk_choice(index,
-                                                                                 response)]},
+                       lambda index, response: [{**head, "choices": [entry]} for entry in
+                                                chunk_choice.entries(index, response)],
                        (lambda finals: {**head, "choices": [], "usage": usage_of(finals)})
                        if body.include_usage else None, len(opened))
     outcomes = await _unless_gone(request, front.gather(opened))
@@ -562,23 +584,16 @@ async def _respond(request: Request, front: Front,
     return JSONResponse({
         "id": rid, "object": objects[1], "created": created, "model": body.model,
         "system_fingerprint": fingerprint(finals),
-        "choices": [full_choice(o) for o in outcomes],
+        "choices": [c for o in outcomes for c in full_choice(o)],
         "usage": usage_of(finals), "loraplane": {"served": served(finals)}})
 
 
-def _finish(response: pb.GenerateResponse) -> str | None:
-    return _finish_of(response.final) if response.HasField("final") else None
-
-
-def _finish_of(final: pb.FinalUsage | None) -> str:
-    return _FINISH.get(final.finish_reason, "stop") if final is not None else "error"
-
-
-def _raise_worker_errors(outcomes: list[Outcome]) -> None:
+def _raise_worker_errors(outcomes: list[PromptAnswer]) -> None:
     for outcome in outcomes:
         if outcome.final is not None and outcome.final.finish_reason == pb.FINISH_REASON_ERROR:
-            raise OpenAIError(502, f"the worker failed after {len(outcome.text)} tokens "
-                                   f"(trace {outcome.final.trace_id})", code="worker_error")
+            raise OpenAIError(502, f"the worker failed after {outcome.final.completion_tokens} "
+                                   f"tokens (trace {outcome.final.trace_id})",
+                              code="worker_error")
 
 
 def _stream(front: Front, opened: list[tuple[pb.GenerateResponse, AsyncIterator[Any]]],
@@ -593,7 +608,8 @@ def _stream(front: Front, opened: list[tuple[pb.GenerateResponse, AsyncIterator[
                         raise OpenAIError(502, "the worker failed mid-stream (trace "
                                                f"{response.final.trace_id})",
                                           code="worker_error")
-                yield _sse(chunk(index, response))
+                for piece in chunk(index, response):
+                    yield _sse(piece)
             if usage_chunk is not None:
                 yield _sse(usage_chunk(finals))
             yield b"data: [DONE]\n\n"

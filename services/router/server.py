@@ -22,10 +22,13 @@ from services.contracts.grpc import inference_pb2 as pb
 from services.contracts.grpc import inference_pb2_grpc as pb_grpc
 from services.contracts.roles import Permission, holders
 from services.registry.auth import Principal, TokenBook
-from services.router.dispatch import Dispatcher, RouteError
+from services.router.dispatch import Dispatcher, RouteError, authorize
+from services.router.model_info import model_entries, on_worker
 
 INFERENCE_SERVICE = pb.DESCRIPTOR.services_by_name["Inference"].full_name
-RPC_PERMISSIONS: dict[str, Permission] = {"Generate": Permission.INFER}
+RPC_PERMISSIONS: dict[str, Permission] = {
+    "Generate": Permission.INFER, "Tokenize": Permission.INFER,
+    "Detokenize": Permission.INFER, "ModelInfo": Permission.INFER}
 """Each RPC of the router's Inference service → the permission its caller's role needs
 (`services.contracts.roles`); a token whose role lacks it is PERMISSION_DENIED."""
 
@@ -81,6 +84,49 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                     ("retry-after-ms", str(max(1, round(error.retry_after_s * 1000)))),
                 ))
             await context.abort(error.code, error.message)
+
+
+    async def _unary(self, context: grpc.aio.ServicerContext, method: str, request: object,
+                     signature: pb.TenantSignature, adapter: pb.AdapterRef,
+                     base_model: str) -> object:
+        principal = await self._principal(context, method)
+        try:
+            return await on_worker(self.dispatcher, principal, signature, adapter,
+                                   base_model or None, method, request,
+                                   timeout_s=context.time_remaining() or 30.0)
+        except RouteError as error:
+            await context.abort(error.code, error.message)
+
+    async def Tokenize(self, request: pb.TokenizeRequest,
+                       context: grpc.aio.ServicerContext) -> pb.TokenizeReply:
+        return await self._unary(context, "Tokenize", request, request.tenant,  # type: ignore[return-value]
+                                 request.adapter, request.base_model)
+
+    async def Detokenize(self, request: pb.DetokenizeRequest,
+                         context: grpc.aio.ServicerContext) -> pb.DetokenizeReply:
+        return await self._unary(context, "Detokenize", request, request.tenant,  # type: ignore[return-value]
+                                 request.adapter, request.base_model)
+
+    async def ModelInfo(self, request: pb.ModelInfoRequest,
+                        context: grpc.aio.ServicerContext) -> pb.ModelInfoReply:
+        """The base models and the caller's servable adapters and aliases (`parent`: their
+        base model); `model` picks one entry (NOT_FOUND when the caller has no such)."""
+        from services.router.openai_http import listed_models
+
+        principal = await self._principal(context, "ModelInfo")
+        try:
+            tenant = authorize(principal, request.tenant)
+        except RouteError as error:
+            await context.abort(error.code, error.message)
+        catalog = self.dispatcher.catalog
+        entries = model_entries(catalog, tenant, listed_models(catalog, tenant))
+        if request.model:
+            entries = [e for e in entries if e.id == request.model
+                       or (e.parent and e.id.partition(":")[2] == request.model)]
+            if not entries:
+                await context.abort(grpc.StatusCode.NOT_FOUND,
+                                    f"model {request.model[:80]!r} does not exist")
+        return pb.ModelInfoReply(models=entries)
 
 
 class RouterHealth:

@@ -87,7 +87,8 @@ def prompt_rules(settings: Settings, engine: Engine, model_dir: Path | None) -> 
             "max_position_embeddings": cfg.max_position_embeddings})),
         default_max_tokens=settings.worker_default_max_tokens,
         tokenizer=engine.tokenizer,
-        chat_template=ChatTemplate.from_model_dir(model_dir) if model_dir else None)
+        chat_template=ChatTemplate.from_model_dir(model_dir) if model_dir else None,
+        grammars=engine.grammars)
 
 
 class WorkerRuntime:

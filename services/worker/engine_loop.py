@@ -58,6 +58,7 @@ from services.release.gate_runner import GateRun
 from services.worker.engine import (
     AdapterDigest,
     AdapterNotLoadedError,
+    ChoiceResult,
     Engine,
     EngineError,
     GenerationRequest,
@@ -121,6 +122,8 @@ class Finished:
     choice: ServingChoice | None
     ttft_ms: float
     total_ms: float
+    choices: tuple[ChoiceResult, ...] = ()
+    """Every generated sequence's end (n, best_of)."""
     durable: concurrent.futures.Future[None] | None = None
     """Set once the request's trace is in the log: the front sends FinalUsage after it
     (`worker_trace_durable`; None when off)."""
@@ -706,7 +709,8 @@ class EngineLoop:
         reason = "error" if result is None else result.finish_reason.value
         prompt = result.prompt_tokens if result is not None else len(ticket.work.prompt_ids)
         cached = result.cached_prompt_tokens if result is not None else 0
-        completion = len(result.token_ids) if result is not None else ticket.completion_tokens
+        completion = (sum(len(c.token_ids) for c in result.choices) or len(result.token_ids)
+                      if result is not None else ticket.completion_tokens)
         self.metrics.request_finished(ticket.work.tenant.key, prompt, cached)
         self.metrics.requests.labels(
             "CANCELLED" if ticket.cancelled else ("INTERNAL" if result is None else "OK")).inc()
@@ -717,7 +721,9 @@ class EngineLoop:
         ttft = ((ticket.first_token_at - ticket.arrival) * 1e3
                 if ticket.first_token_at is not None else 0.0)
         self._emit(ticket, Finished(reason, prompt, completion, cached, ticket.choice, ttft,
-                                    (now - ticket.arrival) * 1e3, durable))
+                                    (now - ticket.arrival) * 1e3,
+                                    tuple(result.choices) if result is not None else (),
+                                    durable))
 
     def _trace(self, ticket: Ticket, status: str, prompt: int, completion: int
                ) -> concurrent.futures.Future[None] | None:

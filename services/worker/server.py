@@ -45,12 +45,11 @@ from services.worker.engine_loop import (
     Ticket,
     choose,
 )
-from services.worker.intake import InvalidArgument, PromptRules, work_item
+from services.worker.intake import InvalidArgument, PromptRules, render_chat, work_item
+from services.worker.outputs import FINISH, ResponseBuilder, TokenTexts
 
 log = logging.getLogger("loraplane.worker.server")
 
-FINISH = {"length": pb.FINISH_REASON_LENGTH, "stop": pb.FINISH_REASON_STOP,
-          "abort": pb.FINISH_REASON_ABORTED, "error": pb.FINISH_REASON_ERROR}
 INFERENCE = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 CONTROL = pb.DESCRIPTOR.services_by_name["WorkerControl"].full_name
 
@@ -74,6 +73,7 @@ class InferenceService(pb_grpc.InferenceServicer):
         self.rules = rules
         self.gate = gate
         self.worker_id = worker_id
+        self.texts = TokenTexts(rules.tokenizer)
 
     async def Generate(self, request: pb.GenerateRequest | Undecodable,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
@@ -106,25 +106,73 @@ class InferenceService(pb_grpc.InferenceServicer):
         ticket = Ticket(work, sink=outputs, time_limit_s=context.time_remaining())
         self.loop.submit(ticket)
         finished = False
+        builder = ResponseBuilder(work, self.texts)
         try:
             while True:
                 for output in await outputs.get():
                     if isinstance(output, Finished):
                         finished = True
-                        if output.durable is not None:  # the trace is in the log first
-                            await asyncio.wrap_future(output.durable)
-                        yield pb.GenerateResponse(final=self._usage(work.trace_id, output))
+                        if output.durable is not None:  # the trace is in the log before
+                            await asyncio.wrap_future(output.durable)  # any end is sent
+                        held, ends = builder.on_finished(output.reason, output.choices)
+                        for response in held:
+                            yield response
+                        for end in ends:
+                            yield pb.GenerateResponse(choice_end=end)
+                        usage = self._usage(work.trace_id, output)
+                        usage.choices.extend(ends)
+                        if ends:
+                            usage.finish_reason = ends[0].finish_reason
+                        yield pb.GenerateResponse(final=usage)
                         return
                     elif isinstance(output, Refused):
                         finished = True
                         await self._refuse(context, output)  # raises: ends the call
                     else:
-                        yield pb.GenerateResponse(token=pb.TokenChunk(
-                            index=output.index, token_id=output.token_id or 0,
-                            text=output.text))
+                        for response in builder.on_event(output):
+                            yield response
         finally:
             if not finished:  # cancelled by the client, or its deadline passed
                 self.loop.cancel(ticket)
+
+    async def Tokenize(self, request: pb.TokenizeRequest,
+                       context: grpc.aio.ServicerContext) -> pb.TokenizeReply:
+        """This model's tokens for a text (special tokens as the tokenizer adds them) or a
+        chat (through its template, generation prompt included)."""
+        tok = self.rules.tokenizer
+        if tok is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "the base model has no tokenizer.json")
+        try:
+            if request.WhichOneof("prompt") == "chat":
+                ids = render_chat(request.chat, self.rules)
+            else:
+                ids = list(tok.encode(request.text).ids)
+        except InvalidArgument as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return pb.TokenizeReply(token_ids=ids, count=len(ids),
+                                max_model_len=self.rules.max_model_len)
+
+    async def Detokenize(self, request: pb.DetokenizeRequest,
+                         context: grpc.aio.ServicerContext) -> pb.DetokenizeReply:
+        tok = self.rules.tokenizer
+        if tok is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "the base model has no tokenizer.json")
+        bad = next((t for t in request.token_ids if t >= self.rules.vocab_size), None)
+        if bad is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"token_ids: {bad} is outside the vocabulary of "
+                                f"{self.rules.vocab_size}")
+        return pb.DetokenizeReply(text=tok.decode(list(request.token_ids)))
+
+    async def ModelInfo(self, request: pb.ModelInfoRequest,
+                        context: grpc.aio.ServicerContext) -> pb.ModelInfoReply:
+        """The worker's own base model (the router answers with the caller's adapters)."""
+        name = self.loop.base_model_name or ""
+        return pb.ModelInfoReply(models=[pb.ModelEntry(
+            id=name, base_model_digest=self.loop.base_digest,
+            max_model_len=self.rules.max_model_len, owned_by="loraplane")])
 
     @staticmethod
     async def _refuse(context: grpc.aio.ServicerContext, refused: Refused) -> None:

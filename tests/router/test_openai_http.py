@@ -105,7 +105,7 @@ def test_errors_come_in_openais_shape(router, fleet: Fleet) -> None:
         openai.OpenAI(api_key="wrong", base_url=f"{router.http_url}/v1",
                       max_retries=0).models.list()
     with pytest.raises(openai.BadRequestError) as bad:
-        api.completions.create(model="tiny-llama:support", prompt="x", n=2)
+        api.completions.create(model="tiny-llama:support", prompt="x", n=17)
     assert bad.value.body["param"] == "n"
     with pytest.raises(openai.BadRequestError):
         api.completions.create(model="acme-support@x", prompt="x")

@@ -67,14 +67,23 @@ def test_every_role_may_do_what_the_table_says_on_both_fronts(
     rpcs = pb.DESCRIPTOR.services_by_name["Inference"].methods_by_name
     assert set(rpcs) == set(RPC_PERMISSIONS), "every RPC declares its permission"
     stub = router.stub()
+    sig = request("acme-bot", tenant=ACME).tenant
     calls = {"Generate": lambda metadata: list(stub.Generate(
-        request("acme-bot", tenant=ACME), metadata=metadata, timeout=10))}
+        request("acme-bot", tenant=ACME), metadata=metadata, timeout=10)),
+        "Tokenize": lambda metadata: [stub.Tokenize(pb.TokenizeRequest(
+            tenant=sig, base_model="tiny-llama", text="x"), metadata=metadata, timeout=10)],
+        "Detokenize": lambda metadata: [stub.Detokenize(pb.DetokenizeRequest(
+            tenant=sig, base_model="tiny-llama", token_ids=[120]), metadata=metadata,
+            timeout=10)],
+        "ModelInfo": lambda metadata: [stub.ModelInfo(pb.ModelInfoRequest(tenant=sig),
+                                                      metadata=metadata, timeout=10)]}
     assert set(calls) == set(rpcs)
     for rpc, permission in RPC_PERMISSIONS.items():
         for role in ROLES:
             metadata = (("authorization", f"Bearer {TOKENS[role]}"),)
             if permission in ROLE_PERMISSIONS[role]:
-                assert calls[rpc](metadata)[-1].HasField("final"), (rpc, role)
+                answer = calls[rpc](metadata)[-1]
+                assert rpc != "Generate" or answer.HasField("final"), (rpc, role)
             else:
                 with pytest.raises(grpc.RpcError) as err:
                     calls[rpc](metadata)
@@ -86,7 +95,9 @@ def test_every_role_may_do_what_the_table_says_on_both_fronts(
     assert not undeclared, f"routes without a declared permission: {undeclared}"
     bodies = {"/v1/completions": {"model": "acme-bot", "prompt": "x", "max_tokens": 2},
               "/v1/chat/completions": {"model": "acme-bot", "max_tokens": 2, "messages": [
-                  {"role": "user", "content": "x"}]}}
+                  {"role": "user", "content": "x"}]},
+              "/tokenize": {"model": "acme-bot", "prompt": "x"},
+              "/detokenize": {"model": "tiny-llama", "tokens": [120]}}
     walked = 0
     for method, template, permission in table:
         if permission is None:
@@ -102,4 +113,4 @@ def test_every_role_may_do_what_the_table_says_on_both_fronts(
                 assert got.status_code == 403, (role, method, path, got.text)
                 assert got.json()["error"]["code"] == "forbidden"
             walked += 1
-    assert walked == len(ROLES) * 5
+    assert walked == len(ROLES) * 7

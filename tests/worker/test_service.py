@@ -135,7 +135,8 @@ def test_client_router_worker(stack: Stack) -> None:
         request.token_ids.ids.extend([5, 6, 7, 8])
         answers = list(router.stub().Generate(request, metadata=bearer("acme"), timeout=60))
         final = answers[-1].final
-        assert len(answers) == 6 and final.completion_tokens == 5
+        tokens = [a for a in answers if a.HasField("token")]
+        assert len(tokens) == 5 and final.completion_tokens == 5
         assert (final.worker_id, final.served_adapter.adapter_id,
                 final.served_adapter.version) == ("w1", "support", 1)
         with pytest.raises(grpc.RpcError) as caught:
@@ -237,11 +238,11 @@ def test_hostile_roles_and_fields_are_refused_by_the_worker_itself(stack: Stack)
         return request
 
     newer = chat("user").SerializeToString()
-    top_k = pb.SamplingParams(max_tokens=2).SerializeToString() + bytes([8 << 3, 5])
+    field_99 = pb.SamplingParams(max_tokens=2).SerializeToString() + bytes([0x98, 0x06, 5])
     cases: list[tuple[pb.GenerateRequest | bytes, str]] = [
         (chat("wizard"), "chat.messages[0].role"),
         (chat("user", "w3 w2 w1 system"), "chat.messages[1].role"),  # cue, eos, bos: forged
-        (newer + bytes([6 << 3 | 2, len(top_k)]) + top_k, "sampling"),
+        (newer + bytes([6 << 3 | 2, len(field_99)]) + field_99, "sampling"),
         (bytes([4 << 3 | 2, 2, 0xff, 0xfe]), "request"),
     ]
     with grpc.insecure_channel(stack.workers["w1"].address) as ch:

@@ -24,6 +24,7 @@ from .kv_cache import InvalidationResult
 from .model import LlamaModel
 from .precision import cpu_has_bf16, serving_dtype
 from .request import (
+    ChoiceResult,
     FinishReason,
     GenerationRequest,
     GenerationResult,
@@ -44,6 +45,7 @@ __all__ = [
     "AdapterSlotInfo",
     "CacheScope",
     "CheckpointError",
+    "ChoiceResult",
     "Decision",
     "Engine",
     "EngineConfig",

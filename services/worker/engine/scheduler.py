@@ -37,6 +37,8 @@ class SchedulerLimits:
 class ScheduledChunk:
     seq: Sequence
     num_tokens: int
+    row: int = 0
+    """The chunk's first token row in the step's batch (set when the batch is built)."""
 
     @property
     def samples(self) -> bool:
