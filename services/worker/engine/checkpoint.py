@@ -62,6 +62,15 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "mlp.up_proj.weight": (i, h),
             p + "mlp.down_proj.weight": (h, i),
         }
+        if cfg.qkv_bias:
+            shapes |= {p + "self_attn.q_proj.bias": (cfg.q_size,),
+                       p + "self_attn.k_proj.bias": (cfg.kv_size,),
+                       p + "self_attn.v_proj.bias": (cfg.kv_size,)}
+        if cfg.o_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
+        if cfg.mlp_bias:
+            shapes |= {p + "mlp.gate_proj.bias": (i,), p + "mlp.up_proj.bias": (i,),
+                       p + "mlp.down_proj.bias": (h,)}
     return shapes
 
 

@@ -46,6 +46,25 @@ class ModelConfig:
     rope: RopeConfig = field(default_factory=RopeConfig)
     eos_token_ids: tuple[int, ...] = ()
     model_type: str = "llama"
+    qkv_bias: bool = False
+    """q, k and v projections carry biases (Qwen2; Llama's `attention_bias`)."""
+    o_bias: bool = False
+    mlp_bias: bool = False
+    layer_windows: tuple[int | None, ...] = ()
+    """Per layer, the sliding window (a query at p sees keys after p - window) or None for
+    full attention; empty means full attention everywhere."""
+
+    def window(self, layer: int) -> int | None:
+        return self.layer_windows[layer] if self.layer_windows else None
+
+    @property
+    def kv_window(self) -> int | None:
+        """The window when every layer slides by the same one: then no layer reads a block
+        that ends before it, and those blocks can be freed."""
+        windows = set(self.layer_windows)
+        if len(windows) == 1 and len(self.layer_windows) == self.num_hidden_layers:
+            return windows.pop()
+        return None
 
     @property
     def q_size(self) -> int:
@@ -61,9 +80,6 @@ class ModelConfig:
         model_type = raw.get("model_type", "llama")
         if model_type not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModelError(f"model_type {model_type!r} is not a Llama-family model")
-        for flag in ("attention_bias", "mlp_bias"):
-            if raw.get(flag):
-                raise UnsupportedModelError(f"{flag}=true is not supported")
         if raw.get("hidden_act", "silu") != "silu":
             raise UnsupportedModelError(f"hidden_act {raw.get('hidden_act')!r} is not supported")
         try:
@@ -83,6 +99,10 @@ class ModelConfig:
                 rope=_parse_rope(raw),
                 eos_token_ids=_eos_ids(raw.get("eos_token_id")),
                 model_type=model_type,
+                qkv_bias=model_type == "qwen2" or bool(raw.get("attention_bias")),
+                o_bias=model_type == "llama" and bool(raw.get("attention_bias")),
+                mlp_bias=model_type == "llama" and bool(raw.get("mlp_bias")),
+                layer_windows=_layer_windows(raw, model_type, int(raw["num_hidden_layers"])),
             )
         except KeyError as exc:
             raise CheckpointError(f"config.json lacks required field {exc.args[0]!r}") from exc
@@ -97,6 +117,24 @@ class ModelConfig:
         if not file.is_file():
             raise CheckpointError(f"{file.name} not found in model directory")
         return cls.from_dict(json.loads(file.read_text()))
+
+
+def _layer_windows(raw: dict[str, Any], model_type: str, layers: int
+                   ) -> tuple[int | None, ...]:
+    """transformers' rules: Mistral slides every layer by `sliding_window` when it is set;
+    Qwen2 only with `use_sliding_window`, on the layers `layer_types` names (by default
+    those from `max_window_layers` on)."""
+    window = raw.get("sliding_window")
+    if model_type == "mistral":
+        return (int(window),) * layers if window is not None else ()
+    if model_type == "qwen2":
+        if not raw.get("use_sliding_window") or window is None:
+            return ()
+        types = raw.get("layer_types") or [
+            "sliding_attention" if i >= int(raw.get("max_window_layers", 28))
+            else "full_attention" for i in range(layers)]
+        return tuple(int(window) if t == "sliding_attention" else None for t in types)
+    return ()
 
 
 def _eos_ids(value: Any) -> tuple[int, ...]:

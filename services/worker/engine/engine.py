@@ -26,7 +26,7 @@ from .model import ForwardBatch, LlamaModel
 from .precision import serving_dtype
 from .request import FinishReason, GenerationRequest, GenerationResult, TokenEvent
 from .sampling import find_stop, held_back, make_generator, sample_tokens
-from .scheduler import ScheduledChunk, Scheduler, SchedulerLimits
+from .scheduler import NULL_BLOCK, ScheduledChunk, Scheduler, SchedulerLimits
 from .sequence import Sequence, SequenceStatus
 
 
@@ -92,7 +92,8 @@ class Engine:
             dtype=model.dtype,
             device=model.device,
         )
-        self.scheduler = Scheduler(self.blocks, cfg.block_size, cfg.limits, cfg.sharing_policy)
+        self.scheduler = Scheduler(self.blocks, cfg.block_size, cfg.limits, cfg.sharing_policy,
+                                   window=mc.kv_window)
         self.fusion_threshold = base_fusion_threshold(torch.device(model.device),
                                                       mc.hidden_size, cfg.max_lora_rank)
         """Adapter buckets up to this many tokens take the fused base + LoRA kernel; None
@@ -225,7 +226,7 @@ class Engine:
                    if info.scope is not None and info.scope.tenant_key == tenant_key}
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
             if seq.scope.tenant_key == tenant_key:
-                touched.update(seq.block_table)
+                touched.update(b for b in seq.block_table if b != NULL_BLOCK)
         result = self.invalidate_tenant(tenant_key, hard=True)
         self.kv.zero_blocks([b for b in touched if self.blocks.blocks[b].ref_count == 0])
         return result
@@ -259,7 +260,8 @@ class Engine:
         deferred: set[int] = set()
         for seq in self.scheduler.running:
             if not seq.publish_blocks:
-                deferred.update(b for b in seq.block_table if self.blocks.blocks[b].ref_count)
+                deferred.update(b for b in seq.block_table
+                                if b != NULL_BLOCK and self.blocks.blocks[b].ref_count)
         result.blocks_freed = len(self.blocks.free) - free_before
         result.blocks_deferred = len(deferred)
         return result
@@ -352,6 +354,7 @@ class Engine:
         for chunk in plan:
             chunk.seq.num_computed += chunk.num_tokens
             self.scheduler.publish_full_blocks(chunk.seq)
+            self.scheduler.release_outside_window(chunk.seq)
         for chunk, token in zip(sampling, tokens, strict=True):
             event = self._append_token(chunk.seq, token)
             if chunk.seq.request.on_token is not None:
@@ -411,7 +414,8 @@ class Engine:
             else:
                 span = PrefillSpan(row_start=row, q_len=n, prefix_len=start)
                 if start:
-                    span.ctx_slots = self._slots_of(table, end)
+                    span.ctx_start = self.scheduler.first_visible_block(start) * bs
+                    span.ctx_slots = self._slots_of(table, end, span.ctx_start)
                 prefills.append(span)
             if chunk.samples:
                 logits_rows.append(row + n - 1)
@@ -449,10 +453,11 @@ class Engine:
             fused_segments=fused_segments,
         )
 
-    def _slots_of(self, table: list[int], length: int) -> torch.Tensor:
+    def _slots_of(self, table: list[int], length: int, start: int = 0) -> torch.Tensor:
+        """Flat slots of positions `start` (a block boundary) to `length`."""
         bs = self.config.block_size
-        t = torch.tensor(table, dtype=torch.long)
-        return (t[:, None] * bs + torch.arange(bs)).flatten()[:length]
+        t = torch.tensor(table[start // bs:], dtype=torch.long)
+        return (t[:, None] * bs + torch.arange(bs)).flatten()[:length - start]
 
     # -- token handling ------------------------------------------------------------------
 

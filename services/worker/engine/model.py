@@ -91,6 +91,10 @@ class LayerWeights:
     o: torch.Tensor
     gate_up: torch.Tensor  # [2 * intermediate, hidden]
     down: torch.Tensor
+    qkv_bias: torch.Tensor | None = None  # [q + 2kv]
+    o_bias: torch.Tensor | None = None
+    gate_up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -145,6 +149,13 @@ class LlamaModel:
                         [tensors[p + "mlp.gate_proj.weight"], tensors[p + "mlp.up_proj.weight"]]
                     ),
                     down=tensors[p + "mlp.down_proj.weight"],
+                    qkv_bias=torch.cat([tensors[p + f"self_attn.{n}_proj.bias"] for n in "qkv"])
+                    if cfg.qkv_bias else None,
+                    o_bias=tensors[p + "self_attn.o_proj.bias"] if cfg.o_bias else None,
+                    gate_up_bias=torch.cat([tensors[p + "mlp.gate_proj.bias"],
+                                            tensors[p + "mlp.up_proj.bias"]])
+                    if cfg.mlp_bias else None,
+                    down_bias=tensors[p + "mlp.down_proj.bias"] if cfg.mlp_bias else None,
                 )
             )
         self.rope = RotaryEmbedding(cfg)
@@ -192,11 +203,16 @@ class LlamaModel:
         ws = self.workspace
 
         def project(layer: int, x: torch.Tensor, weight: torch.Tensor,
-                    modules: tuple[tuple[str, int], ...], role: str) -> torch.Tensor:
-            """Base projection plus LoRA deltas (at column offsets of packed outputs)."""
+                    modules: tuple[tuple[str, int], ...], role: str,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+            """Base projection (+ bias, as `nn.Linear` adds it) plus LoRA deltas (at column
+            offsets of packed outputs, after the bias: PEFT's order)."""
             y = ws.take(role, t, weight.shape[0])
             if split is None:
-                torch.mm(x, weight.t(), out=y)
+                if bias is None:
+                    torch.mm(x, weight.t(), out=y)
+                else:
+                    torch.addmm(bias, x, weight.t(), out=y)
                 if use_lora:
                     for module, off in modules:
                         if adapters.layer_has_lora(layer, module, slots):  # type: ignore[union-attr]
@@ -204,7 +220,7 @@ class LlamaModel:
                 return y
             # two-level batching: large buckets separate, small ones fused (rows >= split)
             if split:
-                torch.mm(x[:split], weight.t(), out=y[:split])
+                torch.mm(x[:split], weight.t(), out=y[:split])  # bias added below
                 for module, off in modules:
                     if adapters.layer_has_lora(layer, module, slots):  # type: ignore[union-attr]
                         adapters.apply(layer, module, y[:split], x[:split], idx[:split], seg,  # type: ignore[union-attr,index]
@@ -213,6 +229,8 @@ class LlamaModel:
                 adapters.apply_fused_base(  # type: ignore[union-attr]
                     layer, module, y[split:], x[split:], self.projection_weight(layer, module),
                     batch.fused_segments, off)  # type: ignore[arg-type]
+            if bias is not None:  # after the deltas here: rounding order only differs
+                y += bias
             return y
 
         heads, kv_heads, dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -228,7 +246,7 @@ class LlamaModel:
             with serial():
                 x = rms_norm(h, w.input_norm, cfg.rms_norm_eps, out=ws.take("norm", *h.shape),
                              scratch=norm_sq)
-            qkv = project(li, x, w.qkv, qkv_mods, "qkv")
+            qkv = project(li, x, w.qkv, qkv_mods, "qkv", w.qkv_bias)
             with serial():
                 q = apply_rotary(qkv[:, :qs].view(t, heads, dim), cos, sin,
                                  out=ws.take("q", t, heads, dim),
@@ -239,17 +257,17 @@ class LlamaModel:
                 v = qkv[:, qs + ks :].view(t, kv_heads, dim)
                 kv.write(li, batch.slot_mapping, k, v)
             attn = paged_attention(q, k, v, kv.k[li], kv.v[li], batch.attention, self.scale,
-                                   workspace=ws)
-            delta = project(li, attn.view(t, qs), w.o, (("o_proj", 0),), "delta")
+                                   workspace=ws, window=cfg.window(li))
+            delta = project(li, attn.view(t, qs), w.o, (("o_proj", 0),), "delta", w.o_bias)
             with serial():
                 h.add_(delta)
                 x = rms_norm(h, w.post_norm, cfg.rms_norm_eps, out=ws.take("norm", *h.shape),
                              scratch=norm_sq)
-            gu = project(li, x, w.gate_up, gate_up_mods, "gate_up")
+            gu = project(li, x, w.gate_up, gate_up_mods, "gate_up", w.gate_up_bias)
             with serial():
                 act = torch.mul(F.silu(gu[:, :inter], inplace=True), gu[:, inter:],
                                 out=ws.take("act", t, inter))
-            delta = project(li, act, w.down, (("down_proj", 0),), "delta")
+            delta = project(li, act, w.down, (("down_proj", 0),), "delta", w.down_bias)
             with serial():
                 h.add_(delta)
         last = rms_norm(h[batch.logits_rows], self.norm, cfg.rms_norm_eps)
