@@ -22,7 +22,7 @@ from .compat import CacheScope, SharingPolicy
 from .errors import AdapterNotLoadedError, RequestError
 from .kv_cache import BlockPool, InvalidationResult, KVStorage
 from .lora_ops import Segments, base_fusion_threshold
-from .model import ForwardBatch, LlamaModel
+from .model import DecoderModel, ForwardBatch
 from .precision import serving_dtype
 from .request import FinishReason, GenerationRequest, GenerationResult, TokenEvent
 from .sampling import find_stop, held_back, make_generator, sample_tokens
@@ -76,7 +76,7 @@ class EngineStats:
 class Engine:
     """Multi-LoRA generation over one base model."""
 
-    def __init__(self, model: LlamaModel, config: EngineConfig | None = None) -> None:
+    def __init__(self, model: DecoderModel, config: EngineConfig | None = None) -> None:
         cfg = config or EngineConfig()
         self.config = cfg
         self.model = model
@@ -112,7 +112,7 @@ class Engine:
     def from_pretrained(cls, model_dir: str | Path, config: EngineConfig | None = None) -> Engine:
         cfg = config or EngineConfig()
         dtype = serving_dtype(cfg.dtype, cfg.device)
-        return cls(LlamaModel.from_pretrained(model_dir, dtype, cfg.device), cfg)
+        return cls(DecoderModel.from_pretrained(model_dir, dtype, cfg.device), cfg)
 
     @property
     def base_digest(self) -> str:
@@ -163,6 +163,9 @@ class Engine:
             raise AdapterNotLoadedError(f"adapter {digest} is not loaded")
         if digest == self._merged:
             return
+        if self.adapters.has_vocab_parts(digest):
+            raise RequestError(f"adapter {digest} adapts or replaces embed_tokens or lm_head, "
+                               "which merged mode does not fold into the base weights")
         others = self.merge_blockers(digest)
         if others:
             raise RequestError(f"cannot merge adapter {digest} while {others} requests "
