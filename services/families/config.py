@@ -135,6 +135,21 @@ class ModelConfig:
         packed, lo, hi = self.lora_rows(module)
         return self.packed_shape(packed)[0], hi - lo
 
+    @property
+    def rope_depends_on_length(self) -> bool:
+        """A token's rope depends on how long its sequence is (dynamic, longrope): K/V of
+        the same tokens differ between sequences, so no block may be shared."""
+        ropes = [r for r in (self.rope, self.local_rope) if r is not None]
+        return any(r.rope_type in ("dynamic", "longrope") for r in ropes)
+
+    @property
+    def recompute_past(self) -> int | None:
+        """Phi-3 with longrope: a sequence whose cache ends at or before this position and
+        that grows past it is recomputed whole (see `Family.longrope_recompute`)."""
+        if self.family.longrope_recompute and self.rope.rope_type == "longrope":
+            return self.rope.original_max_position_embeddings
+        return None
+
     def window(self, layer: int) -> int | None:
         return self.layer_windows[layer] if self.layer_windows else None
 

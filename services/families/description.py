@@ -188,6 +188,10 @@ class Family:
     residual_multiplier_key: str | None = None
     logits_scaling_key: str | None = None
     """The logits are divided by this key's value (Granite)."""
+    longrope_recompute: bool = False
+    """Generation drops the cache once a sequence passes the pretraining length, so the
+    whole sequence is recomputed with the long factors (transformers' Phi-3
+    `prepare_inputs_for_generation`); elsewhere longrope keeps the short-factor cache."""
     legacy_rope: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None
     """Family-specific rewrites of transformers 4 rope spellings (Phi-3's "su")."""
     defaults: Mapping[str, Any] = field(default_factory=dict)

@@ -225,14 +225,17 @@ FAMILIES: dict[str, Family] = {f.model_type: replace(f, defaults=DEFAULTS[f.mode
            "(q/k norms, five local layers to one global, local rope base)",
            {**GEMMA2_KEYS, "sliding_window_pattern": IMPLEMENTED,
             "_sliding_window_pattern": HARMLESS,  # layer_types is saved beside it
-            "rope_local_base_freq": IMPLEMENTED},
+            "rope_local_base_freq": IMPLEMENTED,
+            # transformers' Gemma 3 keeps the key but never applies it (q/k norms replaced
+            # soft-capping); set, it would mean one thing here and another there
+            "attn_logit_softcapping": Refused((None,), "transformers' Gemma 3 does not "
+                                                       "apply attention soft-capping")},
            alternating(("sliding_window_pattern",), 6), norms=SANDWICH_NORMS,
            norm_style="gemma", qk_norm="head", activation_key="hidden_activation",
            activation_default="gelu_pytorch_tanh", qkv_bias="attention_bias",
            o_bias="attention_bias", rope_by_layer_type=True,
            default_theta={FULL: 1_000_000.0, SLIDING: 10_000.0},
            attention_scale="query_pre_attn_scalar",
-           attn_softcap_key="attn_logit_softcapping",
            final_softcap_key="final_logit_softcapping", embedding_scale="sqrt_hidden"),
     Family("phi3", "Phi-3", "Phi-3 / Phi-3.5 mini and medium, Phi-4-mini (fused qkv and "
            "gate_up; longrope; partial rotary)",
@@ -240,7 +243,7 @@ FAMILIES: dict[str, Family] = {f.model_type: replace(f, defaults=DEFAULTS[f.mode
             "original_max_position_embeddings": IMPLEMENTED, "resid_pdrop": HARMLESS,
             "embd_pdrop": HARMLESS}, every_layer, lora=PHI3_LORA,
            fused_qkv="self_attn.qkv_proj", fused_gate_up="mlp.gate_up_proj",
-           legacy_rope=phi3_legacy_rope),
+           longrope_recompute=True, legacy_rope=phi3_legacy_rope),
     Family("olmo2", "OLMo 2", "OLMo 2 1B-32B (norms after attention and MLP, q/k norms "
            "over all heads)", {"hidden_act": IMPLEMENTED, "attention_bias": IMPLEMENTED},
            no_windows, norms=POST_NORMS, norm_style="olmo", qk_norm="full",

@@ -93,7 +93,10 @@ class Engine:
             device=model.device,
         )
         self.scheduler = Scheduler(self.blocks, cfg.block_size, cfg.limits, cfg.sharing_policy,
-                                   window=mc.kv_window)
+                                   window=mc.kv_window, recompute_past=mc.recompute_past)
+        self.prefix_cache = cfg.prefix_cache and not mc.rope_depends_on_length
+        """Blocks are shared unless turned off, or the rope depends on the sequence's length
+        (the same tokens' K/V differ between sequences of other lengths)."""
         self.fusion_threshold = base_fusion_threshold(torch.device(model.device),
                                                       mc.hidden_size, cfg.max_lora_rank)
         """Adapter buckets up to this many tokens take the fused base + LoRA kernel; None
@@ -310,7 +313,7 @@ class Engine:
             arrival=next(self._arrivals),
             generator=make_generator(request.sampling.seed),
             slot=slot,
-            publish_blocks=self.config.prefix_cache,
+            publish_blocks=self.prefix_cache,
         )
         self._seqs[request.request_id] = seq
         self.scheduler.add(seq)
@@ -400,7 +403,9 @@ class Engine:
             toks = seq.tokens
             ids.extend(toks[start:end])
             positions.extend(range(start, end))
-            seq_lens.extend([end] * n)
+            # rope that depends on the length (dynamic, longrope) sees the whole sequence at
+            # once in transformers' prefill: every chunk of it uses the sequence's length
+            seq_lens.extend([max(end, seq.num_tokens)] * n)
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             slot = -1 if self._merged is not None else seq.slot

@@ -62,10 +62,14 @@ class Scheduler:
         limits: SchedulerLimits,
         policy: SharingPolicy = SharingPolicy.STRICT,
         window: int | None = None,
+        recompute_past: int | None = None,
     ) -> None:
         self.blocks = blocks
         self.window = window
         """Every layer's sliding window (None: some layer attends to the whole context)."""
+        self.recompute_past = recompute_past
+        """A running sequence whose cache ends at or before this position and that has
+        grown past it is recomputed whole (Phi-3's longrope, `ModelConfig.recompute_past`)."""
         self.block_size = block_size
         self.limits = limits
         self.policy = policy
@@ -234,6 +238,11 @@ class Scheduler:
         for seq in order:
             if seq.status is not SequenceStatus.RUNNING or budget == 0:
                 continue
+            past = self.recompute_past
+            if past is not None and not seq.recomputed_past and past < seq.num_tokens:
+                seq.recomputed_past = True
+                if seq.num_computed <= past:
+                    self.free_blocks(seq)
             n = min(seq.num_tokens - seq.num_computed, budget)
             while not self.grow(seq, n):
                 victims = [s for s in self.running if id(s) not in planned and s is not seq]
@@ -274,6 +283,8 @@ class Scheduler:
                 break
             if seq.cached_prompt_tokens is None:
                 seq.cached_prompt_tokens = seq.num_computed
+            if self.recompute_past is not None and seq.num_tokens > self.recompute_past:
+                seq.recomputed_past = True  # its prefill is past the length already
             self.waiting.pop(i)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
