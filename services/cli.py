@@ -300,7 +300,14 @@ def serve_worker(
         console.print("[red]set LORAPLANE_BASE_MODEL (a Hugging Face model directory) and "
                       "LORAPLANE_KAFKA_BOOTSTRAP[/red]")
         raise typer.Exit(2)
-    run_worker(settings)
+    from services.worker.engine import CheckpointError, ModelConfig
+
+    try:  # a family or field the engine cannot serve exactly: refused before anything starts
+        ModelConfig.from_dir(settings.base_model)
+        run_worker(settings)
+    except CheckpointError as exc:
+        console.print(f"[red]{settings.base_model}: {escape(str(exc))}[/red]")
+        raise typer.Exit(2) from None
 
 
 @app.command("base-digest")

@@ -110,7 +110,8 @@ class WorkerRuntime:
         self.gates.poke()
 
     def _parse(self, files: AdapterFiles, digest: AdapterDigest) -> LoraAdapter:
-        return parse_adapter(files, self.engine.model.cfg, digest)
+        return parse_adapter(files, self.engine.model.cfg, digest,
+                             self.engine.adapters.base_vocab)
 
     def wall(self) -> str | None:
         return wall_reason(self.follower.lease_at, datetime.now(UTC),

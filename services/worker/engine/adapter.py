@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
@@ -235,16 +236,22 @@ def pack_weights(entries: list[tuple[Key, torch.Tensor, torch.Tensor, float]],
 
 
 def parse_adapter(files: AdapterFiles, cfg: ModelConfig,
-                  digest: AdapterDigest | None = None) -> LoraAdapter:
-    """Validate a PEFT LoRA adapter against `cfg` and return its per-module weights."""
+                  digest: AdapterDigest | None = None,
+                  base: Mapping[str, torch.Tensor] | None = None) -> LoraAdapter:
+    """Validate a PEFT LoRA adapter against `cfg` and return its per-module weights.
+
+    `base` (embed_tokens and lm_head of the served model): a replacement weight equal to
+    the base weight in the serving dtype is dropped, since serving it changes nothing.
+    PEFT saves a copy of the base embedding beside embedding LoRA; kept, each would cost
+    a vocabulary-sized weight per adapter."""
     try:
-        return _parse(files, cfg, digest)
+        return _parse(files, cfg, digest, base or {})
     except AdapterRefused as exc:
         raise AdapterError(exc.message) from exc
 
 
-def _parse(files: AdapterFiles, cfg: ModelConfig, digest: AdapterDigest | None
-           ) -> LoraAdapter:
+def _parse(files: AdapterFiles, cfg: ModelConfig, digest: AdapterDigest | None,
+           base: Mapping[str, torch.Tensor]) -> LoraAdapter:
     spec = read_lora_config(files.config_json)
     check_targets(spec, cfg)
     try:
@@ -278,6 +285,11 @@ def _parse(files: AdapterFiles, cfg: ModelConfig, digest: AdapterDigest | None
         if module not in replaced:
             raise AdapterError(f"{CONFIG_FILE}: modules_to_save names {module}, but "
                                f"{WEIGHTS_FILE} holds no {module} weight")
+    for module, weight in list(replaced.items()):
+        served = base.get(module)
+        if served is not None and torch.equal(
+                weight.to(device=served.device, dtype=served.dtype), served):
+            del replaced[module]
     for key in expected_pairs(spec, cfg, pairs):
         for which in ("A", "B"):
             if which not in pairs.get(key, {}):

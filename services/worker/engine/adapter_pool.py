@@ -131,6 +131,9 @@ class AdapterPool:
                                         self.tables, self._row(-1, m))
                            for m in (EMBED, LM_HEAD)}
         """LoRA on embed_tokens (A [r, vocab], B.T [r, hidden]) and lm_head, by slot."""
+        self.base_vocab: dict[str, torch.Tensor] = {}
+        """The served embed_tokens and lm_head (set by the engine): replacement weights
+        equal to them are dropped when an adapter is parsed (`parse_adapter`'s `base`)."""
         self.replaced: dict[int, dict[str, torch.Tensor]] = {}
         """Slot -> the embed_tokens / lm_head weights its adapter replaces (pool views)."""
         self._by_digest: OrderedDict[AdapterDigest, int] = OrderedDict()  # LRU, oldest first
@@ -175,7 +178,7 @@ class AdapterPool:
             if pin:
                 self._pinned.add(key)
             return self.info(key)
-        return self.place(parse_adapter(files, self.cfg, key), pin=pin)
+        return self.place(parse_adapter(files, self.cfg, key, self.base_vocab), pin=pin)
 
     def place(self, adapter: LoraAdapter, *, pin: bool = False) -> AdapterSlotInfo:
         """Put an already parsed, checked adapter (e.g. from a host-memory tier) into the

@@ -92,6 +92,7 @@ class Engine:
             dtype=model.dtype,
             device=model.device,
         )
+        self.adapters.base_vocab = {"embed_tokens": model.embed, "lm_head": model.lm_head}
         self.scheduler = Scheduler(self.blocks, cfg.block_size, cfg.limits, cfg.sharing_policy,
                                    window=mc.kv_window, recompute_past=mc.recompute_past)
         self.prefix_cache = cfg.prefix_cache and not mc.rope_depends_on_length

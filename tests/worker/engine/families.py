@@ -81,7 +81,7 @@ def build_family(path: Path, variant: Variant, seed: int = 0):
 
 
 def build_lora(base, path: Path, targets: tuple[str, ...], r: int, alpha: float,
-               rslora: bool, seed: int, **extra: Any) -> Path:
+               rslora: bool, seed: int = 0, **extra: Any) -> Path:
     """A PEFT LoRA adapter with random non-zero A and B, saved with save_pretrained."""
     from peft import LoraConfig, get_peft_model
 
