@@ -3,7 +3,8 @@
 The same requests, in the same run, on the same model and adapters: the random Llama and
 workload of `bench/multi_lora.py` (hidden 1024, 8 layers, GQA, vocab 32000, fp32, CPU;
 prompts of 16-512 tokens, 8-128 output tokens each, greedy, `ignore_eos`), over
-`--adapters` PEFT adapters of ranks 8-64 published over REST.
+`--adapters` PEFT adapters of ranks 8-64 published over REST; then the same with the
+random Qwen2 of that shape (q/k/v biases, tied embeddings), in a stack of its own.
 
 - worker: Apache Kafka (embedded), a registry, one `loraplane serve worker` process; the
   bench opens one grpc.aio stream per request, all at once, and counts streamed tokens
@@ -16,6 +17,7 @@ Each side is warmed up (adapters resident) and run `--repeats` times, alternatin
 median of each is reported. Target: the worker at least 90% of the engine.
 
 Usage: python bench/serve.py [--quick] [--requests 32] [--adapters 8] [--repeats 2]
+                             [--families llama,qwen2]
 """
 
 from __future__ import annotations
@@ -119,14 +121,30 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=None, help="default 32")
     parser.add_argument("--adapters", type=int, default=None, help="default 8")
     parser.add_argument("--repeats", type=int, default=None, help="default 2")
+    parser.add_argument("--families", default="llama,qwen2",
+                        help="random models to serve, each in a stack of its own")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "serve.json"))
     args = parser.parse_args()
     record = BenchRun("serve", quick=args.quick)
     args.requests = args.requests or (12 if args.quick else 32)
     args.adapters = args.adapters or (4 if args.quick else 8)
     args.repeats = args.repeats or (1 if args.quick else 2)
+    families = args.families.split(",")
+    unknown = sorted(set(families) - {"llama", "qwen2"})
+    if unknown:
+        parser.error(f"--families: unknown {unknown} (llama, qwen2)")
+    reports = {family: serve_family(family, args) for family in families}
+    # the first family's figures stay at the top (the layout earlier runs recorded)
+    report = {**reports[families[0]], "family": families[0],
+              **{f: r for f, r in reports.items() if f != families[0]}}
+    record.save(args.out, report, figures(report))
+
+
+def serve_family(family: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One family's worker against its bare engine."""
     bases: list = []
-    with bench_stack("serve", lambda d: bases.append(build_random_base(d, 7, smoke=False)),
+    with bench_stack("serve", lambda d: bases.append(build_random_base(d, 7, smoke=False,
+                                                                       family=family)),
                      tail=False, max_upload_bytes=256 * 1024 * 1024) as (root, stack):
         targets = (ATTN, MLP, ATTN + MLP, ("q_proj", "v_proj", "down_proj"))
         dirs = []
@@ -170,8 +188,9 @@ def main() -> None:
     grpc_tok_s = statistics.median(runs["grpc"])
     report = {
         "requests": args.requests, "adapters": args.adapters, "output_tokens": tokens,
-        "model": {"hidden": 1024, "layers": 8, "heads": 16, "kv_heads": 4,
-                  "intermediate": 2816, "vocab": 32000, "dtype": "float32", "device": "cpu"},
+        "model": {"family": family, "hidden": 1024, "layers": 8, "heads": 16, "kv_heads": 4,
+                  "intermediate": 2816, "vocab": 32000, "dtype": "float32", "device": "cpu",
+                  "tied_embeddings": shape.tie_word_embeddings, "qkv_bias": shape.qkv_bias},
         "worker_settings": WORKER, "threads": torch.get_num_threads(),
         "engine_tok_s": round(engine_tok_s, 2), "grpc_tok_s": round(grpc_tok_s, 2),
         "runs_tok_s": {k: [round(x, 2) for x in v] for k, v in runs.items()},
@@ -180,21 +199,30 @@ def main() -> None:
         "load_avg_after_runs": [round(x, 2) for x in loads],
     }
     report["meets_target"] = report["grpc_vs_engine"] >= 0.9
-    record.save(args.out, report, figures(report))
+    return report
 
 
 def figures(report: dict[str, Any]) -> list[Figure]:
-    m = report["model"]
-    return [Figure(
-        "worker over gRPC, streamed tokens/s", report["grpc_tok_s"], "tokens/s",
-        baseline="the bare engine on the same requests and adapters, own process",
-        baseline_value=report["engine_tok_s"], target="ratio >= 0.90",
-        meets_target=report["meets_target"],
-        settings=(f"{report['requests']} requests at once over {report['adapters']} adapters "
-                  f"(r 8-64), random Llama hidden {m['hidden']}, {m['layers']} layers, "
-                  f"{m['dtype']} {m['device']}, greedy, {report['output_tokens']} output "
-                  f"tokens, median of {len(report['runs_tok_s']['grpc'])} alternating runs"),
-        load_average=report["load_avg_after_runs"][-1:] or None)]
+    """One figure per family served (the first one's results are at the top level)."""
+    parts = [report, *(v for k, v in report.items() if k == "qwen2" and isinstance(v, dict))]
+    out = []
+    for part in parts:
+        m = part["model"]
+        family = "Qwen2" if m.get("family") == "qwen2" else "Llama"
+        name = "worker over gRPC, streamed tokens/s" + (
+            f", random {family}" if family != "Llama" else "")
+        out.append(Figure(
+            name, part["grpc_tok_s"], "tokens/s",
+            baseline="the bare engine on the same requests and adapters, own process",
+            baseline_value=part["engine_tok_s"], target="ratio >= 0.90",
+            meets_target=part["meets_target"],
+            settings=(f"{part['requests']} requests at once over {part['adapters']} adapters "
+                      f"(r 8-64), random {family} hidden {m['hidden']}, {m['layers']} "
+                      f"layers, {m['dtype']} {m['device']}, greedy, {part['output_tokens']} "
+                      f"output tokens, median of {len(part['runs_tok_s']['grpc'])} "
+                      "alternating runs"),
+            load_average=part["load_avg_after_runs"][-1:] or None))
+    return out
 
 
 if __name__ == "__main__":
