@@ -260,7 +260,7 @@ def check_tensors(layout: SafetensorsLayout, lora: LoraConfig, base: BaseModelSh
                                  f"{WEIGHTS_FILE} holds no {module} weight",
                                  field="modules_to_save")
     order = [*cfg.family.lora, "embed_tokens", "lm_head"]
-    modules = tuple(m for m in order if any(k[1] == m for k in lora_pairs))
+    modules = tuple(m for m in order if any(k[1] == m for k in pairs))  # saved ones too
     return modules, _DTYPES[dtypes.pop()][0]
 
 
