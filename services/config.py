@@ -8,17 +8,27 @@ each variable it names is a field here.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from services.contracts.capacity import ENGINE_DTYPES
 from services.contracts.events import MERGE_PATTERN
 
 BrokerKind = Literal["auto", "apache", "tansu"]
 TierName = Literal["platinum", "gold", "silver", "bronze"]
 
+
+REMOVED = {
+    "max_lora_rank": "the registry refuses ranks above LORAPLANE_WORKER_MAX_LORA_RANK, the "
+                     "rank a worker's adapter pool holds; set that one (for every process)",
+    "blob_erasure_grace_s": "a purge erases every file of the tenant's purged versions at "
+                            "once; a publish racing it stores its own files again",
+}
+"""Settings that existed once, each with what replaced it: set, they stop the process."""
 
 class Settings(BaseSettings):
     """Process configuration, from `LORAPLANE_*` environment variables or keyword args."""
@@ -102,17 +112,16 @@ class Settings(BaseSettings):
         None, description="Content-addressed blob store (sha256/ab/abcd…); default STATE_DIR/blobs."
     )
     max_upload_bytes: int = Field(512 * 1024 * 1024, ge=1)
-    blob_erasure_grace_s: float = Field(
-        60.0, ge=0, description="A tenant purge keeps the tenant's blobs (re)written this "
-        "shortly before it: an upload in flight may be about to publish them.")
-    max_lora_rank: int = Field(128, ge=1)
-    allowed_dtypes: list[str] = Field(default_factory=lambda: ["float16", "bfloat16", "float32"])
+    allowed_dtypes: list[str] = Field(
+        default_factory=lambda: list(ENGINE_DTYPES), min_length=1,
+        description="Adapter dtypes the registry accepts and workers load (one capacity "
+        "rule, services/contracts/capacity.py): some of float16, bfloat16, float32.")
     auth_tokens: str | None = Field(
         None,
         description='JSON list of {"sha256": hex of the token, "role": admin|publisher|reader|'
-        'worker|inference, "tenant": "org/team/project" for publishers and inference callers '
-        '(a "*" segment matches any), optional "qos_tier" of an inference caller}. Tokens are '
-        'stored hashed.',
+        'worker|inference|canary (what each may do: services/contracts/roles.py), "tenant": '
+        '"org/team/project" for publishers and inference callers (a "*" segment matches '
+        'any), optional "qos_tier" of an inference caller}. Tokens are stored hashed.',
     )
 
     # --- worker ----------------------------------------------------------------------------
@@ -134,7 +143,9 @@ class Settings(BaseSettings):
         "auto", description="auto = bf16 where the hardware runs it natively (CUDA, CPUs with "
         "AVX512-BF16 or AMX), else float32 (the engine's serving_dtype).")
     worker_adapter_slots: int = Field(8, ge=1, description="Device tier: adapter slots.")
-    worker_max_lora_rank: int = Field(64, ge=1)
+    worker_max_lora_rank: int = Field(
+        64, ge=1, description="The largest LoRA rank a worker's adapter pool holds; the "
+        "registry refuses a higher one at publish (it shares this setting).")
     worker_kv_blocks: int = Field(2048, ge=1)
     worker_block_size: int = Field(16, ge=1)
     worker_max_running: int = Field(64, ge=1, description="Sequences batched at once.")
@@ -161,7 +172,14 @@ class Settings(BaseSettings):
         1.0, gt=0, description="How often workers emit WorkerHeartbeat (the router's clock "
         "for liveness: a worker that misses `router_missed_heartbeats` of them leaves the ring).")
     worker_trace_flush_s: float = Field(
-        0.5, gt=0, description="RequestServed batches: at most this old before they are sent.")
+        0.5, gt=0, description="RequestServed batches: at most this old before they are sent "
+        "(when `worker_trace_durable` is off; with it on, traces are sent at once).")
+    worker_trace_durable: bool = Field(
+        True, description="Hold each request's final message (FinalUsage) until its trace is "
+        "acknowledged by the broker, so every client that got a complete answer has a durable "
+        "trace even if the worker dies right after. Traces finishing while one write is in "
+        "flight go out together in the next (group commit); the engine never waits. Off: "
+        "traces are batched every `worker_trace_flush_s` and a kill -9 loses the last batch.")
     stale_lease_threshold_s: float = Field(
         30.0, gt=0, description="Version wall: a worker whose last registry lease is older "
         "refuses requests (UNAVAILABLE) rather than serve a possibly stale version.")
@@ -282,6 +300,27 @@ class Settings(BaseSettings):
         "admin token `loraplane up` wrote to STATE_DIR/admin.token).")
 
     log_level: str = "INFO"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_removed(cls, data: Any) -> Any:
+        """A setting that no longer exists is refused by name, not ignored (`REMOVED`)."""
+        given = set(data) if isinstance(data, dict) else set()
+        for name, why in REMOVED.items():
+            if name in given or f"LORAPLANE_{name.upper()}" in os.environ:
+                raise ValueError(f"LORAPLANE_{name.upper()} was removed: {why}")
+        return data
+
+    @field_validator("allowed_dtypes")
+    @classmethod
+    def _engine_dtypes(cls, value: list[str]) -> list[str]:
+        """Only dtypes a worker's pool holds: accepting another would publish adapters
+        that no worker loads."""
+        other = sorted(set(value) - set(ENGINE_DTYPES))
+        if other:
+            raise ValueError(f"{other} are not adapter dtypes a worker holds "
+                             f"({', '.join(ENGINE_DTYPES)})")
+        return value
 
     @property
     def registry_base_url(self) -> str:

@@ -15,9 +15,12 @@ happened to consume the two topics, so every reader of the same log agrees:
    expected worker, with `refcounts_zero` true, and its `occurred_at` is at or before the
    deadline (`requested_at + deadline_s`). Any counting ack of a worker counts, not only
    its first: a worker may ack once with references still held and again once they drop.
-3. The status is `met` when every expected worker has a counting ack (with no expected
-   worker, there was nothing to clear: met); else `missed` once `now` is past the
-   deadline; else `pending`.
+3. The tenant's blobs count as *erased* when the registry's `TenantBlobsDeleted` for this
+   purge is dated at or before the deadline (the registry deletes every blob that only the
+   purged versions reference before it writes that event, `services/registry/erasure.py`).
+4. The status is `met` when every expected worker has a counting ack (with no expected
+   worker, there was nothing to clear) AND the blobs are erased; else `missed` once `now`
+   is past the deadline; else `pending`.
 """
 
 from __future__ import annotations
@@ -68,10 +71,16 @@ def workers_done(expected: Iterable[str], acks: Iterable[PurgeAck],
     return {a.worker_id for a in acks if ack_counts(a, wanted, deadline)}
 
 
+def blobs_erased(erased_at: datetime | None, deadline: datetime) -> bool:
+    """Rule 3: the erasure is recorded, no later than the deadline."""
+    return erased_at is not None and erased_at <= deadline
+
+
 def purge_status(expected: Iterable[str], acks: Iterable[PurgeAck], requested_at: datetime,
-                 deadline_s: float, now: datetime) -> PurgeStatus:
+                 deadline_s: float, now: datetime, *,
+                 erased_at: datetime | None) -> PurgeStatus:
     wanted = set(expected)
     deadline = deadline_of(requested_at, deadline_s)
-    if wanted <= workers_done(wanted, acks, deadline):
+    if wanted <= workers_done(wanted, acks, deadline) and blobs_erased(erased_at, deadline):
         return "met"
     return "missed" if now > deadline else "pending"

@@ -72,13 +72,14 @@ def _refusal(adapter: Adapter, number: int, version: AdapterVersion) -> str | No
 
 def gate_baseline(adapter: Adapter, number: int) -> int | None:
     """The previous stable version a new version's gate compares with: the adapter's active
-    version, when there is one other than this version and it is not disabled."""
+    version, when there is one other than this version and it is neither disabled nor
+    purged."""
     active = adapter.active_version
     if active is None or active == number:
         return None
     version = adapter.versions.get(active)
-    if version is None or version.disabled:
-        return None
+    if version is None or version.disabled or version.purged_by is not None:
+        return None  # a purged version's files are erased: compare with the base model
     return active
 
 

@@ -15,10 +15,20 @@ back) takes the next servable entry in the same order; nobody else moves.
 A version the release rule refuses (`services.catalog.release`: a quality gate not
 passed, a canary rollback) is never chosen, like a disabled one.
 
-Refusals use `Refusal.kind`: `not_found` (no such adapter, alias or version),
-`forbidden` (it belongs to another tenant: never served, whatever the version), and
-`precondition` (exists but may not be served now: disabled, rolled back, not active or
-in a split, built for another base model).
+A version of a purged tenant published before the purge (`AdapterVersion.purged_by`, folded
+in `services.catalog.state`) is gone: `purged_reason` refuses it here, so the router's
+decision, a worker's on-demand loads, its prefetches and pre-warming, quality gates and
+merged mode all refuse it, and `erased_blob_reason` keeps the registry's blob route from
+handing out its files.
+
+Refusals use `Refusal.kind`: `not_found` (no such adapter, alias or version, or a version
+erased by a purge), `forbidden` (it belongs to another tenant: never served, whatever the
+version), and `precondition` (exists but may not be served now: disabled, rolled back,
+not active or in a split, built for another base model). Every front answers `forbidden`
+exactly as `not_found` (`Refusal.public`), so a caller cannot tell another tenant's name
+from a missing one; the real reason stays in the refusal's `message` for the audit.
+Another tenant's alias is passed over as if it did not exist (the name is then looked up
+as an adapter id, as a missing alias's would be).
 
 Merged mode (`serve worker --merge`) has its rule here too, `merge_target`: which version
 a worker dedicated to one adapter serves merged into its base weights. The worker and
@@ -36,7 +46,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from services.catalog.release import release_refusal
-from services.catalog.state import Adapter, AdapterVersion, CatalogState, Refusal
+from services.catalog.state import (
+    Adapter,
+    AdapterVersion,
+    CatalogState,
+    Refusal,
+    RefusalKind,
+    foreign,
+)
 from services.contracts.events import MERGE_PATTERN, SplitEntry, TenantRef
 
 POINTS = 10_000
@@ -106,14 +123,52 @@ def entry_at(split: Sequence[SplitEntry], point: int) -> int:
     return _entry_index(line_edges(split_order(split)), point)
 
 
-def unservable_reason(adapter: Adapter, number: int, version: AdapterVersion) -> str | None:
-    """Why this version may never be served now, whichever way it was asked for."""
+def purged_reason(adapter: Adapter, number: int, version: AdapterVersion) -> str | None:
+    """Why this version is gone for good (its tenant was purged after it was published), or
+    None. Whoever asks (a request, a load, a prefetch, a gate, a blob download), the answer
+    is no: a purge is what a user means by "the adapters are gone"."""
+    if version.purged_by is None:
+        return None
+    return (f"{adapter.adapter_id}@{number} no longer exists: its tenant was purged (purge "
+            f"{version.purged_by}) after it was published; publish it again to serve it")
+
+
+def unservable(adapter: Adapter, number: int, version: AdapterVersion) -> Refusal | None:
+    """`unservable_reason` with the refusal's kind: a purged version is `not_found` (it is
+    gone), any other reason `precondition` (it exists, but may not be served now)."""
+    gone = purged_reason(adapter, number, version)
+    if gone:
+        return Refusal("not_found", gone)
     if version.disabled:
         reason = f": {version.disabled_reason}" if version.disabled_reason else ""
-        return f"{adapter.adapter_id}@{number} is disabled{reason}"
+        return Refusal("precondition", f"{adapter.adapter_id}@{number} is disabled{reason}")
     if version.rolled_back:
-        return f"{adapter.adapter_id}@{number} was rolled back"
-    return release_refusal(adapter, number, version)
+        return Refusal("precondition", f"{adapter.adapter_id}@{number} was rolled back")
+    held = release_refusal(adapter, number, version)
+    return Refusal("precondition", held) if held else None
+
+
+def unservable_reason(adapter: Adapter, number: int, version: AdapterVersion) -> str | None:
+    """Why this version may never be served now, whichever way it was asked for."""
+    refusal = unservable(adapter, number, version)
+    return refusal.message if refusal is not None else None
+
+
+def erased_blob_reason(state: CatalogState, digest: str) -> str | None:
+    """Why the blob store must not hand out this blob: every version that references it
+    is purged. A blob that a live version also references (the same bytes published by
+    another tenant, or by this one after its purge) is handed out, and so is one no
+    version references (a regression set, an upload whose publish has not committed)."""
+    gone = None
+    for adapter in state.adapters.values():
+        for number, version in adapter.versions.items():
+            if digest not in version.digests():
+                continue
+            reason = purged_reason(adapter, number, version)
+            if reason is None:
+                return None
+            gone = gone or reason
+    return None if gone is None else f"blob {digest} was erased: {gone}"
 
 
 def _choice(adapter: Adapter, number: int, alias: str | None) -> ServingChoice:
@@ -125,7 +180,7 @@ def _choice(adapter: Adapter, number: int, alias: str | None) -> ServingChoice:
 def _owned(state: CatalogState, adapter_id: str, tenant: TenantRef) -> Adapter:
     adapter = state.adapter(adapter_id)  # not_found
     if adapter.tenant is not None and adapter.tenant != tenant:
-        raise Refusal("forbidden", f"adapter {adapter_id!r} belongs to another tenant")
+        raise foreign("adapter", adapter_id, adapter.tenant)
     return adapter
 
 
@@ -148,9 +203,9 @@ def resolve_pinned(state: CatalogState, tenant: TenantRef, adapter_id: str, numb
     version = adapter.versions.get(number)
     if version is None:
         raise Refusal("not_found", f"adapter {adapter_id!r} has no version {number}")
-    reason = unservable_reason(adapter, number, version)
-    if reason:
-        raise Refusal("precondition", reason)
+    refusal = unservable(adapter, number, version)
+    if refusal is not None:
+        raise refusal
     if adapter.active_version != number and not in_live_split(state, adapter_id, number):
         raise Refusal("precondition", f"{adapter_id}@{number} is neither the active version "
                                       "nor in a traffic split")
@@ -192,7 +247,7 @@ class Resolution:
     def pick(self, user_id: str) -> ServingChoice:
         outcome = self.outcomes[self.entry(user_id)]
         if isinstance(outcome, Refusal):  # a new exception each time: no traceback grows
-            raise Refusal(outcome.kind, outcome.message)
+            raise outcome.again()
         return outcome
 
 
@@ -200,15 +255,17 @@ def resolution(state: CatalogState, tenant: TenantRef, name: str, *,
                base_digest: str | None = None) -> Resolution:
     """The serving rule for references (see the module doc), for every user at once."""
     alias = state.aliases.get(name)
-    if alias is None:
+    theirs = alias is not None and alias.tenant is not None and alias.tenant != tenant
+    if alias is None or theirs:
         try:
             outcome: ServingChoice | Refusal = _active_choice(state, tenant, name, base_digest)
         except Refusal as refusal:
             outcome = refusal
+            if theirs and refusal.kind == "not_found":  # answered alike; the audit knows
+                outcome = foreign("alias", name, alias.tenant if alias else None,
+                                  answer=refusal.answer)
         return Resolution(name, tenant, (), (outcome,))
-    if alias.tenant is not None and alias.tenant != tenant:
-        refused = Refusal("forbidden", f"alias {name!r} belongs to another tenant")
-        return Resolution(name, tenant, (), (refused,))
+    assert alias is not None
     ordered = split_order(alias.split)
     outcomes = []
     for start in range(max(1, len(ordered))):  # an empty split: one refusal for everyone
@@ -226,9 +283,9 @@ def _active_choice(state: CatalogState, tenant: TenantRef, name: str,
     if number is None or number not in adapter.versions:
         raise Refusal("precondition", f"adapter {name!r} has no active version")
     version = adapter.versions[number]
-    reason = unservable_reason(adapter, number, version)
-    if reason:
-        raise Refusal("precondition", reason)
+    refusal = unservable(adapter, number, version)
+    if refusal is not None:
+        raise refusal
     choice = _choice(adapter, number, None)
     _check_base(choice, version, base_digest)
     return choice
@@ -236,8 +293,10 @@ def _active_choice(state: CatalogState, tenant: TenantRef, name: str,
 
 def _walk(state: CatalogState, name: str, ordered: Sequence[SplitEntry], start: int,
           base_digest: str | None) -> ServingChoice:
-    """From a user's entry along the line: the first servable entry serves the user."""
-    reasons = []
+    """From a user's entry along the line: the first servable entry serves the user. An
+    alias whose every entry was purged is `not_found` like its versions."""
+    reasons: list[str] = []
+    kinds: set[RefusalKind] = set()
     for step in range(len(ordered)):
         entry = ordered[(start + step) % len(ordered)]
         if entry.weight == 0:
@@ -246,15 +305,18 @@ def _walk(state: CatalogState, name: str, ordered: Sequence[SplitEntry], start: 
         version = adapter.versions.get(entry.version) if adapter else None
         if adapter is None or version is None:
             reasons.append(f"{entry.adapter_id}@{entry.version} does not exist")
+            kinds.add("precondition")
             continue
-        reason = unservable_reason(adapter, entry.version, version)
-        if reason:
-            reasons.append(reason)
+        refusal = unservable(adapter, entry.version, version)
+        if refusal is not None:
+            reasons.append(refusal.message)
+            kinds.add(refusal.kind)
             continue
         choice = _choice(adapter, entry.version, name)
         _check_base(choice, version, base_digest)
         return choice
-    raise Refusal("precondition", f"alias {name!r} has no servable version ({'; '.join(reasons)})")
+    kind: RefusalKind = "not_found" if kinds == {"not_found"} else "precondition"
+    raise Refusal(kind, f"alias {name!r} has no servable version ({'; '.join(reasons)})")
 
 
 class ResolutionCache:
@@ -316,7 +378,7 @@ class ResolutionCache:
                 found = refusal
             self._pins[key] = found
         if isinstance(found, Refusal):
-            raise Refusal(found.kind, found.message)
+            raise found.again()
         return found
 
 
@@ -348,22 +410,13 @@ def merge_target(state: CatalogState, spec: MergeSpec, *,
     Raises Refusal saying why none may be (no such adapter yet, no active version,
     disabled, rolled back away from, switched away from a pinned version, gated, built
     for another base model, its tenant purged since it was published); the worker then
-    holds nothing merged.
-
-    A purge ends merged serving for good, unlike a general worker's on-demand loads: a
-    merged worker would otherwise fetch the purged version back at once, racing the
-    registry's erasure of its blobs. A version published after the purge is served."""
+    holds nothing merged. A purge ends merged serving as it ends every other kind (the
+    purge rule of `unservable`); a version published after the purge is served."""
     adapter = state.adapter(spec.adapter_id)
     number = spec.version if spec.version is not None else adapter.active_version
     if number is None:
         raise Refusal("precondition", f"adapter {spec.adapter_id!r} has no active version")
-    choice = resolve_as_owner(state, spec.adapter_id, number, base_digest=base_digest)
-    published_at = adapter.versions[number].published_at
-    for purge in state.purges.values():
-        if purge.tenant == adapter.tenant and purge.requested_at >= published_at:
-            raise Refusal("precondition", f"{choice.pinned}: its tenant was purged (purge "
-                          f"{purge.purge_id}); publish it again to serve it merged")
-    return choice
+    return resolve_as_owner(state, spec.adapter_id, number, base_digest=base_digest)
 
 
 def resolve_as_owner(state: CatalogState, adapter_id: str, number: int, *,

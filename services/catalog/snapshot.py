@@ -45,9 +45,10 @@ from services.contracts.events import (
 )
 from services.eventlog.consumer import Record
 
-FOLD_VERSION = "catalog/4"
+FOLD_VERSION = "catalog/5"
 """catalog/1 was the fold before snapshots existed; catalog/2 lacked release state;
-catalog/3 lacked the blob erasure of purges (TenantBlobsDeleted)."""
+catalog/3 lacked the blob erasure of purges (TenantBlobsDeleted); catalog/4 lacked the
+versions a purge ended (`purged_by`) and when a purge's blobs were erased."""
 
 Document = dict[str, Any]
 
@@ -167,7 +168,8 @@ def dump_state(state: CatalogState) -> Document:
                   "override": None if v.override is None else [
                       _time(v.override[0]), v.override[1], v.override[2]],
                   "canary_rollback": None if v.canary_rollback is None else [
-                      _time(v.canary_rollback[0]), v.canary_rollback[1]]}
+                      _time(v.canary_rollback[0]), v.canary_rollback[1]],
+                  "purged_by": v.purged_by}
                  for v in a.versions.values()]}
             for a in state.adapters.values()],
         "aliases": [
@@ -178,7 +180,8 @@ def dump_state(state: CatalogState) -> Document:
             {"purge_id": p.purge_id, "tenant": _tenant(p.tenant), "deadline_s": p.deadline_s,
              "hard": p.hard, "requested_at": _time(p.requested_at),
              "expected_workers": list(p.expected_workers), "acks": [_ack(a) for a in p.acks],
-             "blobs": _model(p.blobs)}
+             "blobs": _model(p.blobs),
+             "erased_at": _time(p.erased_at) if p.erased_at else None}
             for p in state.purges.values()],
         "early_acks": {purge_id: [_ack(a) for a in acks]
                        for purge_id, acks in state.early_acks.items()},
@@ -222,7 +225,7 @@ def load_state(doc: Document) -> CatalogState:
                     v["override"][2]),
                 canary_rollback=None if v["canary_rollback"] is None else (
                     datetime.fromisoformat(v["canary_rollback"][0]), v["canary_rollback"][1]),
-                published_json=v["published"])
+                purged_by=v["purged_by"], published_json=v["published"])
     for a in doc["aliases"]:
         state.aliases[a["alias"]] = Alias(
             a["alias"], _tenant_of(a["tenant"]), a["seq"],
@@ -233,7 +236,8 @@ def load_state(doc: Document) -> CatalogState:
             p["purge_id"], _tenant_of(p["tenant"]), p["deadline_s"], p["hard"],
             datetime.fromisoformat(p["requested_at"]), tuple(p["expected_workers"]),
             [_ack_of(a) for a in p["acks"]],
-            None if p["blobs"] is None else TenantBlobsDeleted.model_validate(p["blobs"]))
+            None if p["blobs"] is None else TenantBlobsDeleted.model_validate(p["blobs"]),
+            datetime.fromisoformat(p["erased_at"]) if p["erased_at"] else None)
     state.early_acks = {purge_id: [_ack_of(a) for a in acks]
                         for purge_id, acks in doc["early_acks"].items()}
     state.tenant_seqs = {k: int(v) for k, v in doc["tenant_seqs"].items()}

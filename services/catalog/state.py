@@ -28,6 +28,11 @@ Serving rules the router and workers share (applied in `services.catalog.serving
 - An alias serves the versions of its latest `TrafficSplitChanged`, by weight.
 - A disabled version is never served, whether active or in a split; nor is a version an
   `AdapterRolledBack` rolled away from, until it is switched to again.
+- A version is *purged* (`AdapterVersion.purged_by`) when a purge of its tenant was
+  requested at or after it was published (event timestamps, so the order the tenant's and
+  the adapter's streams are read in does not matter). A purged version is gone for good:
+  never served, loaded, prefetched, gated or fetched again, whatever else happens to it;
+  a version published after the purge is not touched by it.
 
 Rollback target ("previous stable version"), computed by `rollback_target`:
   1. if the current active version declared `rollback_to` at publish time, and that
@@ -96,12 +101,49 @@ RefusalKind = Literal["not_found", "conflict", "precondition", "invalid", "forbi
 
 
 class Refusal(Exception):
-    """A command the state does not allow; `kind` maps to one HTTP status at the edge."""
+    """A command the state does not allow; `kind` maps to one HTTP status at the edge.
 
-    def __init__(self, kind: RefusalKind, message: str) -> None:
+    `message` is the real reason, for logs and the audit; `answer` is what the caller is
+    told, the same words unless the refusal is `forbidden` (see `public`)."""
+
+    def __init__(self, kind: RefusalKind, message: str, *, answer: str | None = None,
+                 answer_kind: RefusalKind = "not_found") -> None:
         super().__init__(message)
         self.kind = kind
         self.message = message
+        self.answer = answer or message
+        self.answer_kind = answer_kind
+
+    def again(self) -> Refusal:
+        """A new exception of the same refusal (a kept one re-raised grows its traceback)."""
+        return Refusal(self.kind, self.message, answer=self.answer,
+                       answer_kind=self.answer_kind)
+
+    def public(self) -> Refusal:
+        """The refusal as every front answers it: another tenant's resource (`forbidden`)
+        is answered exactly as a missing one would be (`not_found`, or the kind a missing
+        one gets where it is named inside a request, in the same words), so that no caller
+        learns which names other tenants use. The one place this mapping is made; the
+        real reason stays in `message` for the audit."""
+        if self.kind == "forbidden":
+            return Refusal(self.answer_kind, self.answer)
+        return self
+
+
+def missing(what: str, name: str) -> str:
+    """How a missing resource is answered (`adapter 'x' does not exist`): one spelling, so
+    that another tenant's resource, answered the same way, reads exactly alike."""
+    return f"{what} {name!r} does not exist"
+
+
+def foreign(what: str, name: str, owner: TenantRef | None, *, answer: str | None = None,
+            answer_kind: RefusalKind = "not_found") -> Refusal:
+    """Another tenant's resource: refused as `forbidden` with the real reason (the owner)
+    for the audit, answered as a missing one, `missing(what, name)` unless the caller
+    would be told `answer` (of `answer_kind`) were it missing."""
+    owner_key = owner.key if owner is not None else "no tenant"
+    return Refusal("forbidden", f"{what} {name!r} belongs to another tenant ({owner_key})",
+                   answer=answer or missing(what, name), answer_kind=answer_kind)
 
 
 def adapter_stream(adapter_id: str) -> str:
@@ -220,6 +262,9 @@ class AdapterVersion:
     """The latest `ReleaseOverridden`: when, by whom, why."""
     canary_rollback: tuple[datetime, str] | None = None
     """The latest canary rollout that rolled this version back: when, why."""
+    purged_by: str | None = None
+    """The purge that ended it: the earliest (by request time, then id) purge of its tenant
+    requested at or after it was published (see the module doc). None: not purged."""
     release_generation: int = 0
     """Bumped by every fold step that can change the release rule's answer (a cache key:
     not part of the state's equality, nor of its snapshot)."""
@@ -237,6 +282,13 @@ class AdapterVersion:
             self.payload = AdapterVersionPublished.model_validate(self.published_json)
         return self.payload
 
+    def digests(self) -> tuple[str, str]:
+        """(weights, config) blob digests, read from whichever form of the payload is held."""
+        if self.payload is not None:
+            return self.payload.sha256, self.payload.config_sha256
+        assert self.published_json is not None
+        return self.published_json["sha256"], self.published_json["config_sha256"]
+
     def published_document(self) -> dict[str, Any]:
         if self.published_json is None:
             self.published_json = self.published.model_dump(mode="json")
@@ -245,7 +297,7 @@ class AdapterVersion:
     def _key(self) -> tuple[Any, ...]:
         return (self.published_document(), self.published_at, self.event_id, self.position,
                 self.disabled, self.disabled_reason, self.ever_active, self.rolled_back,
-                self.seq, self.gate, self.override, self.canary_rollback)
+                self.seq, self.gate, self.override, self.canary_rollback, self.purged_by)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, AdapterVersion):
@@ -352,14 +404,20 @@ class Purge:
     """Every acknowledgement, sorted (see `services.catalog.purge` for which count)."""
     blobs: TenantBlobsDeleted | None = None
     """What the registry erased from the blob store for this purge, once it has."""
+    erased_at: datetime | None = None
+    """When the registry recorded that erasure (its `TenantBlobsDeleted` event)."""
 
     @property
     def deadline(self) -> datetime:
         return deadline_of(self.requested_at, self.deadline_s)
 
+    def covers(self, tenant: TenantRef | None, published_at: datetime) -> bool:
+        """Does this purge end a version of `tenant` published at `published_at`?"""
+        return tenant is not None and tenant == self.tenant and published_at <= self.requested_at
+
     def status(self, now: datetime) -> PurgeStatus:
         return purge_status(self.expected_workers, self.acks, self.requested_at,
-                            self.deadline_s, now)
+                            self.deadline_s, now, erased_at=self.erased_at)
 
 
 @dataclass
@@ -494,8 +552,11 @@ class CatalogState:
         adapter = self.adapters.get(p.adapter_id)
         if adapter is None:
             adapter = self.adapters[p.adapter_id] = Adapter(p.adapter_id, e.tenant)
-        adapter.versions[p.version] = AdapterVersion(e.occurred_at, str(e.event_id), position,
-                                                     seq=e.seq, payload=p)
+        version = adapter.versions[p.version] = AdapterVersion(
+            e.occurred_at, str(e.event_id), position, seq=e.seq, payload=p)
+        for purge in self.purges.values():  # a purge read before the version it ends
+            if purge.covers(adapter.tenant, e.occurred_at):
+                self._mark_purged(version, purge)
         adapter.seq = e.seq
         if p.quality_gate is not None:
             self._request_gate(p.adapter_id, p.version, p.quality_gate, e)
@@ -537,10 +598,22 @@ class CatalogState:
         p = e.payload
         assert isinstance(p, TenantPurgeRequested)
         self.tenant_seqs[e.stream] = e.seq
-        self.purges[p.purge_id] = Purge(p.purge_id, e.tenant, p.deadline_s, p.hard,
-                                        e.occurred_at, tuple(p.expected_workers),
-                                        sorted(self.early_acks.pop(p.purge_id, []),
-                                               key=_ack_order))
+        purge = self.purges[p.purge_id] = Purge(p.purge_id, e.tenant, p.deadline_s, p.hard,
+                                                e.occurred_at, tuple(p.expected_workers),
+                                                sorted(self.early_acks.pop(p.purge_id, []),
+                                                       key=_ack_order))
+        for adapter in self.adapters.values():
+            for version in adapter.versions.values():
+                if purge.covers(adapter.tenant, version.published_at):
+                    self._mark_purged(version, purge)
+
+    def _mark_purged(self, version: AdapterVersion, purge: Purge) -> None:
+        """Record the purge that ends a version: the earliest covering one, whatever order
+        the purges were read in."""
+        current = self.purges.get(version.purged_by) if version.purged_by else None
+        if current is None or (purge.requested_at, purge.purge_id) < (current.requested_at,
+                                                                      current.purge_id):
+            version.purged_by = purge.purge_id
 
     def _purged(self, e: Envelope, position: LogPosition | None) -> None:
         p = e.payload
@@ -558,6 +631,7 @@ class CatalogState:
         self.tenant_seqs[e.stream] = e.seq
         if p.purge_id in self.purges:  # same stream as its request: read after it
             self.purges[p.purge_id].blobs = p
+            self.purges[p.purge_id].erased_at = e.occurred_at
 
     def _leased(self, e: Envelope, position: LogPosition | None) -> None:
         p = e.payload
@@ -723,7 +797,7 @@ class CatalogState:
     def adapter(self, adapter_id: str) -> Adapter:
         adapter = self.adapters.get(adapter_id)
         if adapter is None or not adapter.versions:
-            raise Refusal("not_found", f"adapter {adapter_id!r} does not exist")
+            raise Refusal("not_found", missing("adapter", adapter_id))
         return adapter
 
     def version(self, adapter_id: str, version: int) -> AdapterVersion:

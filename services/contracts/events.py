@@ -219,9 +219,9 @@ class TenantBlobsDeleted(Payload):
     """The registry erased a purged tenant's adapter files from the blob store.
 
     Written on the tenant's stream right after its `TenantPurgeRequested` (so it is read
-    after it), once the files are gone. A digest another live tenant's version also
-    references stays, as does one written too recently to be sure no upload in flight is
-    about to reference it; both are listed with `kept`.
+    after it), once the files are gone. A digest that a version the purge did not end also
+    references (another tenant's, or one published after the purge) stays, listed with
+    `kept`. A purge is met only once this is written (`services.catalog.purge`).
     """
 
     purge_id: str = Field(min_length=1, max_length=64)
@@ -230,8 +230,8 @@ class TenantBlobsDeleted(Payload):
         description="The tenant's blobs no longer in the blob store (removed by this erasure).")
     kept: list[Sha256Hex] = Field(
         default_factory=list,
-        description="The tenant's blobs left in place: shared with a live tenant's version, or "
-                    "written within the upload grace period before the purge.")
+        description="The tenant's blobs left in place: a version the purge did not end holds "
+                    "the same bytes (another tenant's, or one published after the purge).")
 
 
 class RegistryLease(Payload):
@@ -346,13 +346,25 @@ class ServedRequest(_Frozen):
     completion_tokens: int = Field(ge=0)
     started_at: datetime
     finished_at: datetime
-    status: Literal["ok", "aborted", "rejected", "error"] = "ok"
+    status: Literal["ok", "aborted", "rejected", "error", "cancelled", "cut"] = Field(
+        "ok", description="ok: answered to its end (length or stop); aborted: ended by the "
+                          "platform (a purge); rejected: refused after resolution; error: the "
+                          "engine failed; cancelled: the client went away or its deadline "
+                          "passed, and the sequence was aborted; cut: the worker's stream "
+                          "broke after the answer began (the worker died), as a router "
+                          "witnessed it.")
 
 
 class RequestServed(_WorkerPayload):
     """A batch of request traces: which adapter version and digest served which request."""
 
     requests: list[ServedRequest] = Field(min_length=1)
+    witness: Literal["worker", "router"] = Field(
+        "worker", description="Who wrote the traces: the worker that served them (worker_id), "
+                              "or a router whose stream from that worker broke mid-answer, "
+                              "which the worker can no longer trace itself (the envelope's "
+                              "actor names the router). A request traced by both is the "
+                              "same request: readers keep the worker's trace.")
 
 
 # --- release safety: quality gates and canary rollouts (services/release) ---------------

@@ -9,12 +9,13 @@ state before" is a property of the fold alone.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
 
 from services.catalog.release import GateSpec, gate_baseline, gate_request, release_refusal
+from services.catalog.serving import purged_reason
 from services.catalog.state import (
     LEASE_STREAM,
     Adapter,
@@ -24,6 +25,7 @@ from services.catalog.state import (
     adapter_stream,
     alias_stream,
     base_model_stream,
+    foreign,
     rollback_target,
     tenant_stream,
 )
@@ -108,8 +110,9 @@ def precheck_publish(state: CatalogState, request: PublishRequest,
     nothing, and again (inside `publish_version`) when the event is decided."""
     adapter = state.adapters.get(request.adapter_id)
     if adapter is not None and adapter.tenant is not None and adapter.tenant != request.tenant:
-        raise Refusal("conflict", f"adapter {request.adapter_id!r} belongs to tenant "
-                                  f"{adapter.tenant.key}, not {request.tenant.key}")
+        raise foreign("adapter", request.adapter_id, adapter.tenant, answer_kind="conflict",
+                      answer=f"adapter id {request.adapter_id!r} is taken: adapter ids are "
+                             "unique across tenants")
     _check_expected("adapter", request.adapter_id, adapter.seq if adapter else 0, expected)
     if adapter is not None:
         taken = adapter.label_taken(request.label)
@@ -176,6 +179,9 @@ def switch_active(state: CatalogState, adapter_id: str, to_version: int,
     target = adapter.versions.get(to_version)
     if target is None:
         raise Refusal("invalid", f"adapter {adapter_id!r} has no version {to_version}")
+    gone = purged_reason(adapter, to_version, target)
+    if gone:
+        raise Refusal("conflict", gone)
     if target.disabled:
         raise Refusal("conflict", f"version {to_version} is disabled; enable it first")
     if adapter.active_version == to_version:
@@ -203,6 +209,9 @@ def roll_back(state: CatalogState, adapter_id: str, to_version: int | None, reas
     target = adapter.versions.get(to_version)
     if target is None:
         raise Refusal("invalid", f"adapter {adapter_id!r} has no version {to_version}")
+    gone = purged_reason(adapter, to_version, target)
+    if gone:
+        raise Refusal("conflict", gone)
     if target.disabled:
         raise Refusal("conflict", f"version {to_version} is disabled")
     if to_version == current:
@@ -231,8 +240,12 @@ def set_disabled(state: CatalogState, adapter_id: str, version: int, disabled: b
 
 
 def set_split(state: CatalogState, alias: str, split: Iterable[SplitEntry],
-              expected: int | None = None, idempotency_key: str | None = None) -> Decision:
-    """A traffic split: weights sum to 100, every version exists and is enabled, one tenant."""
+              expected: int | None = None, idempotency_key: str | None = None, *,
+              usable: Callable[[TenantRef | None], bool] | None = None) -> Decision:
+    """A traffic split: weights sum to 100, every version exists and is enabled, one tenant.
+
+    `usable` says whose adapters the caller may put in a split: another tenant's entry is
+    refused exactly as a missing one (`foreign`), at the same point of the checks."""
     entries = tuple(split)
     current = state.aliases.get(alias)
     _check_expected("alias", alias, current.seq if current else 0, expected)
@@ -251,8 +264,15 @@ def set_split(state: CatalogState, alias: str, split: Iterable[SplitEntry],
         seen.add(key)
         adapter = state.adapters.get(entry.adapter_id)
         version = adapter.versions.get(entry.version) if adapter else None
+        absent = f"{entry.adapter_id} version {entry.version} does not exist"
         if adapter is None or version is None:
-            raise Refusal("invalid", f"{entry.adapter_id} version {entry.version} does not exist")
+            raise Refusal("invalid", absent)
+        if usable is not None and not usable(adapter.tenant):
+            raise foreign("adapter", entry.adapter_id, adapter.tenant, answer=absent,
+                          answer_kind="invalid")
+        gone = purged_reason(adapter, entry.version, version) if entry.weight else None
+        if gone:
+            raise Refusal("conflict", gone)
         if version.disabled and entry.weight > 0:
             raise Refusal("conflict", f"{entry.adapter_id} version {entry.version} is disabled")
         refused = release_refusal(adapter, entry.version, version) if entry.weight else None

@@ -9,8 +9,8 @@ special support), and copied to the caller's sink (the blob store's temporary fi
 
 The rules are the ones a worker's engine loads adapters by (`services.families.adapters`,
 read against the base model's family description), so the registry never publishes an
-adapter a worker would refuse; that module keeps no torch dependency, and neither does
-this one.
+adapter a worker would refuse; the limits both check (rank, dtype) are one rule they both
+call, `services.contracts.capacity`. This module keeps no torch dependency.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from typing import IO, Any
 
 import numpy as np
 
+from services.contracts.capacity import AdapterLimits, OverCapacity
 from services.families import ModelConfig
 from services.families.adapters import (
     CONFIG_FILE,
@@ -97,6 +98,14 @@ class BaseModelShape:
 
 
 LoraConfig = LoraSpec
+
+
+def over_capacity(exc: OverCapacity, *, tensor: str | None = None,
+                  field: str | None = None) -> UploadRejected:
+    """A limit of the fleet (`services.contracts.capacity`): 422 naming it (`limit`)."""
+    where = f"{CONFIG_FILE}: " if field == "adapter_config" else \
+        f"tensor {tensor}: " if tensor else f"{WEIGHTS_FILE}: "
+    return UploadRejected(where + exc.message, tensor=tensor, field=field, limit=exc.limit)
 
 
 def too_large_config(size: int) -> UploadRejected:
@@ -208,19 +217,20 @@ def read_header(source: IO[bytes], total_size: int) -> SafetensorsLayout:
 
 
 def check_tensors(layout: SafetensorsLayout, lora: LoraConfig, base: BaseModelShape, *,
-                  max_rank: int, allowed_dtypes: list[str]) -> tuple[tuple[str, ...], str]:
-    """PEFT naming, coverage, shapes, rank and dtype by the family's description; returns
-    (modules, dtype)."""
-    if lora.max_rank > max_rank:
-        raise UploadRejected(f"{CONFIG_FILE}: r={lora.max_rank} exceeds the maximum rank "
-                             f"{max_rank}")
+                  limits: AdapterLimits) -> tuple[tuple[str, ...], str]:
+    """PEFT naming, coverage and shapes by the family's description, and the fleet's
+    limits; returns (modules, dtype)."""
+    try:
+        limits.check_rank(lora.max_rank)
+    except OverCapacity as exc:
+        raise over_capacity(exc, field="adapter_config") from None
     if not layout.tensors:
         raise UploadRejected(f"{WEIGHTS_FILE} contains no tensors")
     cfg = base.config
     try:
         check_targets(lora, cfg)
-    except AdapterRefused as exc:
-        raise UploadRejected(exc.message, field=exc.field) from exc
+    except AdapterRefused as exc:  # the family's modules: a limit of what workers serve
+        raise UploadRejected(exc.message, field=exc.field, limit="target_modules") from exc
     dtypes = set()
     pairs: dict[tuple[int, str], dict[str, TensorEntry]] = {}
     for entry in layout.tensors:
@@ -228,11 +238,12 @@ def check_tensors(layout: SafetensorsLayout, lora: LoraConfig, base: BaseModelSh
             role = classify_tensor(entry.name, lora, cfg)
         except AdapterRefused as exc:
             raise UploadRejected(exc.message, tensor=entry.name) from exc
-        if entry.dtype not in _DTYPES or _DTYPES[entry.dtype][0] not in allowed_dtypes:
-            name = _DTYPES[entry.dtype][0] if entry.dtype in _DTYPES else entry.dtype
-            raise UploadRejected(f"tensor {entry.name} has dtype {name}; allowed: "
-                                 f"{allowed_dtypes}", tensor=entry.name)
-        dtypes.add(entry.dtype)
+        name = _DTYPES[entry.dtype][0] if entry.dtype in _DTYPES else entry.dtype
+        try:
+            limits.check_dtypes({name})
+        except OverCapacity as exc:
+            raise over_capacity(exc, tensor=entry.name) from None
+        dtypes.add(name)
         if role.which in pairs.setdefault(role.key, {}):
             raise UploadRejected(f"tensor {entry.name} duplicates another "
                                  f"{role.module} {role.which}", tensor=entry.name)
@@ -242,8 +253,10 @@ def check_tensors(layout: SafetensorsLayout, lora: LoraConfig, base: BaseModelSh
             raise UploadRejected(f"tensor {entry.name} has shape {list(entry.shape)}, expected "
                                  f"{list(want)} (r={lora.rank_of(role.path)}, {role.module})",
                                  tensor=entry.name)
-    if len(dtypes) > 1:
-        raise UploadRejected(f"{WEIGHTS_FILE} mixes dtypes {sorted(dtypes)}")
+    try:
+        dtype = limits.check_dtypes(dtypes)
+    except OverCapacity as exc:
+        raise over_capacity(exc, field="adapter_model") from None
     lora_pairs = {k for k, v in pairs.items() if "A" in v or "B" in v}
     try:
         expected = expected_pairs(lora, cfg, lora_pairs)
@@ -261,7 +274,7 @@ def check_tensors(layout: SafetensorsLayout, lora: LoraConfig, base: BaseModelSh
                                  field="modules_to_save")
     order = [*cfg.family.lora, "embed_tokens", "lm_head"]
     modules = tuple(m for m in order if any(k[1] == m for k in pairs))  # saved ones too
-    return modules, _DTYPES[dtypes.pop()][0]
+    return modules, dtype
 
 
 # --- the data ------------------------------------------------------------------------------
@@ -293,8 +306,8 @@ def scan_data(source: IO[bytes], layout: SafetensorsLayout, hasher: Any,
 
 
 def validate_adapter(config_bytes: bytes, weights: IO[bytes], weights_size: int,
-                     base_config: Mapping[str, Any], *, max_rank: int,
-                     allowed_dtypes: list[str], sink: IO[bytes] | None = None,
+                     base_config: Mapping[str, Any], *, limits: AdapterLimits,
+                     sink: IO[bytes] | None = None,
                      base_name: str | None = None) -> ArtifactFacts:
     """Every check, in order of cost; the weights are read once and copied to `sink`.
 
@@ -307,8 +320,7 @@ def validate_adapter(config_bytes: bytes, weights: IO[bytes], weights_size: int,
         raise UploadRejected(f"registered base model: {exc}") from exc
     layout = read_header(weights, weights_size)
     try:
-        modules, dtype = check_tensors(layout, lora, base, max_rank=max_rank,
-                                       allowed_dtypes=allowed_dtypes)
+        modules, dtype = check_tensors(layout, lora, base, limits=limits)
     except UploadRejected as exc:
         declared = lora.declared_base
         if declared and base_name and not declared_base_matches(declared, base_name,

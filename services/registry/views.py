@@ -106,7 +106,10 @@ class VersionView(BaseModel):
     published_at: datetime
     disabled: bool = False
     disabled_reason: str = ""
-    active: bool = False
+    active: bool = Field(False, description="The adapter's active version (never a purged one)")
+    purged: bool = Field(False, description="A purge of its tenant, requested at or after it was "
+                                            "published, erased it: never served or fetched again")
+    purged_by: str | None = Field(None, description="The purge that erased it")
     warnings: list[str] = Field(default_factory=list,
                                 description="Things a publisher should check (in the 201)")
     event: EventRef | None = None
@@ -139,7 +142,8 @@ def version_view(adapter: Adapter, version: AdapterVersion) -> VersionView:
     return VersionView(
         **_version_fields(p), tenant=adapter.tenant, published_at=version.published_at,
         disabled=version.disabled, disabled_reason=version.disabled_reason,
-        active=adapter.active_version == p.version,
+        active=adapter.active_version == p.version and version.purged_by is None,
+        purged=version.purged_by is not None, purged_by=version.purged_by,
         event=EventRef(event_id=version.event_id, type=AdapterVersionPublished.event_type(),
                        stream=f"adapter/{adapter.adapter_id}", seq=version.seq,
                        topic=version.position.topic if version.position else None,
@@ -155,6 +159,7 @@ class AdapterView(BaseModel):
     latest_version: int
     versions: int
     disabled_versions: list[int]
+    purged_versions: list[int] = Field(description="Versions a purge of the tenant erased")
     rollback_target: int | None = Field(description="Where a rollback without to_version goes")
 
 
@@ -164,6 +169,7 @@ def adapter_view(adapter: Adapter) -> AdapterView:
         active_version=adapter.active_version, latest_version=adapter.latest_version,
         versions=len(adapter.versions),
         disabled_versions=sorted(n for n, v in adapter.versions.items() if v.disabled),
+        purged_versions=sorted(n for n, v in adapter.versions.items() if v.purged_by),
         rollback_target=rollback_target(adapter))
 
 
@@ -243,7 +249,8 @@ class PurgeView(BaseModel):
     deadline: datetime
     deadline_s: float
     hard: bool
-    status: str = Field(description="met | missed | pending")
+    status: str = Field(description="met (every expected worker acknowledged and the blobs "
+                                    "were erased, both by the deadline) | missed | pending")
     expected_workers: list[str] = Field(
         description="Workers with a fresh heartbeat when the purge was requested (listed in "
                     "the request event); each must acknowledge")
@@ -252,8 +259,11 @@ class PurgeView(BaseModel):
         None, description="The tenant's adapter blobs erased from the blob store (null until "
                           "the erasure is recorded)")
     blobs_kept: list[str] | None = Field(
-        None, description="The tenant's blobs left in place: shared with a live tenant, or "
-                          "written during the upload grace period")
+        None, description="The tenant's blobs left in place: a version the purge did not "
+                          "erase holds the same bytes (another tenant's, or one published "
+                          "after the purge)")
+    blobs_erased_at: datetime | None = Field(
+        None, description="When the erasure was recorded (null until it is)")
     event: EventRef | None = None
 
 
@@ -271,4 +281,4 @@ def purge_view(purge: Purge, now: datetime, event: EventRef | None = None) -> Pu
               for a in sorted(purge.acks, key=lambda a: a.acked_at)],
         blobs_deleted=list(purge.blobs.deleted) if purge.blobs else None,
         blobs_kept=list(purge.blobs.kept) if purge.blobs else None,
-        event=event)
+        blobs_erased_at=purge.erased_at, event=event)

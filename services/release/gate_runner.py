@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from services.catalog.serving import purged_reason
 from services.catalog.state import CatalogState, GateState
 from services.contracts.events import GateCaseResult, QualityGateCompleted
 from services.release.gate import gate_output
@@ -70,14 +71,18 @@ class GateJob:
 
 
 def gates_to_run(state: CatalogState, worker_id: str) -> list[GateState]:
-    """Pending gates assigned to this worker that it has not answered yet."""
+    """Pending gates assigned to this worker that it has not answered yet. Not the gate of
+    a version a purge ended (`services.catalog.serving.purged_reason`): its files are
+    erased and it will never be served (the registry expires the gate)."""
     found = []
-    for gate_id in state.gates:
+    for gate_id, (adapter_id, number) in state.gates.items():
         gate = state.gate(gate_id)
         if (gate is not None and gate.status == "pending"
                 and gate.request.worker_id == worker_id
                 and not any(r.worker_id == worker_id for _, r in gate.results)):
-            found.append(gate)
+            adapter = state.adapters[adapter_id]
+            if purged_reason(adapter, number, adapter.versions[number]) is None:
+                found.append(gate)
     return found
 
 

@@ -28,6 +28,7 @@ from services.router.follower import LogFollower
 from services.router.metrics import RouterMetrics
 from services.router.openai_http import create_http_app
 from services.router.server import RouterHealth, build_server
+from services.router.witness import CutWitness
 
 log = logging.getLogger("loraplane.router")
 
@@ -47,6 +48,8 @@ class RouterApp:
         self.router_id = router_id or settings.router_id or f"router-{uuid.uuid4().hex[:12]}"
         self.metrics = RouterMetrics()
         self.dispatcher = Dispatcher(settings, self.metrics)
+        self.witness = CutWitness(settings, self.router_id)
+        self.dispatcher.witness = self.witness
         self.tokens = TokenBook.from_setting(settings.auth_tokens)
         self.follower = LogFollower(settings, self.router_id)
         self.grpc_port = settings.router_port if grpc_port is None else grpc_port
@@ -97,6 +100,7 @@ class RouterApp:
             await grpc_server.stop(grace=5)
             await http_task
             await self.dispatcher.close()
+            await asyncio.to_thread(self.witness.stop)
             await asyncio.to_thread(self.follower.close)
             self.metrics.ready.set(0)
 
@@ -111,6 +115,7 @@ class RouterApp:
                 log.warning("router cannot replay the log yet, retrying: %s", exc)
                 await asyncio.sleep(1.0)
         d.tick()
+        self.witness.start()
         d.start_serving()
         self.metrics.ready.set(1)
         await self.health.set(True)
@@ -134,6 +139,7 @@ class RouterApp:
     def _fold_replayed(self, envelope: object, seen_at: float) -> None:
         # Runs in the replay thread before the router is ready: nothing reads the state yet.
         self.dispatcher.fold(envelope, seen_at)  # type: ignore[arg-type]
+        self.witness.observe(envelope)  # type: ignore[arg-type]
 
     def _fold_live(self, records: list[Record]) -> None:
         now = self.dispatcher.clock()

@@ -5,7 +5,8 @@ hand every request to `Dispatcher.generate`, so both get the same resolution, pl
 limits and failover. State is folded from the log on the event loop's thread
 (`services.router.app`), so nothing here takes a lock: one decision sees one state.
 
-Steps of a request:
+Steps of a request (after `services.contracts.generate`'s check of the request, the one
+the workers make too; its base model's limits are checked once step 2 knows the model):
 1. Tenant from the token (`authorize`): a tenant-scoped token's org/team/project is the
    tenant; the request may only repeat it or fill the segments the token leaves as `*`.
 2. Version (`services.catalog.serving`): an alias by its split, sticky per user; an
@@ -19,7 +20,11 @@ Steps of a request:
    when the placement is cold. A refusal is RESOURCE_EXHAUSTED with a retry-after.
 5. Forwarding with the client's deadline. A worker that fails before its first response is
    replaced once by the next ring worker; after the first response the worker's error
-   goes to the client as it is. Every attempt is written into the request's `RouteTrace`.
+   goes to the client as it is, and the request is traced `cut` by the router's witness
+   (`services.router.witness`): a worker that died cannot trace it. Every attempt is
+   written into the request's `RouteTrace`. A client that leaves (a gRPC cancel or
+   deadline, an HTTP disconnect) closes the request's stream here, which cancels the
+   worker's call: the worker aborts the sequence and traces it `cancelled`.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
 from typing import NamedTuple
 
 import grpc
@@ -46,19 +52,28 @@ from services.catalog.serving import (
     ResolutionCache,
     ServingChoice,
     merge_target,
+    purged_reason,
 )
 from services.catalog.state import CatalogState, Refusal
 from services.config import Settings
-from services.contracts.events import SLUG_PATTERN, Envelope, TenantRef
+from services.contracts.events import SLUG_PATTERN, Envelope, ServedRequest, TenantRef
+from services.contracts.generate import (
+    InvalidArgument,
+    ModelLimits,
+    check_generate,
+    check_limits,
+)
 from services.contracts.grpc import inference_pb2 as pb
 from services.contracts.grpc import inference_pb2_grpc as pb_grpc
 from services.contracts.qos import TIER_TO_PROTO, lower_tier, tier_of
-from services.registry.auth import TENANT_SCOPED, Principal
+from services.contracts.roles import TENANT_SCOPED, Permission
+from services.registry.auth import Principal
 from services.router.limits import DEFAULT_TIER, Admission, Limits
 from services.router.membership import Membership
 from services.router.metrics import RouterMetrics
 from services.router.prewarm import RecentAdapter, RecentUse, plan
 from services.router.ring import Placement, Ring, Tier, place_on, ring_key
+from services.router.witness import CutWitness
 
 log = logging.getLogger("loraplane.router")
 trace_log = logging.getLogger("loraplane.router.trace")
@@ -74,7 +89,6 @@ HINT_EVERY_S = 2.0
 
 _SLUG = re.compile(SLUG_PATTERN)
 _REFUSAL_CODES = {"not_found": grpc.StatusCode.NOT_FOUND,
-                  "forbidden": grpc.StatusCode.PERMISSION_DENIED,
                   "precondition": grpc.StatusCode.FAILED_PRECONDITION,
                   "invalid": grpc.StatusCode.INVALID_ARGUMENT,
                   "conflict": grpc.StatusCode.FAILED_PRECONDITION}
@@ -85,11 +99,17 @@ class RouteError(Exception):
 
     def __init__(self, code: grpc.StatusCode, message: str, reason: str, *,
                  retry_after_s: float | None = None, retry_after: str | None = None,
-                 after_first_token: bool = False) -> None:
+                 after_first_token: bool = False, field: str | None = None,
+                 audit: str | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.reason = reason
+        self.field = field
+        """The request field at fault (its proto path), where one is."""
+        self.audit = audit
+        """The real reason where the caller is told less (another tenant's adapter or
+        alias, answered as a missing one): logged to the route trace log, never sent."""
         self.retry_after_s = retry_after_s
         self.retry_after = retry_after
         """Whole seconds for HTTP `Retry-After` / gRPC `retry-after` metadata."""
@@ -165,13 +185,17 @@ def _authorize(principal: Principal, *asked: str) -> TenantRef:
     """Cached per token and asked tenant: the same callers ask again and again, and a refusal
     (an exception) is never cached."""
     names = ("org", "team", "project")
-    if principal.role == "admin":
+    if not principal.holds(Permission.INFER):
+        raise RouteError(grpc.StatusCode.PERMISSION_DENIED,
+                         f"role {principal.role} may not run inference", "forbidden")
+    if principal.role not in TENANT_SCOPED:
         if not all(asked):
             raise RouteError(grpc.StatusCode.INVALID_ARGUMENT,
-                             "an admin token must name the tenant (org, team, project)",
-                             "invalid")
+                             f"an {principal.role} token must name the tenant (org, team, "
+                             "project)", "invalid")
         values = list(asked)
-    elif principal.role in TENANT_SCOPED and principal.tenant_pattern is not None:
+    else:
+        assert principal.tenant_pattern is not None  # TokenBook gives scoped roles one
         values = []
         for name, scope, value in zip(names, principal.tenant_pattern, asked, strict=True):
             if scope != "*":
@@ -186,9 +210,6 @@ def _authorize(principal: Principal, *asked: str) -> TenantRef:
                                  "invalid")
             else:
                 values.append(value)
-    else:
-        raise RouteError(grpc.StatusCode.PERMISSION_DENIED,
-                         f"role {principal.role} may not run inference", "forbidden")
     return _tenant(values[0], values[1], values[2])
 
 
@@ -278,8 +299,25 @@ def _same(kept: tuple[object, ...], fresh: tuple[object, ...]) -> bool:
         for a, b in zip(kept, fresh, strict=True))
 
 
+def _checked(check: Callable[..., None], *args: object) -> None:
+    """A rule of `services.contracts.generate` (the one the workers check too), its
+    refusal as a RouteError."""
+    try:
+        check(*args)
+    except InvalidArgument as exc:
+        raise RouteError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), "invalid",
+                         field=exc.field) from None
+
+
 def _refused(refusal: Refusal) -> RouteError:
-    return RouteError(_REFUSAL_CODES[refusal.kind], refusal.message, refusal.kind)
+    """The serving rule's refusal as the caller is answered (`Refusal.public`: another
+    tenant's name reads as a missing one), the real reason kept in `audit`; `not_found`
+    (no such adapter, alias or version, or one a purge erased) is OpenAI's
+    `model_not_found` on the HTTP front."""
+    answer = refusal.public()
+    reason = "model_not_found" if answer.kind == "not_found" else answer.kind
+    return RouteError(_REFUSAL_CODES[answer.kind], answer.message, reason,
+                      audit=refusal.message if answer is not refusal else None)
 
 
 def _no_worker(pooled: bool, interval_s: float) -> RouteError:
@@ -319,6 +357,9 @@ class Dispatcher:
         self._hinted: dict[tuple[str, str, int], float] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._routes: dict[tuple[object, ...], CallerRoute] = {}
+        self._limits: dict[str, ModelLimits] = {}
+        self.witness: CutWitness | None = None
+        """Traces requests cut mid-stream (set by the app; None: not traced)."""
 
     def start_serving(self) -> None:
         """The log is replayed: answer requests from now on. The replayed state is most of the
@@ -553,14 +594,24 @@ class Dispatcher:
         asked = Asked(request.tenant, request.adapter, base_model)
         tenant_label = adapter_label = "-"
         try:
+            _checked(check_generate, request)
             try:
                 decision = self.decide(principal, asked, started)
             finally:
                 self.metrics.route_seconds.observe(self.clock() - started)
+            limits = self._model_limits(decision.base_digest)
+            if limits is not None:
+                _checked(check_limits, request, limits)
         except RouteError as error:
             self.metrics.rejections.labels(error.reason).inc()
             self.metrics.requests.labels(tenant_label, adapter_label, front,
                                          error.reason).inc()
+            if error.audit is not None:  # the caller was told less: the real reason here
+                trace_log.info("%s", json.dumps({
+                    "trace_id": trace_id, "request_id": request_id, "front": front,
+                    "tenant": authorize(principal, asked.signature).key,
+                    "status": error.reason, "answered": error.message,
+                    "reason": error.audit}))
             raise
         choice, placement = decision.choice, decision.placement
         tenant_label = decision.tenant.key
@@ -575,8 +626,8 @@ class Dispatcher:
         workers = [placement.worker] + ([placement.fallback] if placement.fallback else [])
         outcome = "error"
         try:
-            async for response in self._forward(forwarded, workers, deadline, trace, started,
-                                                front):
+            async for response in self._forward(forwarded, decision, workers, deadline, trace,
+                                                started, front):
                 yield response
             outcome = "ok"
         except RouteError as error:
@@ -594,6 +645,20 @@ class Dispatcher:
             level = logging.INFO if outcome in ("ok", "cancelled") else logging.WARNING
             if trace_log.isEnabledFor(level):
                 trace_log.log(level, "%s", json.dumps(trace.as_dict(), default=str))
+
+    def _model_limits(self, digest: str | None) -> ModelLimits | None:
+        """The base model's limits from its registered config (kept per digest: a
+        registration never changes)."""
+        if digest is None:
+            return None
+        limits = self._limits.get(digest)
+        if limits is None:
+            base = next((b for b in self.catalog.base_models.values() if b.digest == digest),
+                        None)
+            if base is None:
+                return None
+            limits = self._limits[digest] = ModelLimits.from_config(base.config)
+        return limits
 
     def _after_placement(self, decision: Decision) -> None:
         """Hints: a cold home prefetches what it is about to load; a cold home passed over
@@ -625,9 +690,9 @@ class Dispatcher:
             forwarded.adapter.pinned.version = decision.choice.version
         return forwarded
 
-    async def _forward(self, request: pb.GenerateRequest, workers: list[str], deadline: float,
-                       trace: RouteTrace, started: float, front: str
-                       ) -> AsyncIterator[pb.GenerateResponse]:
+    async def _forward(self, request: pb.GenerateRequest, decision: Decision,
+                       workers: list[str], deadline: float, trace: RouteTrace, started: float,
+                       front: str) -> AsyncIterator[pb.GenerateResponse]:
         for index, worker in enumerate(workers):
             remaining = deadline - self.clock()
             if remaining <= 0:
@@ -640,6 +705,7 @@ class Dispatcher:
                 request, timeout=remaining)
             self.membership.acquire(worker)
             self.metrics.in_flight.labels(worker).inc()
+            response = None
             try:
                 async for response in call:
                     if attempt.responses == 0:
@@ -655,6 +721,9 @@ class Dispatcher:
                 if attempt.responses:
                     attempt.outcome = "failed_after_first_token"
                     self.metrics.midstream_errors.labels(code.name).inc()
+                    tokens = attempt.responses - (response is not None
+                                                  and response.HasField("final"))
+                    self._witness_cut(request, decision, trace, worker, tokens)
                     raise RouteError(code, detail, "worker_error",
                                      after_first_token=True) from None
                 attempt.outcome = "failed_before_first_token"
@@ -665,8 +734,9 @@ class Dispatcher:
                     log.info("retrying %s on %s: %s failed before its first token (%s)",
                              trace.request_id, workers[index + 1], worker, code.name)
                     continue
-                reason = "deadline" if code == grpc.StatusCode.DEADLINE_EXCEEDED else \
-                    "worker_error"
+                reason = ("deadline" if code == grpc.StatusCode.DEADLINE_EXCEEDED else
+                          "model_not_found" if code == grpc.StatusCode.NOT_FOUND else
+                          "worker_error")
                 raise RouteError(code, f"worker {worker}: {detail}", reason) from None
             except (asyncio.CancelledError, GeneratorExit):
                 attempt.outcome = "cancelled"
@@ -675,6 +745,28 @@ class Dispatcher:
                 call.cancel()
                 self.membership.release(worker)
                 self.metrics.in_flight.labels(worker).dec()
+
+    def _witness_cut(self, request: pb.GenerateRequest, decision: Decision, trace: RouteTrace,
+                     worker: str, tokens: int) -> None:
+        """Trace a request whose worker's stream broke after `tokens` tokens reached the
+        client: the version this router pinned, the worker's base digest."""
+        if self.witness is None:
+            return
+        choice = decision.choice
+        view = self.membership.workers.get(worker)
+        base_digest = view.base_digest if view is not None else decision.base_digest
+        if base_digest is None:  # pragma: no cover - a placed worker has a heartbeat
+            log.warning("cannot trace cut request %s: no base digest", request.request_id)
+            return
+        self.witness.record(worker, ServedRequest(
+            request_id=request.request_id, trace_id=request.trace_id, tenant=decision.tenant,
+            user_id=request.tenant.user_id,
+            adapter_id=choice.adapter_id if choice else None,
+            version=choice.version if choice else None,
+            adapter_sha256=choice.sha256 if choice else None, base_model_digest=base_digest,
+            prompt_tokens=0, completion_tokens=tokens,
+            started_at=datetime.fromtimestamp(trace.started_at, UTC),
+            finished_at=datetime.now(UTC), status="cut"))
 
     # --- connections and hints -------------------------------------------------------------
 
@@ -697,6 +789,8 @@ class Dispatcher:
         now = self.clock()
         fresh = []
         for adapter in adapters:
+            if self._purged(adapter):
+                continue
             key = (worker, adapter.sha256, tier)
             if now - self._hinted.get(key, -HINT_EVERY_S) >= HINT_EVERY_S:
                 self._hinted[key] = now
@@ -708,6 +802,14 @@ class Dispatcher:
         request = pb.PrefetchRequest(tier=tier, reason=reason, adapters=[
             pb.PinnedVersion(adapter_id=a.adapter_id, version=a.version) for a in fresh])
         self._spawn(self._send_hint(worker, request, reason))
+
+    def _purged(self, recent: RecentAdapter) -> bool:
+        """A version a purge ended is never prefetched (pre-warming remembers what it served
+        before the purge)."""
+        adapter = self.catalog.adapters.get(recent.adapter_id)
+        if adapter is None or recent.version not in adapter.versions:
+            return False
+        return purged_reason(adapter, recent.version, adapter.versions[recent.version]) is not None
 
     async def _send_hint(self, worker: str, request: pb.PrefetchRequest, reason: str) -> None:
         address = self.membership.address(worker)

@@ -9,23 +9,30 @@ resolution, placement, limits and failover are the same. Specifics:
   rest in `X-Loraplane-Tenant: org/team/project`. `X-Loraplane-Compliance-Scope` and
   `X-Loraplane-Region` complete the tenant signature; OpenAI's `user` field is the user id
   that keeps a user on one side of a canary.
-- Streaming is server-sent events ending in `data: [DONE]`; the last chunk before it always
-  carries `usage` (as with `stream_options.include_usage`), so usage is in every response.
+- Streaming is server-sent events ending in `data: [DONE]`; with
+  `stream_options.include_usage` the last chunk before it carries `usage` (a whole
+  answer always does).
+- Bodies and what each field does: `services.router.openai_schema` (every field is
+  honoured, or refused with 400 `unsupported_parameter` naming it).
 - Errors use OpenAI's shape `{"error": {"message", "type", "param", "code"}}`; a rate
   limit is 429 with `Retry-After`. An error after the first token of a stream arrives as
   an SSE event with an `error` member (the official client raises it as `APIError`).
 - Chat messages are passed to the worker, which renders the base model's chat template.
+- A client that disconnects stops the work, streamed or not: its request's streams are
+  closed, so the router cancels the worker's calls and the worker aborts the sequences
+  (traced `cancelled`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, TypeVar
 
 import grpc
 from fastapi import Depends, FastAPI, Header, Request
@@ -33,14 +40,26 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException
 
-from services.catalog.serving import split_order
+from services.catalog.serving import purged_reason, split_order
 from services.catalog.state import CatalogState
 from services.contracts.events import TenantRef
+from services.contracts.generate import UINT32_MAX
 from services.contracts.grpc import inference_pb2 as pb
+from services.contracts.roles import Permission, holders
 from services.registry.auth import Principal, TokenBook
 from services.router.dispatch import Dispatcher, RouteError, authorize
+from services.router.openai_schema import (
+    BodyError,
+    ChatBody,
+    ChatMessage,
+    CompletionBody,
+    OpenAIBody,
+    http_param,
+    parse,
+    read_body,
+)
 
 bearer = HTTPBearer(auto_error=False, description="An inference token (stored hashed).")
 
@@ -56,6 +75,7 @@ _STATUS = {
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 409: "conflict_error", 429: "rate_limit_error",
           503: "service_unavailable_error", 504: "timeout_error"}
+_VERSION = re.compile(r"^[0-9]{1,10}$")
 _FINISH = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_STOP: "stop",
            pb.FINISH_REASON_ABORTED: "abort", pb.FINISH_REASON_ERROR: "error",
            pb.FINISH_REASON_UNSPECIFIED: "stop"}
@@ -77,123 +97,20 @@ class OpenAIError(Exception):
         if error.reason == "worker_error" and status >= 500:
             status = 502
         headers = {"Retry-After": error.retry_after} if error.retry_after else {}
-        return cls(status, error.message, code=error.reason, headers=headers)
+        param, message = http_param(error.field), error.message
+        if param and error.field and message.startswith(f"{error.field}:"):
+            message = param + message[len(error.field):]  # the body's name, not the proto's
+        code = "model_not_found" if status == 404 else error.reason
+        return cls(status, message, code=code, param=param, headers=headers)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message,
-                          "type": _TYPES.get(self.status, "server_error"),
+                          "type": _TYPES.get(self.status, "server_error" if self.status >= 500
+                                             else "invalid_request_error"),
                           "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
-
-
-# --- request bodies -----------------------------------------------------------------------
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    model: str = Field(min_length=1, max_length=512)
-    max_tokens: int | None = Field(None, ge=0)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, ge=0, le=1)
-    n: int = Field(1, ge=1)
-    stream: bool = False
-    stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=0, lt=2**64)
-    user: str | None = Field(None, max_length=256)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
-    min_tokens: int = Field(0, ge=0)
-    ignore_eos: bool = False
-
-    def unsupported(self) -> list[str]:
-        found = []
-        if self.n != 1:
-            found.append("n")
-        if self.presence_penalty or self.frequency_penalty:
-            found.append("presence_penalty/frequency_penalty")
-        if self.logit_bias:
-            found.append("logit_bias")
-        return found
-
-    def sampling(self, default_max: int | None) -> pb.SamplingParams:
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        max_tokens = self.max_tokens if self.max_tokens is not None else default_max
-        params = pb.SamplingParams(
-            max_tokens=max_tokens or 0,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p, stop=stops,
-            min_tokens=self.min_tokens, ignore_eos=self.ignore_eos)
-        if self.seed is not None:
-            params.seed = self.seed
-        return params
-
-
-class CompletionBody(_Body):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=0)
-    echo: bool = False
-    logprobs: int | None = None
-    best_of: int | None = None
-    suffix: str | None = None
-
-    def unsupported(self) -> list[str]:
-        found = super().unsupported()
-        found += [name for name, bad in (("echo", self.echo), ("logprobs", self.logprobs),
-                                         ("best_of", (self.best_of or 1) != 1),
-                                         ("suffix", self.suffix)) if bad]
-        return found
-
-    def prompts(self) -> list[str | list[int]]:
-        p = self.prompt
-        if isinstance(p, str):
-            return [p]
-        if not p:
-            raise OpenAIError(400, "prompt is empty", param="prompt")
-        if all(isinstance(x, int) for x in p):
-            return [list(p)]  # type: ignore[arg-type]
-        return list(p)  # type: ignore[arg-type]
-
-
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    type: str
-    text: str | None = None
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
-
-    def text(self) -> str:
-        if self.content is None or isinstance(self.content, str):
-            return self.content or ""
-        if any(part.type != "text" for part in self.content):
-            raise OpenAIError(400, "only text content parts are supported",
-                              param="messages")
-        return "".join(part.text or "" for part in self.content)
-
-
-class ChatBody(_Body):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=0)
-    logprobs: bool = False
-    tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
-
-    def unsupported(self) -> list[str]:
-        found = super().unsupported()
-        if self.logprobs:
-            found.append("logprobs")
-        if self.tools:
-            found.append("tools")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            found.append("response_format")
-        return found
 
 
 # --- model names ----------------------------------------------------------------------------
@@ -210,9 +127,11 @@ def parse_model(model: str, catalog: CatalogState) -> tuple[str | None, pb.Adapt
         return base, pb.AdapterRef()
     adapter, at, version = name.partition("@")
     if at:
-        if not version.isdigit() or int(version) < 1 or not adapter:
-            raise OpenAIError(400, f"model {model!r}: the version after '@' is a number "
-                                   "from 1", param="model", code="invalid_model")
+        if (not _VERSION.match(version) or not 1 <= int(version) <= UINT32_MAX
+                or not adapter):
+            raise OpenAIError(400, f"model {model[:80]!r}: the version after '@' is a number "
+                                   f"from 1 to {UINT32_MAX}", param="model",
+                              code="invalid_model")
         ref = pb.AdapterRef(pinned=pb.PinnedVersion(adapter_id=adapter, version=int(version)))
     else:
         ref = pb.AdapterRef(alias=name)
@@ -228,7 +147,7 @@ def listed_models(catalog: CatalogState, tenant: TenantRef) -> list[dict[str, An
         if adapter.tenant != tenant or number is None or number not in adapter.versions:
             continue
         version = adapter.versions[number]
-        if version.disabled or version.rolled_back:
+        if version.disabled or version.rolled_back or purged_reason(adapter, number, version):
             continue
         models.append({"id": f"{version.published.base_model}:{adapter.adapter_id}",
                        "object": "model", "created": int(version.published_at.timestamp()),
@@ -239,7 +158,8 @@ def listed_models(catalog: CatalogState, tenant: TenantRef) -> list[dict[str, An
         entries = [e for e in split_order(alias.split) if e.weight > 0]
         target = catalog.adapters.get(entries[0].adapter_id) if entries else None
         version = target.versions.get(entries[0].version) if target else None
-        if version is None:
+        if (target is None or version is None
+                or purged_reason(target, entries[0].version, version)):
             continue
         models.append({"id": f"{version.published.base_model}:{alias.alias}",
                        "object": "model", "created": int(alias.changed_at.timestamp()),
@@ -272,13 +192,9 @@ class Front:
     def __init__(self, dispatcher: Dispatcher) -> None:
         self.dispatcher = dispatcher
 
-    def requests(self, caller: Caller, body: _Body, base: str | None, ref: pb.AdapterRef,
+    def requests(self, caller: Caller, body: OpenAIBody, base: str | None, ref: pb.AdapterRef,
                  prompts: Sequence[str | list[int] | list[ChatMessage]], default_max: int | None
                  ) -> list[pb.GenerateRequest]:
-        bad = body.unsupported()
-        if bad:
-            raise OpenAIError(400, f"not supported by this server: {', '.join(bad)}",
-                              param=bad[0], code="unsupported_parameter")
         sampling = body.sampling(default_max)
         signature = pb.TenantSignature()
         signature.CopyFrom(caller.signature)
@@ -291,8 +207,7 @@ class Front:
                 request.text = prompt
             elif prompt and isinstance(prompt[0], ChatMessage):
                 request.chat.messages.extend(
-                    pb.ChatMessage(role="system" if m.role == "developer" else m.role,
-                                   content=m.text())
+                    pb.ChatMessage(role=m.role, content=m.text())  # role: canonical
                     for m in prompt)  # type: ignore[union-attr]
             else:
                 request.token_ids.ids.extend(prompt)  # type: ignore[arg-type]
@@ -306,7 +221,12 @@ class Front:
         any token is an HTTP error status rather than a broken stream."""
         streams = [self.dispatcher.generate(caller.principal, r, timeout_s=None, front="http",
                                             base_model=base) for r in requests]
-        firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
+        try:
+            firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
+        except asyncio.CancelledError:  # the client left (`_unless_gone`)
+            for stream in streams:
+                await stream.aclose()
+            raise
         failure = next((f for f in firsts if isinstance(f, BaseException)), None)
         if failure is not None:
             for stream in streams:
@@ -414,20 +334,39 @@ def _sse(data: dict[str, Any]) -> bytes:
 # --- the app ------------------------------------------------------------------------------------
 
 
-def caller(
-    request: Request,
-    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
-    tenant: Annotated[str | None, Header(alias="X-Loraplane-Tenant")] = None,
-    scope: Annotated[str | None, Header(alias="X-Loraplane-Compliance-Scope")] = None,
-    region: Annotated[str | None, Header(alias="X-Loraplane-Region")] = None,
-) -> Caller:
-    """The token's principal and tenant signature: 401 / 403 / 400 in OpenAI's shape."""
-    dispatcher: Dispatcher = request.app.state.dispatcher
-    tokens: TokenBook = request.app.state.tokens
-    principal = tokens.resolve(credentials.credentials) if credentials else None
-    if principal is None:
-        dispatcher.metrics.rejections.labels("unauthenticated").inc()
-        raise OpenAIError(401, "missing or unknown bearer token", code="invalid_api_key")
+class Allowed:
+    """A route's permission (`services.contracts.roles`), kept on the dependency so the
+    routes' table can be read back; resolves the caller's principal and tenant signature:
+    401 / 403 / 400 in OpenAI's shape."""
+
+    def __init__(self, permission: Permission) -> None:
+        self.permission = permission
+
+    def __call__(
+        self,
+        request: Request,
+        credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
+        tenant: Annotated[str | None, Header(alias="X-Loraplane-Tenant")] = None,
+        scope: Annotated[str | None, Header(alias="X-Loraplane-Compliance-Scope")] = None,
+        region: Annotated[str | None, Header(alias="X-Loraplane-Region")] = None,
+    ) -> Caller:
+        dispatcher: Dispatcher = request.app.state.dispatcher
+        tokens: TokenBook = request.app.state.tokens
+        principal = tokens.resolve(credentials.credentials) if credentials else None
+        if principal is None:
+            dispatcher.metrics.rejections.labels("unauthenticated").inc()
+            raise OpenAIError(401, "missing or unknown bearer token", code="invalid_api_key")
+        if not principal.holds(self.permission):
+            dispatcher.metrics.rejections.labels("forbidden").inc()
+            raise OpenAIError(403, f"role {principal.role} may not {self.permission.value} "
+                              f"(roles that may: {', '.join(holders(self.permission))})",
+                              code="forbidden")
+        return caller(dispatcher, principal, tenant, scope, region)
+
+
+def caller(dispatcher: Dispatcher, principal: Principal, tenant: str | None,
+           scope: str | None, region: str | None) -> Caller:
+    """The tenant signature the token and the headers give."""
     parts = tenant.split("/") if tenant else ["", "", ""]
     if len(parts) != 3:
         raise OpenAIError(400, "X-Loraplane-Tenant is org/team/project",
@@ -442,7 +381,7 @@ def caller(
     return Caller(principal, signature, ref)
 
 
-Who = Annotated[Caller, Depends(caller)]
+Who = Annotated[Caller, Depends(Allowed(Permission.INFER))]
 
 
 def create_http_app(dispatcher: Dispatcher, tokens: TokenBook) -> FastAPI:
@@ -455,6 +394,21 @@ def create_http_app(dispatcher: Dispatcher, tokens: TokenBook) -> FastAPI:
     @app.exception_handler(OpenAIError)
     async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
         return exc.response()
+
+    @app.exception_handler(ClientGone)
+    async def _gone(_: Request, __: ClientGone) -> Response:
+        return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
+
+    @app.exception_handler(BodyError)
+    async def _bad_body(_: Request, exc: BodyError) -> JSONResponse:
+        dispatcher.metrics.rejections.labels("invalid").inc()
+        return OpenAIError(exc.status, exc.message, param=exc.param, code=exc.code).response()
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return OpenAIError(exc.status_code, str(exc.detail), code=code,
+                           headers=dict(exc.headers or {})).response()
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -485,12 +439,13 @@ def create_http_app(dispatcher: Dispatcher, tokens: TokenBook) -> FastAPI:
                           code="model_not_found")
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionBody, who: Who) -> Response:
+    async def completions(request: Request, who: Who) -> Response:
         _ready()
+        body: CompletionBody = parse(CompletionBody, await read_body(request))
         base, ref = parse_model(body.model, dispatcher.catalog)
         requests = front.requests(who, body, base, ref, body.prompts(), body.max_tokens)
-        opened = await front.open_streams(who, requests, base)
-        return await _respond(front, opened, body, f"cmpl-{requests[0].request_id}",
+        opened = await _unless_gone(request, front.open_streams(who, requests, base))
+        return await _respond(request, front, opened, body, f"cmpl-{requests[0].request_id}",
                               ("text_completion", "text_completion"),
                               lambda index, response: {
                                   "index": index, "text": response.token.text
@@ -501,13 +456,14 @@ def create_http_app(dispatcher: Dispatcher, tokens: TokenBook) -> FastAPI:
                                          "finish_reason": _finish_of(o.final)})
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatBody, who: Who) -> Response:
+    async def chat(request: Request, who: Who) -> Response:
         _ready()
+        body: ChatBody = parse(ChatBody, await read_body(request))
         base, ref = parse_model(body.model, dispatcher.catalog)
         limit = body.max_completion_tokens if body.max_completion_tokens is not None \
             else body.max_tokens
         requests = front.requests(who, body, base, ref, [body.messages], limit)
-        opened = await front.open_streams(who, requests, base)
+        opened = await _unless_gone(request, front.open_streams(who, requests, base))
         started: set[int] = set()
 
         def chunk(index: int, response: pb.GenerateResponse) -> dict[str, Any]:
@@ -520,7 +476,8 @@ def create_http_app(dispatcher: Dispatcher, tokens: TokenBook) -> FastAPI:
             return {"index": index, "delta": delta, "logprobs": None,
                     "finish_reason": _finish(response)}
 
-        return await _respond(front, opened, body, f"chatcmpl-{requests[0].request_id}",
+        return await _respond(request, front, opened, body,
+                              f"chatcmpl-{requests[0].request_id}",
                               ("chat.completion.chunk", "chat.completion"), chunk,
                               lambda o: {"index": o.index, "message": {
                                   "role": "assistant", "content": "".join(o.text)},
@@ -552,8 +509,43 @@ def create_http_app(dispatcher: Dispatcher, tokens: TokenBook) -> FastAPI:
     return app
 
 
-async def _respond(front: Front, opened: list[tuple[pb.GenerateResponse, AsyncIterator[Any]]],
-                   body: _Body, rid: str, objects: tuple[str, str], chunk_choice: Any,
+class ClientGone(Exception):
+    """The HTTP client disconnected before its answer was complete."""
+
+
+_T = TypeVar("_T")
+
+
+async def _unless_gone(request: Request, work: Awaitable[_T]) -> _T:
+    """`work`, cancelled as soon as the client disconnects (then `ClientGone`).
+
+    uvicorn does not cancel a handler whose client left, so without this a non-streamed
+    answer (and any answer still waiting for its first token) is generated to its end for
+    nobody. Cancelling `work` closes the request's streams: the router cancels the worker's
+    calls and the worker aborts the sequences before their next step. (A streamed answer
+    is stopped by Starlette itself, which listens for the disconnect while it streams.)"""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    gone = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        gone.cancel()
+    if task.cancelled():
+        raise ClientGone()
+    return task.result()
+
+
+async def _respond(request: Request, front: Front,
+                   opened: list[tuple[pb.GenerateResponse, AsyncIterator[Any]]],
+                   body: OpenAIBody, rid: str, objects: tuple[str, str], chunk_choice: Any,
                    full_choice: Any) -> Response:
     """The answer in OpenAI's shape: SSE chunks (`objects[0]`) or one body (`objects[1]`)."""
     created = int(time.time())
@@ -562,9 +554,9 @@ async def _respond(front: Front, opened: list[tuple[pb.GenerateResponse, AsyncIt
         return _stream(front, opened,
                        lambda index, response: {**head, "choices": [chunk_choice(index,
                                                                                  response)]},
-                       lambda finals: {**head, "choices": [], "usage": usage_of(finals)},
-                       len(opened))
-    outcomes = await front.gather(opened)
+                       (lambda finals: {**head, "choices": [], "usage": usage_of(finals)})
+                       if body.include_usage else None, len(opened))
+    outcomes = await _unless_gone(request, front.gather(opened))
     _raise_worker_errors(outcomes)
     finals = [o.final for o in outcomes]
     return JSONResponse({
@@ -602,7 +594,8 @@ def _stream(front: Front, opened: list[tuple[pb.GenerateResponse, AsyncIterator[
                                                f"{response.final.trace_id})",
                                           code="worker_error")
                 yield _sse(chunk(index, response))
-            yield _sse(usage_chunk(finals))
+            if usage_chunk is not None:
+                yield _sse(usage_chunk(finals))
             yield b"data: [DONE]\n\n"
         except RouteError as error:
             yield _sse(OpenAIError.of(error).body())

@@ -1,9 +1,11 @@
 """The gRPC front: `loraplane.v1.Inference` as a worker serves it, plus health and reflection.
 
 The caller authenticates with `authorization: Bearer <token>` metadata. Everything else
-(resolution, placement, limits, failover) is `Dispatcher.generate`; this module only maps
-its errors to gRPC statuses. A rate-limit refusal carries trailing metadata `retry-after`
-(whole seconds, as HTTP's header) and `retry-after-ms`.
+(the request's check, resolution, placement, limits, failover) is `Dispatcher.generate`;
+this module only maps its errors to gRPC statuses. Bytes that are no `GenerateRequest`
+(a string field that is not UTF-8) are INVALID_ARGUMENT, not grpc's INTERNAL. A
+rate-limit refusal carries trailing metadata `retry-after` (whole seconds, as HTTP's
+header) and `retry-after-ms`.
 """
 
 from __future__ import annotations
@@ -15,12 +17,17 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.contracts.generate import Undecodable, add_inference_servicer
 from services.contracts.grpc import inference_pb2 as pb
 from services.contracts.grpc import inference_pb2_grpc as pb_grpc
+from services.contracts.roles import Permission, holders
 from services.registry.auth import Principal, TokenBook
 from services.router.dispatch import Dispatcher, RouteError
 
 INFERENCE_SERVICE = pb.DESCRIPTOR.services_by_name["Inference"].full_name
+RPC_PERMISSIONS: dict[str, Permission] = {"Generate": Permission.INFER}
+"""Each RPC of the router's Inference service → the permission its caller's role needs
+(`services.contracts.roles`); a token whose role lacks it is PERMISSION_DENIED."""
 
 
 def bearer_of(metadata: object) -> str | None:
@@ -38,7 +45,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self.dispatcher = dispatcher
         self.tokens = tokens
 
-    async def _principal(self, context: grpc.aio.ServicerContext) -> Principal:
+    async def _principal(self, context: grpc.aio.ServicerContext, rpc: str) -> Principal:
         token = bearer_of(context.invocation_metadata())
         principal = self.tokens.resolve(token) if token else None
         if principal is None:
@@ -46,11 +53,21 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED,
                                 "missing or unknown bearer token (authorization metadata)")
         assert principal is not None
+        permission = RPC_PERMISSIONS[rpc]
+        if not principal.holds(permission):
+            self.dispatcher.metrics.rejections.labels("forbidden").inc()
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"role {principal.role} may not {permission.value} (roles "
+                                f"that may: {', '.join(holders(permission))})")
         return principal
 
-    async def Generate(self, request: pb.GenerateRequest,
+    async def Generate(self, request: pb.GenerateRequest | Undecodable,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
-        principal = await self._principal(context)
+        principal = await self._principal(context, "Generate")
+        if isinstance(request, Undecodable):
+            self.dispatcher.metrics.rejections.labels("invalid").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"request: not a loraplane.v1.GenerateRequest: {request.reason}")
         stream = self.dispatcher.generate(principal, request,
                                           timeout_s=context.time_remaining(), front="grpc")
         try:
@@ -83,7 +100,7 @@ def build_server(dispatcher: Dispatcher, tokens: TokenBook, health_: RouterHealt
                  address: str) -> tuple[grpc.aio.Server, int]:
     """The grpc.aio server with every service added and `address` bound; returns its port."""
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    pb_grpc.add_InferenceServicer_to_server(InferenceServicer(dispatcher, tokens), server)
+    add_inference_servicer(InferenceServicer(dispatcher, tokens), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_.servicer, server)
     reflection.enable_server_reflection(
         (INFERENCE_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,

@@ -16,12 +16,14 @@ import asyncio
 import contextlib
 import logging
 import signal
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
 
 from services.config import Settings
+from services.contracts.capacity import AdapterLimits, serving_context
 from services.contracts.events import Envelope
 from services.worker.chat import ChatTemplate
 from services.worker.engine import (
@@ -66,6 +68,28 @@ def engine_config(settings: Settings) -> EngineConfig:
             max_adapters_per_step=min(32, settings.worker_adapter_slots)))
 
 
+def checked_parser(settings: Settings, engine: Engine
+                   ) -> Callable[[AdapterFiles, AdapterDigest], LoraAdapter]:
+    """How the loader parses a fetched adapter: against the base model and the fleet's
+    limits (`services.contracts.capacity`), the ones the registry checked at publish."""
+    cfg, limits, base = engine.model.cfg, AdapterLimits.of(settings), engine.adapters.base_vocab
+    return lambda files, digest: parse_adapter(files, cfg, digest, limits, base)
+
+
+def prompt_rules(settings: Settings, engine: Engine, model_dir: Path | None) -> PromptRules:
+    """What requests this worker takes; its context is the one the registry checks a
+    regression set against (`services.contracts.capacity.serving_context`)."""
+    cfg = engine.model.cfg
+    kv_tokens = engine.config.num_kv_blocks * engine.config.block_size
+    return PromptRules(
+        vocab_size=cfg.vocab_size,
+        max_model_len=min(kv_tokens, serving_context(settings, {
+            "max_position_embeddings": cfg.max_position_embeddings})),
+        default_max_tokens=settings.worker_default_max_tokens,
+        tokenizer=engine.tokenizer,
+        chat_template=ChatTemplate.from_model_dir(model_dir) if model_dir else None)
+
+
 class WorkerRuntime:
     """Everything but the gRPC server; usable in-process (tests, benches)."""
 
@@ -77,14 +101,14 @@ class WorkerRuntime:
         self.worker_id = settings.worker_name
         self.model_dir = Path(settings.base_model) if settings.base_model else Path(".")
         self.engine = engine or Engine.from_pretrained(self.model_dir, engine_config(settings))
-        cfg = self.engine.model.cfg
         self.metrics = WorkerMetrics()
         self.follower = CatalogFollower(settings, self.worker_id, on_ready=self._caught_up)
         self.host = HostCache(settings.worker_host_cache_bytes,
                               pin=self.engine.model.device.type == "cuda")
         self.disk = DiskCache(settings.adapter_cache_dir, settings.worker_disk_cache_bytes)
         self.blobs = RegistryBlobs(settings.registry_base_url, settings.worker_token)
-        self.loader = AdapterLoader(self.host, self.disk, self.blobs, self._parse,
+        self.loader = AdapterLoader(self.host, self.disk, self.blobs,
+                                    checked_parser(settings, self.engine),
                                     on_done=lambda result: self.loop.fetched(result))
         self.events = WorkerEvents(settings, self.worker_id,
                                    heartbeat=lambda: self.loop.heartbeat())
@@ -94,24 +118,13 @@ class WorkerRuntime:
         self.gates = GateWork(self.engine, self.worker_id, self.follower, self.loader,
                               self.blobs, self.events.emit, self.loop.start_gate)
         self.follower.on_batch = self._on_batch
-        capacity = self.engine.config.num_kv_blocks * self.engine.config.block_size
-        self.rules = PromptRules(
-            vocab_size=cfg.vocab_size,
-            max_model_len=min(settings.worker_max_model_len or cfg.max_position_embeddings,
-                              capacity),
-            default_max_tokens=settings.worker_default_max_tokens,
-            tokenizer=self.engine.tokenizer,
-            chat_template=ChatTemplate.from_model_dir(self.model_dir)
-            if settings.base_model else None)
+        self.rules = prompt_rules(settings, self.engine,
+                                  self.model_dir if settings.base_model else None)
         self.gate = Gate(self.loop, self.wall)
 
     def _on_batch(self, batch: list[Envelope]) -> None:
         self.loop.on_catalog(batch)
         self.gates.poke()
-
-    def _parse(self, files: AdapterFiles, digest: AdapterDigest) -> LoraAdapter:
-        return parse_adapter(files, self.engine.model.cfg, digest,
-                             self.engine.adapters.base_vocab)
 
     def wall(self) -> str | None:
         return wall_reason(self.follower.lease_at, datetime.now(UTC),

@@ -7,7 +7,10 @@ or `chat_template.jinja`), a sandboxed Jinja environment with `trim_blocks` and
 `lstrip_blocks` and the loop-controls extension, the `raise_exception` and `strftime_now`
 globals and a `tojson` filter that does not escape HTML; the special tokens
 (`bos_token`, `eos_token`, …) as template variables; then tokenised without adding
-special tokens (the template writes them).
+special tokens (the template writes them). A role is one of
+`services.contracts.generate.ROLES` (developer is system) and nothing else: templates
+write the role into their control text (`<|im_start|>{{ role }}`), so a free-text role
+could forge the template's special tokens.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+from services.contracts.generate import InvalidArgument, canonical_role
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
                   "mask_token")
@@ -95,7 +100,12 @@ class ChatTemplate:
 
     def render(self, messages: Sequence[dict[str, str]]) -> str:
         try:
-            return self._template.render(messages=[dict(m) for m in messages], tools=None,
+            messages = [{**m, "role": canonical_role(m["role"], f"messages[{i}].role")}
+                        for i, m in enumerate(messages)]
+        except InvalidArgument as exc:
+            raise ChatTemplateError(str(exc)) from None
+        try:
+            return self._template.render(messages=messages, tools=None,
                                          documents=None, add_generation_prompt=True,
                                          **self.special_tokens)
         except self._errors as exc:

@@ -31,7 +31,13 @@ from pathlib import Path
 from typing import Any
 
 from loraplane_kernels.threads import compute_thread
-from services.catalog.serving import MergeSpec, ServingChoice, resolve_pinned, resolve_reference
+from services.catalog.serving import (
+    MergeSpec,
+    ServingChoice,
+    purged_reason,
+    resolve_pinned,
+    resolve_reference,
+)
 from services.catalog.state import CatalogState, Purge, Refusal
 from services.config import Settings
 from services.contracts.events import (
@@ -75,10 +81,10 @@ from services.worker.residency import Residency, owner_choice, version_choice
 
 log = logging.getLogger("loraplane.worker.engine_loop")
 
-REFUSAL_CODE = {"not_found": "NOT_FOUND", "forbidden": "PERMISSION_DENIED",
-                "precondition": "FAILED_PRECONDITION", "conflict": "FAILED_PRECONDITION",
-                "invalid": "INVALID_ARGUMENT"}
-"""`Refusal.kind` of the serving rule → gRPC status code name."""
+REFUSAL_CODE = {"not_found": "NOT_FOUND", "precondition": "FAILED_PRECONDITION",
+                "conflict": "FAILED_PRECONDITION", "invalid": "INVALID_ARGUMENT"}
+"""`Refusal.kind` of the serving rule, as answered (`Refusal.public`) → gRPC status code
+name; another tenant's adapter or alias (`forbidden`) is answered as NOT_FOUND."""
 
 
 def choose(catalog: CatalogState, work: WorkItem, base_digest: str) -> ServingChoice | None:
@@ -115,6 +121,9 @@ class Finished:
     choice: ServingChoice | None
     ttft_ms: float
     total_ms: float
+    durable: concurrent.futures.Future[None] | None = None
+    """Set once the request's trace is in the log: the front sends FinalUsage after it
+    (`worker_trace_durable`; None when off)."""
 
 
 Output = TokenEvent | Refused | Finished
@@ -471,7 +480,10 @@ class EngineLoop:
                 if choice is not None:
                     self.residency.reconcile(self.follower.state, {choice.adapter_id})
         except Refusal as refusal:
-            self._refuse(ticket, REFUSAL_CODE[refusal.kind], refusal.message)
+            answer = refusal.public()
+            if answer is not refusal:
+                log.info("request %s refused: %s", ticket.work.request_id, refusal.message)
+            self._refuse(ticket, REFUSAL_CODE[answer.kind], answer.message)
             return
         ticket.choice = choice
         if self.merge is not None:
@@ -545,7 +557,7 @@ class EngineLoop:
             waiting = self._parked.get(ticket.digest, [])
             if ticket in waiting:
                 waiting.remove(ticket)
-            self._trace(ticket, "aborted", 0, 0)
+            self._trace(ticket, "cancelled", 0, 0)
             ticket.status = "done"
             self.metrics.requests.labels("CANCELLED").inc()
 
@@ -699,16 +711,19 @@ class EngineLoop:
         self.metrics.requests.labels(
             "CANCELLED" if ticket.cancelled else ("INTERNAL" if result is None else "OK")).inc()
         status = {"length": "ok", "stop": "ok", "abort": "aborted"}.get(reason, "error")
-        self._trace(ticket, status, prompt, completion)
+        if ticket.cancelled:  # the client left or its deadline passed: nobody reads on
+            status = "cancelled"
+        durable = self._trace(ticket, status, prompt, completion)
         ttft = ((ticket.first_token_at - ticket.arrival) * 1e3
                 if ticket.first_token_at is not None else 0.0)
         self._emit(ticket, Finished(reason, prompt, completion, cached, ticket.choice, ttft,
-                                    (now - ticket.arrival) * 1e3))
+                                    (now - ticket.arrival) * 1e3, durable))
 
-    def _trace(self, ticket: Ticket, status: str, prompt: int, completion: int) -> None:
+    def _trace(self, ticket: Ticket, status: str, prompt: int, completion: int
+               ) -> concurrent.futures.Future[None] | None:
         choice = ticket.choice
         work = ticket.work
-        self.events.trace(ServedRequest(
+        return self.events.trace(ServedRequest(
             request_id=work.request_id, trace_id=work.trace_id, tenant=work.tenant,
             user_id=work.user_id, adapter_id=choice.adapter_id if choice else None,
             version=choice.version if choice else None,
@@ -812,6 +827,10 @@ class EngineLoop:
                     continue
                 if version.disabled:
                     out.append(PrefetchOutcome(key, False, "", "version is disabled"))
+                    continue
+                gone = purged_reason(adapter, key[1], version)
+                if gone:
+                    out.append(PrefetchOutcome(key, False, "", gone))
                     continue
                 if self.residency.state(key) is AdapterState.FAILED:
                     out.append(PrefetchOutcome(key, False, "", self.residency.failure(key)))

@@ -1,38 +1,36 @@
 """A `GenerateRequest` checked and turned into the work the engine loop takes.
 
-Pure: no gRPC context, no engine. Every refusal is an `InvalidArgument` naming the field
-the caller must fix (`prompt`, `sampling.top_p`, `tenant.org_id`, `chat`, …), which the
-server answers as INVALID_ARGUMENT.
+Pure: no gRPC context, no engine. The rules the router checks too are
+`services.contracts.generate`'s (run again here, with this worker's own limits, for
+clients that call a worker directly); what needs the tokenizer is here. Every refusal is
+an `InvalidArgument` naming the field the caller must fix (`prompt`, `sampling.top_p`,
+`tenant.org_id`, `chat`, …), which the server answers as INVALID_ARGUMENT.
 """
 
 from __future__ import annotations
 
-import math
 import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from services.contracts.events import ID_PATTERN, SLUG_PATTERN, TenantRef
+from services.contracts.generate import (
+    InvalidArgument,
+    ModelLimits,
+    Undecodable,
+    check_generate,
+    check_limits,
+)
 from services.contracts.grpc import inference_pb2 as pb
 from services.worker.chat import ChatTemplate, ChatTemplateError
 from services.worker.engine import SamplingParams
 
 _SLUG = re.compile(SLUG_PATTERN)
 _ID = re.compile(ID_PATTERN)
-_TRACE = re.compile(r"^[0-9a-f]{32}$")
-_REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,128}$")
 
 QOS_NAMES = {pb.QOS_TIER_BRONZE: "bronze", pb.QOS_TIER_SILVER: "silver",
              pb.QOS_TIER_GOLD: "gold", pb.QOS_TIER_PLATINUM: "platinum"}
-MAX_STOP_STRINGS = 16
-MAX_CHAT_MESSAGES = 1024
-
-
-class InvalidArgument(ValueError):
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
 
 
 @dataclass(frozen=True)
@@ -71,6 +69,10 @@ class PromptRules:
     tokenizer: Any | None = None
     chat_template: ChatTemplate | None = None
 
+    @property
+    def limits(self) -> ModelLimits:
+        return ModelLimits(self.vocab_size, self.max_model_len)
+
 
 def _slug(value: str, field: str) -> str:
     if not value:
@@ -107,24 +109,14 @@ def _adapter(request: pb.GenerateRequest) -> AdapterAsk | None:
 
 
 def _prompt(request: pb.GenerateRequest, rules: PromptRules) -> list[int]:
+    """The prompt's token ids (`check_generate` has seen that there is one)."""
     which = request.WhichOneof("prompt")
-    if which is None:
-        raise InvalidArgument("prompt", "give text, token_ids or chat")
     if which == "token_ids":
-        ids = list(request.token_ids.ids)
-        if not ids:
-            raise InvalidArgument("prompt.token_ids", "is empty")
-        bad = next((t for t in ids if t >= rules.vocab_size), None)
-        if bad is not None:
-            raise InvalidArgument("prompt.token_ids", f"token {bad} is outside the vocabulary "
-                                                      f"of {rules.vocab_size}")
-        return ids
+        return list(request.token_ids.ids)
     if rules.tokenizer is None:
         raise InvalidArgument(f"prompt.{which}", "the base model has no tokenizer.json; "
                                                  "send token_ids")
     if which == "text":
-        if not request.text:
-            raise InvalidArgument("prompt.text", "is empty")
         ids = list(rules.tokenizer.encode(request.text).ids)
     else:
         ids = _chat(request.chat, rules)
@@ -137,13 +129,6 @@ def _chat(chat: pb.ChatMessages, rules: PromptRules) -> list[int]:
     if rules.chat_template is None:
         raise InvalidArgument("chat", "the base model has no chat template (tokenizer_config."
                                       "json chat_template); send text or token_ids")
-    if not chat.messages:
-        raise InvalidArgument("chat.messages", "is empty")
-    if len(chat.messages) > MAX_CHAT_MESSAGES:
-        raise InvalidArgument("chat.messages", f"more than {MAX_CHAT_MESSAGES} messages")
-    for i, m in enumerate(chat.messages):
-        if not m.role:
-            raise InvalidArgument(f"chat.messages[{i}].role", "is required")
     try:
         text = rules.chat_template.render([{"role": m.role, "content": m.content}
                                            for m in chat.messages])
@@ -153,51 +138,32 @@ def _chat(chat: pb.ChatMessages, rules: PromptRules) -> list[int]:
 
 
 def _sampling(s: pb.SamplingParams, prompt_len: int, rules: PromptRules) -> SamplingParams:
-    room = rules.max_model_len - prompt_len
-    if room < 1:
-        raise InvalidArgument("prompt", f"{prompt_len} tokens leave no room for a completion "
-                                        f"in the model's context of {rules.max_model_len}")
-    max_tokens = s.max_tokens or min(rules.default_max_tokens, room)
-    if max_tokens > room:
-        raise InvalidArgument("sampling.max_tokens",
-                              f"{max_tokens} + {prompt_len} prompt tokens exceed the model's "
-                              f"context of {rules.max_model_len}")
+    """Engine settings; the ranges were checked by `check_generate` / `check_limits`."""
+    max_tokens = s.max_tokens or min(rules.default_max_tokens,
+                                     rules.max_model_len - prompt_len)
     if s.min_tokens > max_tokens:
         raise InvalidArgument("sampling.min_tokens", f"{s.min_tokens} exceeds max_tokens "
                                                      f"{max_tokens}")
-    if not math.isfinite(s.temperature) or s.temperature < 0:
-        raise InvalidArgument("sampling.temperature", f"{s.temperature} must be >= 0")
-    if not math.isfinite(s.top_p) or not 0 <= s.top_p <= 1:
-        raise InvalidArgument("sampling.top_p", f"{s.top_p} must be in [0, 1] (0 or 1 = off)")
-    stops = tuple(s.stop)
-    if len(stops) > MAX_STOP_STRINGS:
-        raise InvalidArgument("sampling.stop", f"at most {MAX_STOP_STRINGS} stop strings")
-    if any(not x for x in stops):
-        raise InvalidArgument("sampling.stop", "stop strings must be non-empty")
-    if stops and rules.tokenizer is None:
+    if s.stop and rules.tokenizer is None:
         raise InvalidArgument("sampling.stop", "stop strings need the model's tokenizer")
     return SamplingParams(max_tokens=max_tokens, min_tokens=s.min_tokens,
                           temperature=float(s.temperature), top_p=float(s.top_p or 1.0),
-                          seed=s.seed if s.HasField("seed") else None, stop=stops,
+                          seed=s.seed if s.HasField("seed") else None, stop=tuple(s.stop),
                           ignore_eos=s.ignore_eos)
 
 
-def work_item(request: pb.GenerateRequest, rules: PromptRules) -> WorkItem:
+def work_item(request: pb.GenerateRequest | Undecodable, rules: PromptRules) -> WorkItem:
     """Check a request; raises InvalidArgument naming the first bad field."""
+    check_generate(request)
+    assert isinstance(request, pb.GenerateRequest)
     if not request.HasField("tenant"):
         raise InvalidArgument("tenant", "is required")
     tenant = _tenant(request.tenant)
     request_id = request.request_id or uuid.uuid4().hex
-    if not _REQUEST_ID.match(request_id):
-        raise InvalidArgument("request_id", "1-128 printable ASCII characters")
     trace_id = request.trace_id or uuid.uuid4().hex
-    if not _TRACE.match(trace_id):
-        raise InvalidArgument("trace_id", "32 lowercase hex characters")
     adapter = _adapter(request)
     ids = _prompt(request, rules)
-    if len(ids) >= rules.max_model_len:
-        raise InvalidArgument("prompt", f"{len(ids)} tokens; the model's context is "
-                                        f"{rules.max_model_len}")
+    check_limits(request, rules.limits, len(ids))
     sampling = _sampling(request.sampling, len(ids), rules)
     sig = request.tenant
     return WorkItem(request_id=request_id, trace_id=trace_id, tenant=tenant,

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Protocol
 
-from services.catalog.serving import ServingChoice, resolve_as_owner
+from services.catalog.serving import ServingChoice, purged_reason, resolve_as_owner
 from services.catalog.state import AdapterVersion, CatalogState, Purge, Refusal
 from services.contracts.events import (
     AdapterLoaded,
@@ -485,6 +485,8 @@ class Residency:
             return
         p = version.published
         if self.only_adapter not in (None, adapter_id):
+            return
+        if purged_reason(adapter, number, version):  # a purge read before the version
             return
         if p.qos_tier in PREFETCH_TIERS and p.base_model_digest == self.base_digest:
             self.prefetch_host(version_choice((adapter_id, number), version, adapter.tenant))

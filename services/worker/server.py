@@ -6,10 +6,14 @@ worker is not ready or behind the version wall, resolved once for a quick refusa
 handed to the engine loop as a `Ticket` with its own output queue. The loop hands each
 iteration's outputs over in one hop (`call_soon_threadsafe`); this side only turns them
 into messages. A client cancel or a passed deadline cancels the handler, which cancels
-the ticket: the engine aborts the sequence and frees its KV.
+the ticket: the engine aborts the sequence before its next step, frees its KV and traces
+the request `cancelled`. The final message (FinalUsage) waits until the request's trace
+is in the log (`services.worker.events`), so an answer a client saw complete is always
+traced, even if the worker dies the next moment.
 
-Errors: INVALID_ARGUMENT names the field; the serving rule's refusals map to NOT_FOUND,
-PERMISSION_DENIED and FAILED_PRECONDITION; the version wall and not-ready are
+Errors: INVALID_ARGUMENT names the field; the serving rule's refusals map to NOT_FOUND
+(another tenant's adapter or alias too, in the same words) and FAILED_PRECONDITION; the
+version wall and not-ready are
 UNAVAILABLE; a full adapter pool is RESOURCE_EXHAUSTED with `retry-after` (seconds) and
 `retry-after-ms` trailers, as the router sends them.
 """
@@ -29,6 +33,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from services.catalog.state import Refusal
+from services.contracts.generate import Undecodable, add_inference_servicer
 from services.contracts.grpc import inference_pb2 as pb
 from services.contracts.grpc import inference_pb2_grpc as pb_grpc
 from services.worker.engine_loop import (
@@ -70,7 +75,7 @@ class InferenceService(pb_grpc.InferenceServicer):
         self.gate = gate
         self.worker_id = worker_id
 
-    async def Generate(self, request: pb.GenerateRequest,
+    async def Generate(self, request: pb.GenerateRequest | Undecodable,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         metrics = self.loop.metrics
         try:
@@ -91,9 +96,12 @@ class InferenceService(pb_grpc.InferenceServicer):
             with self.loop.follower.lock:
                 choose(self.loop.follower.state, work, self.loop.base_digest)
         except Refusal as refusal:
-            code = REFUSAL_CODE[refusal.kind]
+            answer = refusal.public()
+            if answer is not refusal:
+                log.info("request %s refused: %s", work.request_id, refusal.message)
+            code = REFUSAL_CODE[answer.kind]
             metrics.requests.labels(code).inc()
-            await context.abort(grpc.StatusCode[code], refusal.message)
+            await context.abort(grpc.StatusCode[code], answer.message)
         outputs: asyncio.Queue[list[Output]] = asyncio.Queue()
         ticket = Ticket(work, sink=outputs, time_limit_s=context.time_remaining())
         self.loop.submit(ticket)
@@ -103,6 +111,8 @@ class InferenceService(pb_grpc.InferenceServicer):
                 for output in await outputs.get():
                     if isinstance(output, Finished):
                         finished = True
+                        if output.durable is not None:  # the trace is in the log first
+                            await asyncio.wrap_future(output.durable)
                         yield pb.GenerateResponse(final=self._usage(work.trace_id, output))
                         return
                     elif isinstance(output, Refused):
@@ -181,8 +191,7 @@ class WorkerServer:
         self.server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", 64 * 1024 * 1024),
             ("grpc.so_reuseport", 0)])
-        pb_grpc.add_InferenceServicer_to_server(
-            InferenceService(loop, rules, gate, worker_id), self.server)
+        add_inference_servicer(InferenceService(loop, rules, gate, worker_id), self.server)
         pb_grpc.add_WorkerControlServicer_to_server(ControlService(loop), self.server)
         self.health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

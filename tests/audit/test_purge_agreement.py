@@ -3,7 +3,10 @@
 One log, two readers, one rule (`services/catalog/purge.py`): the real registry decides
 the purges (listing the live workers in each request) and answers GET /v1/purges/{id};
 the projector folds the same events into PostgreSQL and the view answers. Acks arrive on
-time, late, with references still held, repeated, and from a worker nobody expected.
+time, late, with references still held, repeated, and from a worker nobody expected; and
+a purge is met only once its blobs are erased: two purges whose erasure is missing or
+late (written as a registry that crashed before erasing, or erased after the deadline,
+would have written them) are pending and missed for both readers.
 """
 
 from __future__ import annotations
@@ -18,15 +21,24 @@ import pytest
 from sqlalchemy import Engine, text
 
 from services.audit.projector import AuditProjector
+from services.catalog.state import tenant_stream
 from services.config import Settings
-from services.contracts.events import Envelope, TenantPurged, TenantRef, WorkerHeartbeat
+from services.contracts.events import (
+    Envelope,
+    TenantBlobsDeleted,
+    TenantPurged,
+    TenantPurgeRequested,
+    TenantRef,
+    WorkerHeartbeat,
+    uuid7,
+)
 from services.eventlog import EventProducer
 from tests.registry.artifacts import LLAMA_DIGEST
 from tests.registry.conftest import RunningRegistry, registry_settings
 
 pytestmark = pytest.mark.slow
 
-TENANTS = [TenantRef(org="acme", team="search", project=p) for p in "abcde"]
+TENANTS = [TenantRef(org="acme", team="search", project=p) for p in "abcdefg"]
 
 
 @pytest.fixture
@@ -81,8 +93,26 @@ def _purge(client: Any, tenant: TenantRef, deadline_s: float) -> dict:
 def _view(engine: Engine) -> dict[str, dict]:
     with engine.connect() as conn:
         return {r.purge_id: dict(r._mapping) for r in conn.execute(text(
-            "SELECT purge_id, status, workers_expected, workers_done, workers_acked "
-            "FROM purge_proofs"))}
+            "SELECT purge_id, status, workers_expected, workers_done, workers_acked, "
+            "blobs_erased_at FROM purge_proofs"))}
+
+
+def _registry_purge(producer: EventProducer, tenant: TenantRef, deadline_s: float,
+                    erased_after_s: float | None) -> dict:
+    """A purge as the registry writes it, with its erasure `erased_after_s` later (None:
+    never, like a registry that crashed before erasing and has not restarted)."""
+    purge_id = uuid7().hex
+    at = datetime.now(UTC)
+    stream = tenant_stream(tenant)
+    producer.publish(Envelope.new(TenantPurgeRequested(
+        purge_id=purge_id, deadline_s=deadline_s, expected_workers=["w1", "w2"]),
+        stream=stream, seq=1, actor="admin", tenant=tenant, occurred_at=at))
+    if erased_after_s is not None:
+        producer.publish(Envelope.new(TenantBlobsDeleted(purge_id=purge_id), stream=stream,
+                                      seq=2, actor="registry/erasure", tenant=tenant,
+                                      occurred_at=at + timedelta(seconds=erased_after_s)))
+    return {"purge_id": purge_id, "requested_at": at.isoformat(), "deadline_s": deadline_s,
+            "deadline": (at + timedelta(seconds=deadline_s)).isoformat()}
 
 
 def test_registry_and_view_agree_on_every_purge(
@@ -102,6 +132,8 @@ def test_registry_and_view_agree_on_every_purge(
         held = _purge(client, TENANTS[2], 3600)
         repeated = _purge(client, TENANTS[3], 3600)
         assert on_time["expected_workers"] == ["w1", "w2"] and nobody["expected_workers"] == []
+        unerased = _registry_purge(producer, TENANTS[5], 3600, None)
+        erased_late = _registry_purge(producer, TENANTS[6], 0.5, 5.0)
 
         workers.ack("w1", on_time)
         workers.ack("w2", on_time)
@@ -114,11 +146,16 @@ def test_registry_and_view_agree_on_every_purge(
         workers.ack("w1", repeated)  # a later ack with refcounts at zero counts
         workers.ack("w2", repeated)
         workers.ack("w2", repeated)  # and a duplicate changes nothing
-    while datetime.now(UTC) <= datetime.fromisoformat(late["deadline"]):
+        for worker in ("w1", "w2"):  # every ack in time: only the blobs are missing or late
+            workers.ack(worker, unerased)
+            workers.ack(worker, erased_late)
+    while datetime.now(UTC) <= max(datetime.fromisoformat(late["deadline"]),
+                                   datetime.fromisoformat(erased_late["deadline"])):
         time.sleep(0.05)  # `late` is past due: missed, not pending
 
     expected = {"met": {nobody["purge_id"], on_time["purge_id"], repeated["purge_id"]},
-                "missed": {late["purge_id"]}, "pending": {held["purge_id"]}}
+                "missed": {late["purge_id"], erased_late["purge_id"]},
+                "pending": {held["purge_id"], unerased["purge_id"]}}
     ids = set().union(*expected.values())
     view: dict[str, dict] = {}
     answers: dict[str, dict] = {}
@@ -129,8 +166,8 @@ def test_registry_and_view_agree_on_every_purge(
         with registry.client("admin") as client:
             answers = {i: client.get(f"/v1/purges/{i}").json() for i in ids}
         acked = sum(len(a["acks"]) for a in answers.values())
-        if ids <= set(view) and acked == 11 and sum(
-                len(v["workers_acked"]) for v in view.values()) == 9:
+        if ids <= set(view) and acked == 15 and sum(
+                len(v["workers_acked"]) for v in view.values()) == 13:
             break
     for purge_id in ids:
         assert answers[purge_id]["status"] == view[purge_id]["status"], purge_id
@@ -139,6 +176,12 @@ def test_registry_and_view_agree_on_every_purge(
                           if a["on_time"] and a["refcounts_zero"]
                           and a["worker_id"] in answers[purge_id]["expected_workers"]})
         assert counted == view[purge_id]["workers_done"], purge_id
+        erased_at = answers[purge_id]["blobs_erased_at"]
+        assert (datetime.fromisoformat(erased_at) if erased_at else None) == \
+            view[purge_id]["blobs_erased_at"], purge_id
     assert {s: {i for i in ids if view[i]["status"] == s} for s in expected} == expected
     assert view[held["purge_id"]]["workers_acked"] == ["w1", "w2", "w3"]
     assert view[held["purge_id"]]["workers_done"] == ["w2"]
+    assert view[unerased["purge_id"]]["workers_done"] == ["w1", "w2"]
+    assert view[unerased["purge_id"]]["blobs_erased_at"] is None
+    assert view[on_time["purge_id"]]["blobs_erased_at"] is not None

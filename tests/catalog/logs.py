@@ -30,6 +30,7 @@ from services.contracts.events import (
     RolloutResumed,
     RolloutStep,
     SplitEntry,
+    TenantBlobsDeleted,
     TenantPurged,
     TenantPurgeRequested,
     TenantRef,
@@ -123,6 +124,9 @@ def catalog_logs(draw: st.DrawFn, max_ops: int = 40, kinds: list[str] = OPS, spr
             place("adapter", TenantPurgeRequested(purge_id=purge_id, deadline_s=float(n),
                                                   expected_workers=WORKERS[:n], **keyed),
                   f"tenant/{tenant.key}", "alice", tenant)
+            if flag:  # the registry erased its blobs
+                place("adapter", TenantBlobsDeleted(purge_id=purge_id, deleted=[DIGEST]),
+                      f"tenant/{tenant.key}", "registry/erasure", tenant)
         elif op == "ack":
             purge_id = purges[i % len(purges)] if purges else "p-unknown"
             worker = WORKERS[n - 1]

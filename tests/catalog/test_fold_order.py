@@ -33,7 +33,13 @@ def test_any_interleaving_of_the_topics_folds_to_the_same_state(
 def test_an_ack_read_before_its_purge_request_still_counts() -> None:
     from datetime import UTC, datetime, timedelta
 
-    from services.contracts.events import Envelope, TenantPurged, TenantPurgeRequested, TenantRef
+    from services.contracts.events import (
+        Envelope,
+        TenantBlobsDeleted,
+        TenantPurged,
+        TenantPurgeRequested,
+        TenantRef,
+    )
 
     tenant = TenantRef(org="acme", team="a", project="p")
     at = datetime(2026, 1, 1, tzinfo=UTC)
@@ -47,7 +53,11 @@ def test_an_ack_read_before_its_purge_request_still_counts() -> None:
     state = CatalogState()
     state.apply(ack)  # the worker topic was read first
     state.apply(request)
-    assert state.purges["p1"].status(at) == "met" and not state.early_acks
+    assert state.purges["p1"].status(at) == "pending" and not state.early_acks  # blobs kept
+    state.apply(Envelope.new(TenantBlobsDeleted(purge_id="p1"), stream="tenant/acme/a/p",
+                             seq=2, actor="registry/erasure", tenant=tenant,
+                             occurred_at=at + timedelta(seconds=2)))
+    assert state.purges["p1"].status(at) == "met"
 
 
 def test_a_rollout_completion_read_before_its_steps_still_completes_it() -> None:

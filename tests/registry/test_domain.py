@@ -16,7 +16,14 @@ from services.catalog.state import (
     rollback_candidates,
     rollback_target,
 )
-from services.contracts.events import Envelope, SplitEntry, TenantPurged, TenantRef, WorkerHeartbeat
+from services.contracts.events import (
+    Envelope,
+    SplitEntry,
+    TenantBlobsDeleted,
+    TenantPurged,
+    TenantRef,
+    WorkerHeartbeat,
+)
 from services.registry.domain import (
     ArtifactFacts,
     Decision,
@@ -80,7 +87,10 @@ def test_publish_numbers_versions_and_refuses_duplicates() -> None:
     other = TenantRef(org="rival", team="x", project="y")
     with pytest.raises(Refusal) as foreign:
         publish_cmd(state, PublishRequest("bot", other, "o", "llama", "v3"), facts(3))
-    assert foreign.value.kind == "conflict"
+    # answered as taken (a conflict) naming no tenant; the real reason kept for the log
+    answer = foreign.value.public()
+    assert (foreign.value.kind, answer.kind) == ("forbidden", "conflict")
+    assert "acme" not in answer.message and "acme" in foreign.value.message
 
 
 def test_rollback_goes_to_previous_stable_version() -> None:
@@ -156,10 +166,31 @@ def test_purge_status_from_heartbeats_and_acks() -> None:
     ack("w2", 10)
     assert purge.status(t0 + timedelta(seconds=30)) == "pending"
     ack("w1", 20)  # a later ack with refcounts at zero counts, not only the first
+    assert purge.status(t0 + timedelta(seconds=30)) == "pending"  # the blobs are still there
+    erase(state, "p1", t0 + timedelta(seconds=25))
     assert purge.status(t0 + timedelta(seconds=30)) == "met"
     ack("w1", 90)  # late acks never undo a met purge
     assert purge.status(t0 + timedelta(seconds=100)) == "met"
-    assert state.tenant_seqs["tenant/acme/search/prod"] == 1
+    assert state.tenant_seqs["tenant/acme/search/prod"] == 2
+
+
+def erase(state: CatalogState, purge_id: str, at: datetime) -> None:
+    """The registry's erasure of a purge's blobs, recorded at `at`."""
+    stream = "tenant/acme/search/prod"
+    state.apply(Envelope.new(TenantBlobsDeleted(purge_id=purge_id), stream=stream,
+                             seq=state.tenant_seqs[stream] + 1, actor="registry/erasure",
+                             tenant=TENANT, occurred_at=at))
+
+
+def test_purge_missed_when_its_blobs_are_erased_late() -> None:
+    """Every expected worker acked in time, but the erasure came after the deadline."""
+    state = CatalogState(stale_after_s=30)
+    t0 = datetime(2030, 1, 1, tzinfo=UTC)
+    commit(state, request_purge(state, TENANT, "p1", 60, now=t0), at=t0)
+    assert state.purges["p1"].expected_workers == ()
+    assert state.purges["p1"].status(t0 + timedelta(seconds=61)) == "missed"
+    erase(state, "p1", t0 + timedelta(seconds=61))
+    assert state.purges["p1"].status(t0 + timedelta(seconds=62)) == "missed"
 
 
 def test_purge_missed_when_an_expected_worker_acks_late() -> None:

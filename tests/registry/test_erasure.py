@@ -4,8 +4,10 @@ references or what an upload may be about to reference, and records it on the lo
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import time
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -22,7 +24,8 @@ from services.contracts.events import (
     TenantRef,
 )
 from services.registry.blobstore import LocalBlobStore
-from services.registry.erasure import _erase, erasure_candidates, pending_erasures
+from services.registry.domain import ArtifactFacts
+from services.registry.erasure import _erase, erasure_candidates, pending_erasures, restore_upload
 from tests.registry.artifacts import build_adapter
 from tests.registry.conftest import (
     TENANT,
@@ -82,7 +85,10 @@ def test_candidates_are_the_tenants_digests_minus_what_a_live_version_holds() ->
     assert pending_erasures(log.state) == ["p-rival", "p1"]
 
 
-def test_erase_deletes_keeps_recent_uploads_and_is_decided_once(tmp_path: Path) -> None:
+def test_erase_deletes_every_purged_file_however_recent_and_is_decided_once(
+        tmp_path: Path) -> None:
+    """No grace period: a purged version's file written a moment ago (an upload of the same
+    bytes in flight, say) is erased too; only what a live version holds stays."""
     blobs = LocalBlobStore(tmp_path)
     log = Log()
     old = blobs.put(b"old weights")
@@ -99,23 +105,48 @@ def test_erase_deletes_keeps_recent_uploads_and_is_decided_once(tmp_path: Path) 
             owner="o"), "adapter/a", ACME, T0 - timedelta(hours=2))
     now = datetime.now(UTC)
     log.purge("p1", ACME, now)
-    decision = _erase(log.state, blobs, "p1", timedelta(seconds=60))
+    log.add(AdapterVersionPublished(  # published after the purge: it keeps the config
+        adapter_id="a", version=3, label="v3", base_model="b", base_model_digest=_digest("base"),
+        sha256=_digest("new"), config_sha256=config, size_bytes=1, rank=4, lora_alpha=8.0,
+        target_modules=["q_proj"], dtype="float16", owner="o"), "adapter/a", ACME,
+        now + timedelta(seconds=1))
+    decision = _erase(log.state, blobs, "p1")
     payload = decision.payload
     assert isinstance(payload, TenantBlobsDeleted)
-    assert payload.deleted == sorted([old, config]) and payload.kept == [recent]
-    assert not blobs.exists(old) and not blobs.exists(config) and blobs.exists(recent)
+    assert payload.deleted == sorted([old, recent]) and payload.kept == [config]
+    assert not blobs.exists(old) and not blobs.exists(recent) and blobs.exists(config)
     assert decision.stream == tenant_stream(ACME) and decision.seq == 2
     log.state.apply(Envelope.new(payload, stream=decision.stream, seq=decision.seq,
                                  actor="registry/erasure", tenant=ACME))
     assert log.state.purges["p1"].blobs == payload and pending_erasures(log.state) == []
     with pytest.raises(Exception, match="already erased"):
-        _erase(log.state, blobs, "p1", timedelta(0))
+        _erase(log.state, blobs, "p1")
+
+
+def test_an_upload_whose_bytes_a_purge_erased_meanwhile_is_stored_again(
+        tmp_path: Path) -> None:
+    """The publish command re-stores its own files when an erasure ran between the upload
+    and the command (both under the command lock), so no version points at nothing."""
+    blobs = LocalBlobStore(tmp_path)
+    files = build_adapter(seed=9)
+    facts = ArtifactFacts(hashlib.sha256(files.weights).hexdigest(),
+                          hashlib.sha256(files.config).hexdigest(), len(files.weights), 4, 8.0,
+                          ("q_proj",), "float32")
+    weights = io.BytesIO(files.weights)
+    restore_upload(blobs, facts, files.config, weights)  # the erasure ran: both gone
+    assert b"".join(blobs.read(facts.sha256)) == files.weights
+    assert b"".join(blobs.read(facts.config_sha256)) == files.config
+    written = blobs.modified_at(facts.sha256)
+    restore_upload(blobs, facts, files.config, weights)  # nothing erased: nothing written
+    assert blobs.modified_at(facts.sha256) == written
+    with pytest.raises(RuntimeError, match="hash to"):
+        restore_upload(blobs, replace(facts, sha256="0" * 64), files.config, weights)
 
 
 @pytest.mark.slow
 def test_purge_erases_the_tenants_blobs_through_the_api(settings: Settings,
                                                         tmp_path: Path) -> None:
-    reg = registry_settings(settings, tmp_path / "blobs", blob_erasure_grace_s=0.0)
+    reg = registry_settings(settings, tmp_path / "blobs")
     blobs = LocalBlobStore(tmp_path / "blobs")
     shared, mine = build_adapter(seed=1), build_adapter(seed=2)
     running = RunningRegistry(reg).start()
@@ -131,15 +162,37 @@ def test_purge_erases_the_tenants_blobs_through_the_api(settings: Settings,
                            for a in ("acme-shared", "acme-mine", "rival-copy")
                            for v in running.node.state.adapters[a].versions.values()}
             assert digests["acme-shared"] == digests["rival-copy"]
-            time.sleep(0.05)
             response = admin.post("/v1/tenants/acme/search/prod/purge", json={})
             assert response.status_code == 202, response.text
-            purge = admin.get(f"/v1/purges/{response.json()['purge_id']}").json()
-        exclusive = set(digests["acme-mine"]) - set(digests["rival-copy"])
-        assert purge["blobs_deleted"] == sorted(exclusive) and mine.sha256 in exclusive
-        assert sorted(purge["blobs_kept"]) == sorted(set(digests["rival-copy"]))
-        assert not any(blobs.exists(d) for d in exclusive)
-        assert all(blobs.exists(d) for d in digests["rival-copy"])
+            purge_id = response.json()["purge_id"]
+            purge = admin.get(f"/v1/purges/{purge_id}").json()
+            exclusive = set(digests["acme-mine"]) - set(digests["rival-copy"])
+            assert purge["blobs_deleted"] == sorted(exclusive) and mine.sha256 in exclusive
+            assert sorted(purge["blobs_kept"]) == sorted(set(digests["rival-copy"]))
+            assert not any(blobs.exists(d) for d in exclusive)
+            assert all(blobs.exists(d) for d in digests["rival-copy"])
+            assert purge["status"] == "met" and purge["blobs_erased_at"] is not None
+            # the registry shows the versions as purged, and refuses to serve them again
+            version = admin.get("/v1/adapters/acme-mine/versions/1").json()
+            assert (version["purged"], version["purged_by"]) == (True, purge_id)
+            assert admin.get("/v1/adapters/acme-mine").json()["purged_versions"] == [1]
+            switched = admin.put("/v1/adapters/acme-mine/active", json={"version": 1})
+            assert switched.status_code == 409 and purge_id in switched.json()["detail"]
+            # its bytes back on disk (an erasure not run yet): the blob route still refuses
+            blobs.put(mine.weights)
+            with running.client("worker") as worker:
+                refused = worker.get(f"/v1/blobs/sha256/{mine.sha256}")
+                assert refused.status_code == 404, refused.text
+                assert refused.json()["code"] == "purged"
+                assert purge_id in refused.json()["detail"]
+                shared_sha = digests["rival-copy"][0]
+                assert worker.get(f"/v1/blobs/sha256/{shared_sha}").status_code == 200
+                # published again after the purge: a live version, served as usual
+                assert publish(admin, "acme-mine", mine, "v2").status_code == 201
+                again = worker.get(f"/v1/blobs/sha256/{mine.sha256}")
+                assert again.status_code == 200 and again.content == mine.weights
+            assert admin.put("/v1/adapters/acme-mine/active",
+                             json={"version": 2}).status_code == 200
     finally:
         running.stop()
     again = RunningRegistry(reg).start()  # the start-up resumption finds nothing to do

@@ -8,6 +8,7 @@ import io
 import pytest
 import torch
 
+from services.contracts.capacity import AdapterLimits
 from services.registry.validation import UploadRejected, validate_adapter
 from tests.registry.artifacts import LLAMA_CONFIG, AdapterFiles, build_adapter, tensor_name
 
@@ -17,7 +18,7 @@ VOCAB = LLAMA_CONFIG["vocab_size"]
 
 def check(files: AdapterFiles, **base: object):
     return validate_adapter(files.config, io.BytesIO(files.weights), len(files.weights),
-                            {**LLAMA_CONFIG, **base}, max_rank=64, allowed_dtypes=ALLOWED)
+                            {**LLAMA_CONFIG, **base}, limits=AdapterLimits(64, tuple(ALLOWED)))
 
 
 def test_rank_pattern_shapes_are_checked_per_module() -> None:

@@ -88,8 +88,9 @@ class CatalogWriter:
         self.producer.publish(Envelope.new(payload, stream=stream, seq=self.seqs[stream],
                                            actor="test", tenant=tenant))
 
-    def base(self, name: str = "tiny-llama", digest: str = BASE_DIGEST) -> None:
-        self._emit(BaseModelRegistered(name=name, digest=digest, config={}),
+    def base(self, name: str = "tiny-llama", digest: str = BASE_DIGEST,
+             config: dict[str, Any] | None = None) -> None:
+        self._emit(BaseModelRegistered(name=name, digest=digest, config=config or {}),
                    base_model_stream(name), None)
 
     def publish(self, adapter_id: str, version: int = 1, *, tenant: TenantRef = ACME,

@@ -73,12 +73,16 @@ def test_completion_chat_and_pinned_versions(router, fleet: Fleet) -> None:
 def test_streaming_completions_and_chat(router) -> None:
     api = client(router)
     chunks = list(api.completions.create(model="tiny-llama:support", prompt="hello",
-                                         stream=True))
+                                         stream=True, stream_options={"include_usage": True}))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == " w1.0 w1.1 w1.2"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    unasked = list(api.completions.create(model="tiny-llama:support", prompt="hello",
+                                          stream=True))
+    assert all(c.choices and c.usage is None for c in unasked)  # usage only when asked
 
     stream = api.chat.completions.create(model="tiny-llama:support", stream=True,
+                                         stream_options={"include_usage": True},
                                          messages=[{"role": "user", "content": "hi"}])
     parts = list(stream)
     assert parts[0].choices[0].delta.role == "assistant"
@@ -91,10 +95,11 @@ def test_errors_come_in_openais_shape(router, fleet: Fleet) -> None:
     api = client(router)
     with pytest.raises(openai.NotFoundError) as nf:
         api.completions.create(model="tiny-llama:nope", prompt="x")
-    assert nf.value.body["code"] == "not_found" and "nope" in nf.value.body["message"]
-    with pytest.raises(openai.PermissionDeniedError):
+    assert nf.value.body["code"] == "model_not_found" and "nope" in nf.value.body["message"]
+    # another tenant's adapter or alias is answered as a missing one
+    with pytest.raises(openai.NotFoundError):
         api.completions.create(model="tiny-llama:rival-bot", prompt="x")
-    with pytest.raises(openai.PermissionDeniedError):
+    with pytest.raises(openai.NotFoundError):
         client(router, "rival").completions.create(model="tiny-llama:support", prompt="x")
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(api_key="wrong", base_url=f"{router.http_url}/v1",

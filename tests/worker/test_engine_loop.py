@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -16,13 +17,16 @@ from loraplane_kernels.threads import one_thread
 from services.contracts.events import (
     AdapterDisabled,
     AdapterUnloaded,
+    AdapterVersionPublished,
     BaseModelRegistered,
+    Envelope,
     KVInvalidated,
     TenantPurged,
     TenantPurgeRequested,
 )
 from services.worker.engine_loop import Finished, Refused
 from services.worker.lifecycle import AdapterState, Transition
+from tests.registry.artifacts import build_adapter
 from tests.worker.conftest import ServedModel
 from tests.worker.rig import ACME, OTHER, Rig, end, first_token, make_rig, wait_for
 
@@ -123,7 +127,7 @@ def test_cancel_aborts_and_frees_kv(rig: Rig) -> None:
     assert isinstance(ended, Finished) and ended.reason == "abort"
     assert rig.call(lambda: rig.engine.blocks.num_available) == total
     assert rig.call(lambda: rig.engine.has_work) is False
-    assert rig.events.traces[-1].status == "aborted"
+    assert rig.events.traces[-1].status == "cancelled"
 
 
 def test_unreachable_registry_is_unavailable_not_failed(rig: Rig) -> None:
@@ -153,7 +157,46 @@ def test_soft_purge_lets_sequences_finish_then_acks(rig: Rig) -> None:
     assert ack.purge_id == "p1" and ack.refcounts_zero and ack.sequences_aborted == 0
     assert ack.adapters_unloaded == 1 and ack.kv_blocks_freed > 0
     assert rig.state("bot", 1) is AdapterState.UNLOADED
-    assert isinstance(end(rig.ask("bot", tenant=OTHER)), Finished), "served again afterwards"
+    gone = end(rig.ask("bot", tenant=OTHER))  # the purge ended bot@1 for good
+    assert isinstance(gone, Refused) and gone.code == "NOT_FOUND" and "p1" in gone.message
+    rig.publish("bot", 2, 31, tenant=OTHER)  # published after the purge: served as usual
+    rig.switch("bot", 2, tenant=OTHER)
+    assert isinstance(end(rig.ask("bot", tenant=OTHER)), Finished)
+
+
+def test_a_purged_version_is_never_fetched_again(rig: Rig) -> None:
+    """On-demand loads, prefetch hints, pre-warming of gold versions, and a version whose
+    purge was read before it: none of them fetches a purged version's files."""
+    rig.publish("gone", 1, 32, tier="gold", tenant=OTHER)
+    rig.switch("gone", 1, tenant=OTHER)
+    wait_for(lambda: rig.state("gone", 1) is AdapterState.LOADED)
+    published = datetime.now(UTC)
+    rig.fold(TenantPurgeRequested(purge_id="p9", deadline_s=60, expected_workers=["w-test"]),
+             "tenant/other/t/p", OTHER)
+    wait_for(lambda: rig.events.of(TenantPurged))
+    fetches = rig.blobs.fetches
+    refused = end(rig.ask("gone", tenant=OTHER))
+    assert isinstance(refused, Refused) and refused.code == "NOT_FOUND"
+    assert "purge p9" in refused.message
+    out = rig.call(lambda: rig.loop.prefetch([("gone", 1)], device=True))
+    assert [o.accepted for o in out] == [False] and "p9" in out[0].detail
+    # a gold version published before the purge, read after it (another partition)
+    files = build_adapter(seed=33)
+    late = Envelope.new(AdapterVersionPublished(
+        adapter_id="late", version=1, label="v1", base_model="tiny",
+        base_model_digest=rig.engine.base_digest, sha256=rig.blobs.add(files.weights),
+        config_sha256=rig.blobs.add(files.config), size_bytes=len(files.weights), rank=4,
+        lora_alpha=8, target_modules=["q_proj", "v_proj"], dtype="float16", qos_tier="gold",
+        owner="o"), stream="adapter/late", seq=1, actor="test", tenant=OTHER,
+        occurred_at=published)
+    rig.follower.fold(late)
+    rig.loop.on_catalog([late])
+    rig.switch("late", 1, tenant=OTHER)
+    rig.call(lambda: rig.loop.initial_sync())  # as after a restart: reloads what it held
+    assert isinstance(end(rig.ask("late", tenant=OTHER)), Refused)
+    assert rig.blobs.fetches == fetches, "a purged version was fetched"
+    assert rig.state("gone", 1) is AdapterState.UNLOADED
+    assert rig.state("late", 1) is AdapterState.UNLOADED
 
 
 def test_prefetch_hints_and_illegal_transitions(rig: Rig) -> None:

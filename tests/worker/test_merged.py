@@ -107,8 +107,8 @@ def test_merged_mode_follows_the_log(served_model: ServedModel, tmp_path: Path) 
         ack = rig.events.of(TenantPurged)[0]
         assert ack.purge_id == "p-merged" and ack.adapters_unloaded >= 1
         assert merged(rig) is None  # the purged tenant's delta left the base weights
-        purged = refused(rig, "bot")  # and is never fetched back
-        assert purged.code == "FAILED_PRECONDITION" and "purged" in purged.message
+        purged = refused(rig, "bot")  # and is never fetched back: gone, as everywhere
+        assert purged.code == "NOT_FOUND" and "purge p-merged" in purged.message
 
 
 def test_a_pinned_version_is_unmerged_once_switched_away_from(

@@ -3,7 +3,9 @@
 The rules are the ones the registry validates uploads by (`services.families.adapters`),
 read against the base model's family description; everything that would make the
 engine's output differ from PEFT's is refused with a message naming the field or tensor
-(DoRA, trained biases, modules the model lacks), before any slot is touched.
+(DoRA, trained biases, modules the model lacks), before any slot is touched. Given the
+pool's limits, so is an adapter past them (rank, dtype): the same checks the registry
+makes at publish (`services.contracts.capacity`), so both agree.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load as load_safetensors_bytes
 
+from services.contracts.capacity import AdapterLimits, OverCapacity
 from services.families.adapters import (
     CONFIG_FILE,
     EMBED,
@@ -235,25 +238,36 @@ def pack_weights(entries: list[tuple[Key, torch.Tensor, torch.Tensor, float]],
     return packed, weights
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """`torch.bfloat16` → "bfloat16": the names `services.contracts.capacity` uses."""
+    return str(dtype).removeprefix("torch.")
+
+
 def parse_adapter(files: AdapterFiles, cfg: ModelConfig,
                   digest: AdapterDigest | None = None,
+                  limits: AdapterLimits | None = None,
                   base: Mapping[str, torch.Tensor] | None = None) -> LoraAdapter:
-    """Validate a PEFT LoRA adapter against `cfg` and return its per-module weights.
+    """Validate a PEFT LoRA adapter against `cfg` (and, given them, the pool's `limits`)
+    and return its per-module weights.
 
     `base` (embed_tokens and lm_head of the served model): a replacement weight equal to
     the base weight in the serving dtype is dropped, since serving it changes nothing.
     PEFT saves a copy of the base embedding beside embedding LoRA; kept, each would cost
     a vocabulary-sized weight per adapter."""
     try:
-        return _parse(files, cfg, digest, base or {})
+        return _parse(files, cfg, digest, limits, base or {})
     except AdapterRefused as exc:
         raise AdapterError(exc.message) from exc
+    except OverCapacity as exc:
+        raise AdapterError(exc.message) from None
 
 
 def _parse(files: AdapterFiles, cfg: ModelConfig, digest: AdapterDigest | None,
-           base: Mapping[str, torch.Tensor]) -> LoraAdapter:
+           limits: AdapterLimits | None, base: Mapping[str, torch.Tensor]) -> LoraAdapter:
     spec = read_lora_config(files.config_json)
     check_targets(spec, cfg)
+    if limits is not None:
+        limits.check_rank(spec.max_rank)
     try:
         tensors = load_safetensors_bytes(files.weights)
     except Exception as exc:  # safetensors raises its own error type
@@ -281,6 +295,8 @@ def _parse(files: AdapterFiles, cfg: ModelConfig, digest: AdapterDigest | None,
         pairs[t.key][t.which] = tensor
     if not pairs and not replaced:
         raise AdapterError(f"{WEIGHTS_FILE} contains no LoRA weights")
+    if limits is not None:
+        limits.check_dtypes({dtype_name(t.dtype) for t in tensors.values()})
     for module in spec.modules_to_save:
         if module not in replaced:
             raise AdapterError(f"{CONFIG_FILE}: modules_to_save names {module}, but "

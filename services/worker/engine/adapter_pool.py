@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from services.contracts.capacity import AdapterLimits, OverCapacity
 from services.families.adapters import EMBED, LM_HEAD
 
 from .adapter import (
@@ -95,6 +96,8 @@ class AdapterPool:
     ) -> None:
         self.cfg = cfg
         self.max_rank = max_rank
+        self.limits = AdapterLimits(max_rank)
+        """What this pool holds, checked as the registry checks it at publish."""
         self.dtype = dtype
         self.element_size = torch.empty((), dtype=dtype).element_size()
         self.modules = tuple(cfg.family.lora)
@@ -178,7 +181,8 @@ class AdapterPool:
             if pin:
                 self._pinned.add(key)
             return self.info(key)
-        return self.place(parse_adapter(files, self.cfg, key, self.base_vocab), pin=pin)
+        return self.place(parse_adapter(files, self.cfg, key, self.limits, self.base_vocab),
+                          pin=pin)
 
     def place(self, adapter: LoraAdapter, *, pin: bool = False) -> AdapterSlotInfo:
         """Put an already parsed, checked adapter (e.g. from a host-memory tier) into the
@@ -193,9 +197,10 @@ class AdapterPool:
             if pin:
                 self._pinned.add(key)
             return self.info(key)
-        if adapter.rank > self.max_rank:
-            raise AdapterError(f"adapter rank {adapter.rank} exceeds the pool's max_rank "
-                               f"{self.max_rank}")
+        try:
+            self.limits.check_rank(adapter.rank)
+        except OverCapacity as exc:
+            raise AdapterError(exc.message) from None
         vocab = (self.cfg.vocab_size, self.cfg.hidden_size)
         for (layer, module), w in adapter.weights.items():
             shape = (int(w.a.shape[1]), int(w.b.shape[0]))

@@ -1,0 +1,514 @@
+"""The OpenAI request bodies the HTTP front accepts, and what it does with every field.
+
+`PARAMETERS` is the table, and README's API section lists it. Each field of
+`/v1/completions` and `/v1/chat/completions` (OpenAI's, and the vLLM extras clients send
+in `extra_body`) is
+
+- `honoured`: it does what OpenAI (or vLLM) says it does;
+- `no_effect`: accepted though it does nothing here, because it cannot change the output
+  (a tag or a hint for OpenAI's own services) — each row says why;
+- `refused`: 400 with code `unsupported_parameter` naming it, unless it holds a neutral
+  value, one that asks for what the server does anyway (`n: 1`, `logprobs: false`,
+  `presence_penalty: 0`, `top_k: -1`).
+
+A field in no row is refused by name whatever its value, so nothing is silently ignored.
+A null is the same as leaving the field out, as in OpenAI's API.
+
+Bodies are read here too (`read_body`), before any model sees them, so that every way a
+body can be wrong is a 400 (413 when too large) in OpenAI's error shape naming the field
+where there is one: bytes that are not UTF-8, numbers JSON cannot hold (NaN, a
+thousand-digit integer), nesting deeper than `MAX_DEPTH`, lone surrogate escapes
+(`"\\ud800"`, not Unicode text, so not storable in a proto string). Ranges are checked on
+every honoured field here (the proto's uint32/uint64 among them), and the rules both
+fronts share (context, vocabulary, roles, stop strings) by the router on the
+`GenerateRequest` built from the body (`services.contracts.generate`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+from starlette.requests import Request
+
+from services.contracts.generate import (
+    MAX_STOP_STRINGS,
+    ROLE_ALIASES,
+    ROLES,
+    UINT32_MAX,
+    UINT64_MAX,
+    InvalidArgument,
+    canonical_role,
+)
+from services.contracts.grpc import inference_pb2 as pb
+
+MAX_BODY_BYTES = 16 * 1024 * 1024
+MAX_DEPTH = 32
+"""JSON nesting a body may have (a chat message's content part is at depth 4)."""
+MAX_INT_DIGITS = 100
+MAX_PROMPTS = 128
+"""Prompts in one `/v1/completions` request (each is a request to a worker)."""
+
+Kind = Literal["honoured", "no_effect", "refused"]
+Endpoint = Literal["completions", "chat"]
+COMPLETIONS: tuple[Endpoint, ...] = ("completions",)
+CHAT: tuple[Endpoint, ...] = ("chat",)
+BOTH: tuple[Endpoint, ...] = ("completions", "chat")
+
+
+@dataclass(frozen=True)
+class Parameter:
+    """One field of a request body and what the server does with it."""
+
+    name: str
+    """Top-level field, or `messages[].x` for a field of a chat message."""
+    kind: Kind
+    endpoints: tuple[Endpoint, ...]
+    note: str
+    neutral: tuple[Any, ...] = ()
+    """For `refused`: the values that ask for nothing (accepted)."""
+    vllm: bool = False
+    """A vLLM extra, not in OpenAI's schema (clients send it in `extra_body`)."""
+
+
+def _honoured(name: str, endpoints: tuple[Endpoint, ...], note: str, *,
+              vllm: bool = False) -> Parameter:
+    return Parameter(name, "honoured", endpoints, note, vllm=vllm)
+
+
+def _refused(name: str, endpoints: tuple[Endpoint, ...], *neutral: Any, note: str = "",
+             vllm: bool = False) -> Parameter:
+    return Parameter(name, "refused", endpoints, note, neutral, vllm)
+
+
+PARAMETERS: tuple[Parameter, ...] = (
+    _honoured("model", BOTH, "`base:adapter_or_alias`, `adapter@version`, a base model, "
+                             "or an adapter id / alias"),
+    _honoured("prompt", COMPLETIONS, f"a string, strings, token ids or lists of token ids "
+                                     f"(at most {MAX_PROMPTS} prompts)"),
+    _honoured("messages", CHAT, "rendered with the base model's chat template by the "
+                                "worker"),
+    _honoured("messages[].role", CHAT, "system, user, assistant, tool; developer is system"),
+    _honoured("messages[].content", CHAT, "a string or a list of text parts "
+                                          "(`{\"type\": \"text\", \"text\": …}`)"),
+    _honoured("max_tokens", BOTH, "1 up to the model's context (0 is refused); "
+                                  "completions default 16, chat the worker's default"),
+    _honoured("max_completion_tokens", CHAT, "as max_tokens, and wins over it"),
+    _honoured("temperature", BOTH, "0 to 2; 0 is greedy"),
+    _honoured("top_p", BOTH, "0 to 1"),
+    _honoured("seed", BOTH, "0 to 2^64-1: the same seed and request give the same "
+                            "tokens"),
+    _honoured("stop", BOTH, f"up to {MAX_STOP_STRINGS} non-empty strings, never part "
+                            "of the output"),
+    _honoured("stream", BOTH, "server-sent events ending in `data: [DONE]`"),
+    _honoured("stream_options", BOTH, "`include_usage`: a last chunk with usage; only "
+                                      "with `stream`"),
+    _honoured("user", BOTH, "the user id that keeps a user on one side of a canary"),
+    _honoured("min_tokens", BOTH, "end-of-sequence masked until this many tokens",
+              vllm=True),
+    _honoured("ignore_eos", BOTH, "decode past end-of-sequence, to max_tokens", vllm=True),
+    Parameter("metadata", "no_effect", CHAT, "tags for OpenAI's stored completions; "
+                                             "nothing is stored here"),
+    Parameter("safety_identifier", "no_effect", CHAT, "an id for OpenAI's abuse "
+                                                      "monitoring"),
+    Parameter("prompt_cache_key", "no_effect", CHAT, "a hint for OpenAI's cache routing; "
+                                                     "the prefix cache here is keyed by "
+                                                     "content within a compliance scope"),
+    _refused("store", CHAT, False, note="nothing is stored"),
+    _refused("service_tier", CHAT, "auto", "default", note="one processing tier"),
+    _refused("n", BOTH, 1),
+    _refused("best_of", COMPLETIONS, 1),
+    _refused("echo", BOTH, False),
+    _refused("suffix", COMPLETIONS, ""),
+    _refused("logprobs", COMPLETIONS),
+    _refused("logprobs", CHAT, False),
+    _refused("top_logprobs", CHAT),
+    _refused("presence_penalty", BOTH, 0),
+    _refused("frequency_penalty", BOTH, 0),
+    _refused("logit_bias", BOTH, {}),
+    _refused("response_format", BOTH, {"type": "text"}),
+    _refused("tools", CHAT, []),
+    _refused("tool_choice", CHAT, "none"),
+    _refused("parallel_tool_calls", CHAT),
+    _refused("functions", CHAT, []),
+    _refused("function_call", CHAT, "none"),
+    _refused("modalities", CHAT, ["text"]),
+    _refused("audio", CHAT),
+    _refused("prediction", CHAT),
+    _refused("reasoning_effort", CHAT),
+    _refused("verbosity", CHAT),
+    _refused("web_search_options", CHAT),
+    _refused("moderation", CHAT),
+    _refused("prompt_cache_options", CHAT),
+    _refused("prompt_cache_retention", CHAT),
+    _refused("messages[].name", CHAT, note="a name would be written into the template"),
+    _refused("messages[].tool_calls", CHAT, []),
+    _refused("messages[].tool_call_id", CHAT),
+    _refused("messages[].function_call", CHAT),
+    _refused("messages[].refusal", CHAT),
+    _refused("messages[].audio", CHAT),
+    *(_refused(name, BOTH, *neutral, vllm=True) for name, neutral in (
+        ("top_k", (-1, 0)), ("min_p", (0,)), ("repetition_penalty", (1,)),
+        ("length_penalty", (1,)), ("use_beam_search", (False,)), ("stop_token_ids", ([],)),
+        ("include_stop_str_in_output", (False,)), ("skip_special_tokens", (True,)),
+        ("spaces_between_special_tokens", (True,)), ("bad_words", ([],)),
+        ("allowed_token_ids", ()), ("truncate_prompt_tokens", ()), ("prompt_logprobs", ()),
+        ("guided_json", ()), ("guided_regex", ()), ("guided_choice", ()),
+        ("guided_grammar", ()), ("guided_decoding_backend", ()),
+        ("guided_whitespace_pattern", ()), ("structured_outputs", ()), ("priority", (0,)),
+        ("logits_processors", ()), ("return_tokens_as_token_ids", (False,)),
+        ("return_token_ids", (False,)), ("cache_salt", ()), ("request_id", ()),
+        ("kv_transfer_params", ()), ("vllm_xargs", ()))),
+    _refused("add_special_tokens", COMPLETIONS, True, vllm=True),
+    _refused("add_special_tokens", CHAT, False, vllm=True),
+    *(_refused(name, CHAT, *neutral, vllm=True) for name, neutral in (
+        ("add_generation_prompt", (True,)), ("continue_final_message", (False,)),
+        ("chat_template", ()), ("chat_template_kwargs", ()), ("documents", ()),
+        ("mm_processor_kwargs", ()))),
+)
+
+_TABLE: dict[tuple[Endpoint, str], Parameter] = {
+    (endpoint, p.name): p for p in PARAMETERS for endpoint in p.endpoints}
+
+
+def parameter(endpoint: Endpoint, name: str) -> Parameter | None:
+    return _TABLE.get((endpoint, name))
+
+
+def _same(value: Any, neutral: Any) -> bool:
+    """JSON equality that keeps booleans apart from numbers (`n: true` is not `n: 1`)."""
+    if isinstance(value, bool) or isinstance(neutral, bool):
+        return type(value) is type(neutral) and value == neutral
+    return bool(value == neutral)
+
+
+def _sifted(endpoint: Endpoint, data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """The honoured fields of `data`; the rest accepted as neutral or no effect, or
+    refused by name."""
+    kept = {}
+    for name, value in data.items():
+        if value is None:
+            continue
+        row = parameter(endpoint, f"{prefix}{name}")
+        if row is None:
+            raise PydanticCustomError("unsupported_parameter",
+                                      "unknown parameter; refused, not ignored",
+                                      {"param": name})
+        if row.kind == "honoured":
+            kept[name] = value
+        elif row.kind == "refused" and not any(_same(value, n) for n in row.neutral):
+            why = f" ({row.note})" if row.note else ""
+            accepted = (" (accepted: " + ", ".join(json.dumps(n) for n in row.neutral) + ")"
+                        if row.neutral else "")
+            raise PydanticCustomError("unsupported_parameter",
+                                      f"not supported by this server{why}{accepted}",
+                                      {"param": name})
+    return kept
+
+
+# --- bodies ----------------------------------------------------------------------------------
+
+
+def _invalid(message: str) -> PydanticCustomError:
+    return PydanticCustomError("invalid_value", message)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool | None = None
+
+
+class OpenAIBody(BaseModel):
+    """What both endpoints share; only honoured fields are declared (see `_sifted`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    ENDPOINT: ClassVar[Endpoint]
+
+    model: str = Field(min_length=1, max_length=512)
+    max_tokens: int | None = Field(None, ge=1, le=UINT32_MAX)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, ge=0, le=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0, le=UINT64_MAX)
+    user: str | None = Field(None, max_length=256)
+    min_tokens: int = Field(0, ge=0, le=UINT32_MAX)
+    ignore_eos: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _table(cls, data: Any) -> Any:
+        return _sifted(cls.ENDPOINT, data) if isinstance(data, dict) else data
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> OpenAIBody:
+        if self.stream_options is not None and not self.stream:
+            raise PydanticCustomError("stream_options", "only allowed when stream is true")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def sampling(self, default_max: int | None) -> pb.SamplingParams:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        max_tokens = self.max_tokens if self.max_tokens is not None else default_max
+        params = pb.SamplingParams(
+            max_tokens=max_tokens or 0,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p, stop=stops,
+            min_tokens=self.min_tokens, ignore_eos=self.ignore_eos)
+        if self.seed is not None:
+            params.seed = self.seed
+        return params
+
+
+class CompletionBody(OpenAIBody):
+    ENDPOINT: ClassVar[Endpoint] = "completions"
+
+    prompt: str | list[str] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1, le=UINT32_MAX)
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt(cls, value: Any) -> Any:
+        """One or more prompts, a list of token ids counting as one (checked here, with
+        messages a person can act on, rather than by a union's four error lists)."""
+        if isinstance(value, str):
+            return value
+        if not isinstance(value, list) or not value:
+            raise _invalid("a string, a list of strings, a list of token ids or a list of "
+                           "lists of token ids")
+        if all(type(x) is int for x in value):
+            value = [value]
+        if len(value) > MAX_PROMPTS:
+            raise _invalid(f"{len(value)} prompts; at most {MAX_PROMPTS}")
+        for i, one in enumerate(value):
+            if isinstance(one, str):
+                continue
+            if not isinstance(one, list) or not one or any(type(x) is not int for x in one):
+                raise _invalid(f"prompt {i} is neither a string nor a non-empty list of "
+                               "integer token ids")
+            bad = next((x for x in one if not 0 <= x <= UINT32_MAX), None)
+            if bad is not None:
+                raise _invalid(f"token id {str(bad)[:40]} is outside 0..{UINT32_MAX}")
+        if not all(isinstance(x, str) for x in value) and any(isinstance(x, str)
+                                                              for x in value):
+            raise _invalid("mixes strings and token ids")
+        return value
+
+    def prompts(self) -> list[str | list[int]]:
+        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: str
+    text: str
+
+    @field_validator("type")
+    @classmethod
+    def _text_only(cls, value: str) -> str:
+        if value != "text":
+            raise PydanticCustomError("unsupported_parameter", "only text content parts are "
+                                      f"supported, not {value[:40]!r}")
+        return value
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: str
+    content: str | list[ContentPart] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _table(cls, data: Any) -> Any:
+        return _sifted("chat", data, "messages[].") if isinstance(data, dict) else data
+
+    @field_validator("role")
+    @classmethod
+    def _role(cls, value: str) -> str:
+        try:
+            return canonical_role(value)
+        except InvalidArgument as exc:
+            raise _invalid(str(exc)) from None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        return "".join(part.text for part in self.content)
+
+
+class ChatBody(OpenAIBody):
+    ENDPOINT: ClassVar[Endpoint] = "chat"
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=UINT32_MAX)
+
+
+assert set(ROLES) | set(ROLE_ALIASES) >= {"system", "developer", "user", "assistant", "tool"}
+
+
+# --- reading a body ------------------------------------------------------------------------
+
+
+class BodyError(ValueError):
+    """A body the front refuses: answered in OpenAI's error shape."""
+
+    def __init__(self, message: str, *, param: str | None = None,
+                 code: str = "invalid_request", status: int = 400) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+        self.status = status
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise BodyError(f"body: an integer of {len(text)} digits (at most {MAX_INT_DIGITS})")
+    return int(text)
+
+
+def _float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise BodyError(f"body: the number {text[:24]} is out of range")
+    return value
+
+
+def _constant(text: str) -> float:
+    raise BodyError(f"body: {text} is not a JSON number")
+
+
+def _path(parent: str, key: str | int) -> str:
+    if isinstance(key, int):
+        return f"{parent}[{key}]"
+    return f"{parent}.{key}" if parent else key
+
+
+def _checked_tree(data: Any) -> None:
+    """No string (or key) with a lone surrogate, no nesting deeper than MAX_DEPTH
+    (iterative: the walk itself must not recurse into a hostile depth)."""
+    stack: list[tuple[Any, str, int]] = [(data, "", 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        if isinstance(value, str):
+            found = _SURROGATE.search(value)
+            if found:
+                raise BodyError(f"{path or 'body'}: a lone surrogate (\\u{ord(found[0]):04x}) "
+                                "is not Unicode text", param=path or None)
+            continue
+        if not isinstance(value, dict | list):
+            continue
+        if depth >= MAX_DEPTH:
+            raise BodyError(f"{path}: nested deeper than {MAX_DEPTH} levels",
+                            param=path.split(".")[0].split("[")[0] or None)
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            if isinstance(key, str) and _SURROGATE.search(key):
+                raise BodyError(f"{path or 'body'}: a key with a lone surrogate is not "
+                                "Unicode text", param=path or None)
+            stack.append((item, _path(path, key), depth + 1))
+
+
+async def read_body(request: Request) -> dict[str, Any]:
+    """The body as a JSON object, or a BodyError saying what is wrong with it."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise BodyError(f"body: {declared} bytes, over the {MAX_BODY_BYTES}-byte limit",
+                        code="request_too_large", status=413)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise BodyError(f"body: over the {MAX_BODY_BYTES}-byte limit",
+                            code="request_too_large", status=413)
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BodyError(f"body: not UTF-8 (byte {exc.start})") from None
+    try:
+        data = json.loads(text, parse_int=_int, parse_float=_float, parse_constant=_constant)
+    except json.JSONDecodeError as exc:
+        raise BodyError(f"body: not JSON ({exc.msg} at line {exc.lineno} column "
+                        f"{exc.colno})") from None
+    except RecursionError:
+        raise BodyError(f"body: nested deeper than {MAX_DEPTH} levels") from None
+    if not isinstance(data, dict):
+        raise BodyError("body: a JSON object is required")
+    _checked_tree(data)
+    return data
+
+
+_TAGS = re.compile(r"^(str|int|float|bool|none|dict|list|[a-z-]+\[.*\])$")
+
+
+def _param(loc: tuple[int | str, ...]) -> str | None:
+    """`messages[0].content[1].text` from pydantic's location (union tags dropped)."""
+    path = ""
+    for part in loc:
+        if isinstance(part, str) and _TAGS.match(part):
+            continue
+        path = _path(path, part)
+    return path or None
+
+
+def parse(model: type[OpenAIBody], data: dict[str, Any]) -> Any:
+    """`data` as `model`, or a BodyError naming the first bad field."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False)
+    # a refused field first; else the deepest error (of a union's branches, the one that
+    # got furthest says what is wrong)
+    error = next((e for e in errors if e["type"] in ("unsupported_parameter", "extra_forbidden")),
+                 None) or max(errors, key=lambda e: len(e["loc"]))
+    kind = error["type"]
+    param = _param(error["loc"])
+    inner = (error.get("ctx") or {}).get("param")
+    if inner:
+        param = _path(param or "", inner)
+    if kind == "stream_options":
+        param = "stream_options"
+    code = "invalid_request"
+    message = error["msg"]
+    if kind in ("unsupported_parameter", "extra_forbidden"):
+        code = "unsupported_parameter"
+        if kind == "extra_forbidden":
+            message = "unknown parameter; refused, not ignored"
+    raise BodyError(f"{param or 'body'}: {message}", param=param, code=code)
+
+
+_HTTP_PARAMS = {"sampling.max_tokens": "max_tokens", "sampling.min_tokens": "min_tokens",
+                "sampling.temperature": "temperature", "sampling.top_p": "top_p",
+                "sampling.stop": "stop", "sampling.seed": "seed", "prompt.text": "prompt",
+                "prompt.token_ids": "prompt", "chat": "messages", "prompt.chat": "messages"}
+
+
+def http_param(field: str | None) -> str | None:
+    """The body field a `GenerateRequest` field (a refusal's proto path) came from."""
+    if field is None:
+        return None
+    if field.startswith("chat."):
+        return field.removeprefix("chat.")
+    return _HTTP_PARAMS.get(field, field)
+
