@@ -3,7 +3,9 @@
 The same requests, in the same run, on the same model and adapters: the random Llama and
 workload of `bench/multi_lora.py` (hidden 1024, 8 layers, GQA, vocab 32000, fp32, CPU;
 prompts of 16-512 tokens, 8-128 output tokens each, greedy, `ignore_eos`), over
-`--adapters` PEFT adapters of ranks 8-64 published over REST.
+`--adapters` PEFT adapters of ranks 8-64 published over REST. `--family qwen2` serves the
+random Qwen2 of that shape instead (q/k/v biases, tied embeddings; results in
+`bench/results/serve_qwen2.json`).
 
 - worker: Apache Kafka (embedded), a registry, one `loraplane serve worker` process; the
   bench opens one grpc.aio stream per request, all at once, and counts streamed tokens
@@ -23,6 +25,7 @@ end-to-end latency, and the gap between a request's last token and its FinalUsag
 the hold shows itself), per request, client side.
 
 Usage: python bench/serve.py [--quick] [--requests 32] [--adapters 8] [--repeats 2]
+                             [--family llama|qwen2]
 """
 
 from __future__ import annotations
@@ -156,14 +159,20 @@ def main() -> None:
                         help="start the batched-trace worker process first (by default the "
                              "durable one is): a check that a difference follows the mode, "
                              "not the process")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "serve.json"))
+    parser.add_argument("--family", default="llama", choices=("llama", "qwen2"),
+                        help="the random model served (bench/multi_lora.py builds both)")
+    parser.add_argument("--out", default=None, help="default bench/results/serve.json "
+                        "(serve_qwen2.json for --family qwen2)")
     args = parser.parse_args()
+    args.out = args.out or str(Path(__file__).parent / "results" / (
+        "serve.json" if args.family == "llama" else f"serve_{args.family}.json"))
     record = BenchRun("serve", quick=args.quick)
     args.requests = args.requests or (12 if args.quick else 32)
     args.adapters = args.adapters or (4 if args.quick else 8)
     args.repeats = args.repeats or (1 if args.quick else 2)
     bases: list = []
-    with bench_stack("serve", lambda d: bases.append(build_random_base(d, 7, smoke=False)),
+    with bench_stack("serve", lambda d: bases.append(build_random_base(d, 7, smoke=False,
+                                                                       family=args.family)),
                      tail=False, max_upload_bytes=256 * 1024 * 1024) as (root, stack):
         targets = (ATTN, MLP, ATTN + MLP, ("q_proj", "v_proj", "down_proj"))
         dirs = []
@@ -221,7 +230,8 @@ def main() -> None:
     batched_tok_s = statistics.median(runs["grpc_batched"])
     report = {
         "requests": args.requests, "adapters": args.adapters, "output_tokens": tokens,
-        "model": {"hidden": 1024, "layers": 8, "heads": 16, "kv_heads": 4,
+        "model": {"family": args.family, "hidden": 1024, "layers": 8, "heads": 16,
+                  "kv_heads": 4,
                   "intermediate": 2816, "vocab": 32000, "dtype": "float32", "device": "cpu"},
         "worker_settings": WORKER, "threads": torch.get_num_threads(),
         "engine_tok_s": round(engine_tok_s, 2), "grpc_tok_s": round(grpc_tok_s, 2),
@@ -248,13 +258,15 @@ def figures(report: dict[str, Any]) -> list[Figure]:
     m = report["model"]
     load = report["load_avg_after_runs"][-1:] or None
     runs = len(report["runs_tok_s"]["grpc"])
+    family = "Qwen2" if m.get("family") == "qwen2" else "Llama"
     served = [Figure(
-        "worker over gRPC, streamed tokens/s", report["grpc_tok_s"], "tokens/s",
+        "worker over gRPC, streamed tokens/s" + (", random Qwen2" if family == "Qwen2" else ""),
+        report["grpc_tok_s"], "tokens/s",
         baseline="the bare engine on the same requests and adapters, own process",
         baseline_value=report["engine_tok_s"], target="ratio >= 0.90",
         meets_target=report["meets_target"],
         settings=(f"{report['requests']} requests at once over {report['adapters']} adapters "
-                  f"(r 8-64), random Llama hidden {m['hidden']}, {m['layers']} layers, "
+                  f"(r 8-64), random {family} hidden {m['hidden']}, {m['layers']} layers, "
                   f"{m['dtype']} {m['device']}, greedy, {report['output_tokens']} output "
                   f"tokens, median of {runs} alternating runs"),
         load_average=load)]

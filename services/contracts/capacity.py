@@ -2,8 +2,9 @@
 
 The registry's upload validation (`services/registry/validation.py`) and the worker's
 adapter loader (`services/worker/engine/adapter.py`, `adapter_pool.py`) check an adapter's
-rank, dtype and target modules with these functions, and a regression set's cases with
-`check_context` against the context a worker serves (`serving_context`). The limits come
+rank and dtype with these functions (its target modules by the base model's family
+description, `services.families.adapters`, which both call too), and a regression set's
+cases with `check_context` against the context a worker serves (`serving_context`). The limits come
 from settings the registry shares with the workers (one `LORAPLANE_*` environment, as
 `loraplane up` and the compose file give it): the rank is the workers' own pool size
 (`worker_max_lora_rank`), the dtypes `allowed_dtypes` (within what the engine holds), the
@@ -20,8 +21,6 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
-
-from services.contracts.peft import TARGET_MODULES
 
 if TYPE_CHECKING:
     from services.config import Settings
@@ -72,15 +71,6 @@ class AdapterLimits:
             raise OverCapacity("dtype", f"an adapter has one dtype; this one mixes "
                                f"{sorted(set(dtypes))}")
         return next(iter(dtypes))
-
-    @staticmethod
-    def check_modules(modules: Collection[str]) -> None:
-        """Target modules must be projections the base family has (LoRA on embeddings,
-        the LM head or norms is not served)."""
-        refused = sorted(set(modules) - set(TARGET_MODULES))
-        if refused:
-            raise OverCapacity("target_modules", f"target_modules {refused} are not "
-                               f"projections a worker adapts ({list(TARGET_MODULES)})")
 
 
 def serving_context(settings: Settings, base_config: Mapping[str, Any]) -> int:

@@ -72,8 +72,8 @@ def checked_parser(settings: Settings, engine: Engine
                    ) -> Callable[[AdapterFiles, AdapterDigest], LoraAdapter]:
     """How the loader parses a fetched adapter: against the base model and the fleet's
     limits (`services.contracts.capacity`), the ones the registry checked at publish."""
-    cfg, limits = engine.model.cfg, AdapterLimits.of(settings)
-    return lambda files, digest: parse_adapter(files, cfg, digest, limits)
+    cfg, limits, base = engine.model.cfg, AdapterLimits.of(settings), engine.adapters.base_vocab
+    return lambda files, digest: parse_adapter(files, cfg, digest, limits, base)
 
 
 def prompt_rules(settings: Settings, engine: Engine, model_dir: Path | None) -> PromptRules:

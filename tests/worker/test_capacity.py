@@ -46,7 +46,7 @@ def mixed(tensors: dict[str, torch.Tensor]) -> None:
 
 
 def extra_module(config: dict[str, Any]) -> None:
-    config["target_modules"] = ["q_proj", "v_proj", "lm_head"]
+    config["target_modules"] = ["q_proj", "v_proj", "c_attn"]  # not a Llama module
 
 
 def narrower(config: dict[str, Any]) -> None:
@@ -64,12 +64,12 @@ ADAPTERS: dict[str, dict[str, Any]] = {
     "float64": {"dtype": torch.float64},
     "mixed-dtypes": {"edit": mixed},
     "all-projections": {"targets": ALL},
-    "lm-head-target": {"config_edit": extra_module},
+    "foreign-module-target": {"config_edit": extra_module},
     "tensor-outside-targets": {"config_edit": narrower},
 }
 
 LIMIT = {"rank-over-limit": "max_lora_rank", "rank-far-over": "max_lora_rank",
-         "float64": "dtype", "mixed-dtypes": "dtype", "lm-head-target": "target_modules"}
+         "float64": "dtype", "mixed-dtypes": "dtype", "foreign-module-target": "target_modules"}
 
 CASES = {  # (prompt: token ids or text, max_tokens)
     "fills-context": ([5] * (CONTEXT - 4), 4),

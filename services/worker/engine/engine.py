@@ -24,7 +24,7 @@ from .errors import AdapterNotLoadedError, RequestError
 from .grammar import GrammarCache
 from .kv_cache import BlockPool, InvalidationResult, KVStorage
 from .lora_ops import Segments, base_fusion_threshold
-from .model import ForwardBatch, LlamaModel
+from .model import DecoderModel, ForwardBatch
 from .precision import serving_dtype
 from .request import ChoiceResult, FinishReason, GenerationRequest, GenerationResult, TokenEvent
 from .sampling import (
@@ -36,7 +36,7 @@ from .sampling import (
     sample,
     take_rows,
 )
-from .scheduler import ScheduledChunk, Scheduler, SchedulerLimits
+from .scheduler import NULL_BLOCK, ScheduledChunk, Scheduler, SchedulerLimits
 from .sequence import Sequence, SequenceStatus
 
 
@@ -86,7 +86,7 @@ class EngineStats:
 class Engine:
     """Multi-LoRA generation over one base model."""
 
-    def __init__(self, model: LlamaModel, config: EngineConfig | None = None) -> None:
+    def __init__(self, model: DecoderModel, config: EngineConfig | None = None) -> None:
         cfg = config or EngineConfig()
         self.config = cfg
         self.model = model
@@ -102,7 +102,12 @@ class Engine:
             dtype=model.dtype,
             device=model.device,
         )
-        self.scheduler = Scheduler(self.blocks, cfg.block_size, cfg.limits, cfg.sharing_policy)
+        self.adapters.base_vocab = {"embed_tokens": model.embed, "lm_head": model.lm_head}
+        self.scheduler = Scheduler(self.blocks, cfg.block_size, cfg.limits, cfg.sharing_policy,
+                                   window=mc.kv_window, recompute_past=mc.recompute_past)
+        self.prefix_cache = cfg.prefix_cache and not mc.rope_depends_on_length
+        """Blocks are shared unless turned off, or the rope depends on the sequence's length
+        (the same tokens' K/V differ between sequences of other lengths)."""
         self.fusion_threshold = base_fusion_threshold(torch.device(model.device),
                                                       mc.hidden_size, cfg.max_lora_rank)
         """Adapter buckets up to this many tokens take the fused base + LoRA kernel; None
@@ -124,7 +129,7 @@ class Engine:
     def from_pretrained(cls, model_dir: str | Path, config: EngineConfig | None = None) -> Engine:
         cfg = config or EngineConfig()
         dtype = serving_dtype(cfg.dtype, cfg.device)
-        return cls(LlamaModel.from_pretrained(model_dir, dtype, cfg.device), cfg)
+        return cls(DecoderModel.from_pretrained(model_dir, dtype, cfg.device), cfg)
 
     @property
     def base_digest(self) -> str:
@@ -175,6 +180,9 @@ class Engine:
             raise AdapterNotLoadedError(f"adapter {digest} is not loaded")
         if digest == self._merged:
             return
+        if self.adapters.has_vocab_parts(digest):
+            raise RequestError(f"adapter {digest} adapts or replaces embed_tokens or lm_head, "
+                               "which merged mode does not fold into the base weights")
         others = self.merge_blockers(digest)
         if others:
             raise RequestError(f"cannot merge adapter {digest} while {others} requests "
@@ -238,7 +246,7 @@ class Engine:
                    if info.scope is not None and info.scope.tenant_key == tenant_key}
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
             if seq.scope.tenant_key == tenant_key:
-                touched.update(seq.block_table)
+                touched.update(b for b in seq.block_table if b != NULL_BLOCK)
         result = self.invalidate_tenant(tenant_key, hard=True)
         self.kv.zero_blocks([b for b in touched if self.blocks.blocks[b].ref_count == 0])
         return result
@@ -272,7 +280,8 @@ class Engine:
         deferred: set[int] = set()
         for seq in self.scheduler.running:
             if not seq.publish_blocks:
-                deferred.update(b for b in seq.block_table if self.blocks.blocks[b].ref_count)
+                deferred.update(b for b in seq.block_table
+                                if b != NULL_BLOCK and self.blocks.blocks[b].ref_count)
         result.blocks_freed = len(self.blocks.free) - free_before
         result.blocks_deferred = len(deferred)
         return result
@@ -320,7 +329,7 @@ class Engine:
             arrival=next(self._arrivals),
             generator=make_generator(request.sampling.seed),
             slot=slot,
-            publish_blocks=self.config.prefix_cache
+            publish_blocks=self.prefix_cache
             and request.sampling.prompt_logprobs is None,
             guide=guide,
         )
@@ -368,6 +377,7 @@ class Engine:
         for chunk in plan:
             chunk.seq.num_computed += chunk.num_tokens
             self.scheduler.publish_full_blocks(chunk.seq)
+            self.scheduler.release_outside_window(chunk.seq)
         seqs: list[Sequence] = []
         rows: list[int] = []
         for i, chunk in enumerate(wanted.sampling):
@@ -434,7 +444,9 @@ class Engine:
             toks = seq.tokens
             ids.extend(toks[start:end])
             positions.extend(range(start, end))
-            seq_lens.extend([end] * n)
+            # rope that depends on the length (dynamic, longrope) sees the whole sequence at
+            # once in transformers' prefill: every chunk of it uses the sequence's length
+            seq_lens.extend([max(end, seq.num_tokens)] * n)
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             slot = -1 if self._merged is not None else seq.slot
@@ -451,7 +463,8 @@ class Engine:
             else:
                 span = PrefillSpan(row_start=row, q_len=n, prefix_len=start)
                 if start:
-                    span.ctx_slots = self._slots_of(table, end)
+                    span.ctx_start = self.scheduler.first_visible_block(start) * bs
+                    span.ctx_slots = self._slots_of(table, end, span.ctx_start)
                 prefills.append(span)
             if chunk.samples:
                 logits_rows.append(row + n - 1)
@@ -490,10 +503,11 @@ class Engine:
             fused_segments=fused_segments,
         )
 
-    def _slots_of(self, table: list[int], length: int) -> torch.Tensor:
+    def _slots_of(self, table: list[int], length: int, start: int = 0) -> torch.Tensor:
+        """Flat slots of positions `start` (a block boundary) to `length`."""
         bs = self.config.block_size
-        t = torch.tensor(table, dtype=torch.long)
-        return (t[:, None] * bs + torch.arange(bs)).flatten()[:length]
+        t = torch.tensor(table[start // bs:], dtype=torch.long)
+        return (t[:, None] * bs + torch.arange(bs)).flatten()[:length - start]
 
     # -- token handling ------------------------------------------------------------------
 

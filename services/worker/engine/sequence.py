@@ -44,6 +44,8 @@ class Sequence:
     inflight_hash: bytes | None = None
     """Hash of the next full block this sequence will publish (see `Scheduler._track`)."""
     preemptions: int = 0
+    recomputed_past: bool = False
+    """Recomputed whole once it grew past `Scheduler.recompute_past` (it happens once)."""
     text: str = ""
     emitted_chars: int = 0
     finish_reason: FinishReason | None = None
