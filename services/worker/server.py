@@ -45,10 +45,19 @@ from services.worker.engine_loop import (
     Ticket,
     choose,
 )
-from services.worker.intake import InvalidArgument, PromptRules, render_chat, work_item
+from services.worker.intake import (
+    InvalidArgument,
+    PromptRules,
+    WorkItem,
+    render_chat,
+    work_item,
+)
 from services.worker.outputs import FINISH, ResponseBuilder, TokenTexts
 
 log = logging.getLogger("loraplane.worker.server")
+
+CATCH_UP_S = 2.0
+"""How long a refusal waits for this worker's fold to read what was committed before it."""
 
 INFERENCE = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 CONTROL = pb.DESCRIPTOR.services_by_name["WorkerControl"].full_name
@@ -92,10 +101,8 @@ class InferenceService(pb_grpc.InferenceServicer):
             metrics.stale_lease_rejections.inc()
             metrics.requests.labels("UNAVAILABLE").inc()
             await context.abort(grpc.StatusCode.UNAVAILABLE, wall)
-        try:
-            with self.loop.follower.lock:
-                choose(self.loop.follower.state, work, self.loop.base_digest)
-        except Refusal as refusal:
+        refusal = await self._refusal(work, context)
+        if refusal is not None:
             answer = refusal.public()
             if answer is not refusal:
                 log.info("request %s refused: %s", work.request_id, refusal.message)
@@ -134,6 +141,29 @@ class InferenceService(pb_grpc.InferenceServicer):
         finally:
             if not finished:  # cancelled by the client, or its deadline passed
                 self.loop.cancel(ticket)
+
+    async def _refusal(self, work: WorkItem, context: grpc.aio.ServicerContext
+                       ) -> Refusal | None:
+        """Why the serving rule refuses `work`, or None. A refusal stands only once this
+        worker's fold holds everything committed before the call: a publish or switch the
+        registry has just answered may still be on its way here, and its caller would be
+        refused what it was told is done. Catching up costs a look at the log's ends, and
+        only refusals pay it."""
+        follower = self.loop.follower
+        try:
+            with follower.lock:
+                choose(follower.state, work, self.loop.base_digest)
+            return None
+        except Refusal:
+            left = context.time_remaining()
+            limit = CATCH_UP_S if left is None else max(0.0, min(CATCH_UP_S, left - 0.1))
+            await asyncio.to_thread(follower.sync, limit)
+        try:
+            with follower.lock:
+                choose(follower.state, work, self.loop.base_digest)
+            return None
+        except Refusal as refusal:
+            return refusal
 
     async def Tokenize(self, request: pb.TokenizeRequest,
                        context: grpc.aio.ServicerContext) -> pb.TokenizeReply:

@@ -9,6 +9,7 @@ uses adapters of its own.
 from __future__ import annotations
 
 import copy
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -473,3 +474,52 @@ def test_quality_gates_run_on_the_worker(stack: Stack) -> None:
         generate(stub, ACME, adapter=pinned("gated", bad), ids=[5, 6, 7])
     assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
+
+
+LAGGING_FOLD = '''
+"""Loaded by a test's worker process: its log reader holds each batch with a switch in it
+for a second before folding it (outside the fold's lock), as a loaded machine would."""
+import time
+
+from services.eventlog.follower import LogFollower
+
+_fold_all = LogFollower._fold_all
+
+
+def _late(self, records):
+    if any(r.envelope.type == "AdapterVersionSwitched" for r in records):
+        time.sleep(1.0)
+    return _fold_all(self, records)
+
+
+LogFollower._fold_all = _late
+'''
+
+
+def test_a_switch_the_registry_answered_is_served_by_a_worker_still_reading_it(
+        stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Read your writes: a request sent the moment the registry answers a switch reaches
+    a worker whose fold has not read the switch yet (here held back a second). The
+    worker catches up with the log before it refuses anything, so the request is served
+    with the new version instead of 'has no active version'."""
+    from tests.conftest import REPO
+
+    hook = tmp_path_factory.mktemp("lagging-fold")
+    (hook / "sitecustomize.py").write_text(LAGGING_FOLD)
+    late = stack.worker("late")
+    late.env["PYTHONPATH"] = f"{hook}:{REPO}"
+    late.start().wait_serving()
+    try:
+        with stack.publisher() as pub:
+            publish_files(pub, "just-switched", fresh_adapter(77), "v1", TENANT)
+            switch(pub, "just-switched", 1)
+        with channel(late.address) as stub:
+            _, final = generate(stub, ACME, adapter=alias("just-switched"), ids=[5, 6, 7],
+                                max_tokens=3)
+        assert final.served_adapter.adapter_id == "just-switched"
+        assert final.served_adapter.version == 1
+        with channel(late.address) as stub, pytest.raises(grpc.RpcError) as missing:
+            generate(stub, ACME, adapter=alias("never-published"), ids=[5, 6], max_tokens=2)
+        assert missing.value.code() == grpc.StatusCode.NOT_FOUND  # refusals still stand
+    finally:
+        late.kill(signal.SIGTERM)
