@@ -101,7 +101,8 @@ class WorkerRuntime:
         self.worker_id = settings.worker_name
         self.model_dir = Path(settings.base_model) if settings.base_model else Path(".")
         self.engine = engine or Engine.from_pretrained(self.model_dir, engine_config(settings))
-        self.metrics = WorkerMetrics()
+        self.metrics = WorkerMetrics(model_name=self.model_dir.name,
+                                     max_lora=self.engine.adapters.num_slots)
         self.follower = CatalogFollower(settings, self.worker_id, on_ready=self._caught_up)
         self.host = HostCache(settings.worker_host_cache_bytes,
                               pin=self.engine.model.device.type == "cuda")

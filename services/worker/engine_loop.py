@@ -212,6 +212,7 @@ class EngineLoop:
         self._gate_requests: dict[str, str] = {}
         self._gates_waiting: list[GateInFlight] = []
         self._gates_tried = 0.0
+        self._load_reported = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.synced = False
@@ -270,7 +271,25 @@ class EngineLoop:
             except Exception:  # one bad command or step must not stop serving
                 log.exception("engine loop")
             self._flush()
+            self._report_load()
         self._shutdown()
+
+    def _report_load(self) -> None:
+        """The gateway gauges (`vllm:*`): requests batched and waiting, KV in use, the
+        adapters ready on the device and those requests wait for; at most every 50 ms."""
+        now = time.monotonic()
+        if now - self._load_reported < 0.05:
+            return
+        self._load_reported = now
+        stats = self.engine.stats()
+        ready = [key[0] for key, state in self.residency.states
+                 if state is AdapterState.LOADED]
+        parked = [t.choice.adapter_id for ts in self._parked.values() for t in ts
+                  if t.choice is not None and not t.cancelled]
+        self.metrics.vllm.load(
+            running=stats.running, waiting=stats.waiting + len(parked),
+            kv_usage=1.0 - stats.free_kv_blocks / max(1, stats.total_kv_blocks),
+            running_adapters=ready, waiting_adapters=parked)
 
     def _drain_inbox(self, wait: float) -> None:
         try:
@@ -705,6 +724,7 @@ class EngineLoop:
         cached = result.cached_prompt_tokens if result is not None else 0
         completion = len(result.token_ids) if result is not None else ticket.completion_tokens
         self.metrics.request_finished(ticket.work.tenant.key, prompt, cached)
+        self.metrics.vllm.finished(reason, prompt, completion, now - ticket.arrival)
         self.metrics.requests.labels(
             "CANCELLED" if ticket.cancelled else ("INTERNAL" if result is None else "OK")).inc()
         status = {"length": "ok", "stop": "ok", "abort": "aborted"}.get(reason, "error")
