@@ -691,6 +691,11 @@ def status() -> None:
                                         f"{settings.stale_lease_threshold_s:.0f}s)"))
 
 
+from services.cli_ops import register  # noqa: E402  (the operator verbs of its own module)
+
+register(app)
+
+
 def main() -> None:  # pragma: no cover - console entry point alias
     app()
 

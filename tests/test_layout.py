@@ -120,3 +120,37 @@ def test_dockerfile_environment_names_real_settings() -> None:
     for word in text.replace("=", " ").split():
         if word.startswith("LORAPLANE_"):
             assert word.removeprefix("LORAPLANE_").lower() in fields, word
+
+
+ONE_SHOT = ("no", "on-failure")
+"""Restart policies of compose services that run once (migrations, topics, registration)."""
+
+
+def test_compose_services_have_health_checks_and_ordered_starts() -> None:
+    """Every long-running service says when it is healthy (ours through `loraplane health`
+    of the service it runs), and a service that needs another started waits for it to be
+    healthy (or, for a one-shot, to have completed)."""
+    compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())
+    services = compose["services"]
+    for name, service in services.items():
+        command = service.get("command", [])
+        one_shot = service.get("restart") in ONE_SHOT
+        if one_shot:
+            assert "healthcheck" not in service, f"{name} runs once: completion is its health"
+            continue
+        assert "healthcheck" in service, f"{name} has no health check"
+        test = service["healthcheck"]["test"]
+        if service.get("image") == "loraplane:dev":
+            assert test[:3] == ["CMD", "loraplane", "health"], name
+            assert not _is_group(_resolve(test[2:-1])), name
+            assert command[:2] == ["loraplane", "serve"] and test[-1] == command[-1], \
+                f"{name} serves {command[-1]} but checks {test[-1]}"
+        for needed, condition in service.get("depends_on", {}).items():
+            wanted = condition["condition"]
+            if services[needed].get("restart") in ONE_SHOT:
+                assert wanted == "service_completed_successfully", (name, needed)
+            else:
+                assert wanted == "service_healthy", (name, needed)
+                assert "healthcheck" in services[needed], (name, needed)
+    for name in ("canary", "worker", "worker-gpu", "base-model"):
+        assert services[name]["depends_on"]["registry"]["condition"] == "service_healthy"
