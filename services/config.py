@@ -231,6 +231,9 @@ class Settings(BaseSettings):
     audit_checkpoint_every: int = Field(
         1000, ge=1, description="Events per partition between signed Merkle checkpoints."
     )
+    audit_checkpoint_every_s: float = Field(
+        60.0, ge=0, description="A partition with events no checkpoint covers gets one "
+        "signed at least this often (seconds), however few events came; 0: only by count.")
     audit_origin: str = Field(
         "loraplane.local/audit", pattern=r"^[^\s+]+$",
         description="Prefix of every partition log's checkpoint origin (and note key name): "

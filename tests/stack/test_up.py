@@ -263,8 +263,10 @@ def test_demo_runs_every_step_on_two_workers_and_leaves_nothing_running(scratch:
                    "rolled back at 5 %", "error rate", "purge_proofs", "met",
                    "adapter_lineage", "release_decisions", "rollout_rolled_back", "served_by",
                    "tokens/s, all workers", "TTFT", "adapter load into a device slot",
-                   "audit verify: OK", "nothing left running"):
+                   "audit verify: OK", "stand-alone verifier: OK", "nothing left running"):
         assert needle in out, needle
+    verdict = next(line for line in out.splitlines() if line.startswith("audit verify: OK"))
+    assert " 0 signed checkpoints" not in verdict, verdict  # signed on time, not by count
     leftovers = [p for p in psutil.process_iter(["cmdline"])
                  if str(scratch) in " ".join(p.info["cmdline"] or [])]
     assert leftovers == []
