@@ -135,6 +135,9 @@ class Stack:
     _broker_policy: RestartPolicy = field(default_factory=RestartPolicy)
     _postgres_policy: RestartPolicy = field(default_factory=RestartPolicy)
     _lock: IO[str] | None = None
+    auto_ports: bool = False
+    """Listen on free ports instead of the settings' fixed ones (`up --ports auto`); where
+    is written to endpoints.json as always."""
 
     @property
     def root(self) -> Path:
@@ -176,6 +179,12 @@ class Stack:
             raise
 
     def _start(self) -> Settings:
+        from services.stack.ports import auto_ports, check_ports
+
+        if self.auto_ports:
+            self.settings = self.settings.model_copy(
+                update=auto_ports(self.settings, self.services, self.workers))
+        check_ports(self.settings, self.services, self.workers)
         settings = self.settings
         updates: dict[str, object] = {"state_dir": self.root}
         if settings.kafka_bootstrap:
