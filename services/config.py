@@ -173,6 +173,11 @@ class Settings(BaseSettings):
         "for liveness: a worker that misses `router_missed_heartbeats` of them leaves the ring).")
     worker_trace_flush_s: float = Field(
         0.5, gt=0, description="RequestServed batches: at most this old before they are sent.")
+    worker_drain_s: float = Field(
+        30.0, ge=0, description="On SIGTERM a worker leaves the ring (a draining heartbeat), "
+        "stops admitting once routers had time to see it, and gives its streams this long "
+        "(seconds, all of it) to finish before it exits; compose and Kubernetes give it "
+        "this much grace and some more.")
     stale_lease_threshold_s: float = Field(
         30.0, gt=0, description="Version wall: a worker whose last registry lease is older "
         "refuses requests (UNAVAILABLE) rather than serve a possibly stale version.")
@@ -216,6 +221,9 @@ class Settings(BaseSettings):
         True, description="Once the log is replayed, move everything folded so far out of "
         "the garbage collector's reach (gc.freeze), so a full collection walks only what "
         "came later: without it one took 120-150 ms over a 10,000-tenant catalog.")
+    router_drain_s: float = Field(
+        30.0, ge=0, description="On SIGTERM a router reports NOT_SERVING, refuses new "
+        "requests on both fronts and gives those in flight this long (seconds) to finish.")
     router_request_timeout_s: float = Field(
         300.0, gt=0, description="Deadline of a request whose client set none (HTTP).")
     audit_metrics_port: int = Field(

@@ -154,3 +154,16 @@ def test_compose_services_have_health_checks_and_ordered_starts() -> None:
                 assert "healthcheck" in services[needed], (name, needed)
     for name in ("canary", "worker", "worker-gpu", "base-model"):
         assert services[name]["depends_on"]["registry"]["condition"] == "service_healthy"
+
+
+def test_compose_gives_workers_and_routers_their_drain() -> None:
+    """SIGTERM starts a drain of up to LORAPLANE_WORKER_DRAIN_S / _ROUTER_DRAIN_S; compose
+    must wait longer than that before it kills (its default is 10 s)."""
+    compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())
+    defaults = Settings()
+    drains = {"worker": defaults.worker_drain_s, "router": defaults.router_drain_s}
+    for name, service in compose["services"].items():
+        kind = service.get("command", [None])[-1]
+        if kind in drains:
+            grace = service.get("stop_grace_period", "10s")
+            assert grace.endswith("s") and float(grace[:-1]) > drains[kind], (name, grace)

@@ -381,7 +381,7 @@ class Dispatcher:
                 for worker in gone:
                     ring.remove(worker)
             self._change_ring(drop, "leave")
-            log.warning("workers left the ring after %d missed heartbeats: %s",
+            log.warning("workers left the ring (draining, or %d heartbeats missed): %s",
                         self.membership.misses, ", ".join(gone))
         for worker in list(self._channels):
             if (worker not in self.membership.live

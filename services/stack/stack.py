@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import secrets
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -101,9 +102,11 @@ class Service:
     def alive(self) -> bool:
         return self.child is not None and self.child.alive()
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float = 20.0) -> None:
+        """SIGTERM and wait: as long as the process's drain may take (its `*_drain_s`)
+        and a little more, then SIGKILL."""
         if self.child is not None:
-            self.child.stop()
+            self.child.stop(timeout=grace_s)
 
     @property
     def pid(self) -> int | None:
@@ -489,8 +492,12 @@ class Stack:
     # --- stop ----------------------------------------------------------------------------
 
     def stop(self) -> None:
+        drain = {"worker": self.settings.worker_drain_s, "router": self.settings.router_drain_s}
+        for service in self._running:  # workers and routers drain side by side, not in turn
+            if service.kind in drain and service.child is not None and service.alive():
+                service.child.proc.send_signal(signal.SIGTERM)  # a second one changes nothing
         for service in reversed(self._running):
-            service.stop()
+            service.stop(grace_s=drain.get(service.kind, 0.0) + 20.0)
         self._running.clear()
         if self._postgres is not None:
             self._postgres.stop()

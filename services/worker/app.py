@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -170,9 +171,34 @@ async def serve(settings: Settings, stop: asyncio.Event,
              "weights" if settings.worker_merge else "")
     try:
         await server.watch_health(stop)
+        await drain(runtime, server, settings)
     finally:
-        await server.stop()
+        await server.stop(grace_s=0.5)
         await asyncio.to_thread(runtime.stop)
+        log.info("worker %s stopped", runtime.worker_id)
+
+
+async def drain(runtime: WorkerRuntime, server: WorkerServer, settings: Settings) -> None:
+    """Leave without failing a request: a heartbeat that says `draining` (routers take the
+    worker out of their rings and send it nothing new) and health NOT_SERVING; requests
+    routers sent before they read it are still taken for two heartbeat intervals; then
+    new ones are refused UNAVAILABLE (a router retries those elsewhere before their first
+    token) while the streams in flight finish, all within `worker_drain_s`."""
+    loop = runtime.loop
+    began = time.monotonic()
+    budget = settings.worker_drain_s
+    loop.draining = True
+    runtime.events.beat_now()
+    await server.not_serving()
+    log.info("worker %s draining: %d requests in flight, up to %.0f s", runtime.worker_id,
+             loop.in_flight(), budget)
+    await asyncio.sleep(min(2 * settings.heartbeat_interval_s, budget / 2))
+    loop.admitting = False
+    while loop.in_flight() and time.monotonic() - began < budget:
+        await asyncio.sleep(0.05)
+    left = loop.in_flight()
+    log.info("worker %s drained in %.1f s%s", runtime.worker_id, time.monotonic() - began,
+             f"; {left} requests still running are cut" if left else "")
 
 
 def run_worker(settings: Settings) -> None:

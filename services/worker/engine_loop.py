@@ -216,6 +216,10 @@ class EngineLoop:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.synced = False
+        self.draining = False
+        """SIGTERM: heartbeats say so (routers take this worker out of their rings)."""
+        self.admitting = True
+        """False once the drain stops admitting: new requests are refused UNAVAILABLE."""
         self.ready = threading.Event()
         self.not_ready_reason = "replaying the adapter log"
         self.base_model_name: str | None = None
@@ -480,6 +484,10 @@ class EngineLoop:
 
     def _admit(self, ticket: Ticket) -> None:
         if ticket.cancelled or self._stop.is_set():
+            return
+        if not self.admitting:
+            self._refuse(ticket, "UNAVAILABLE", f"worker {self.worker_id} is draining (shutting "
+                         "down): retry on another worker", 0.05)
             return
         if not self.ready.is_set():
             self._refuse(ticket, "UNAVAILABLE", f"worker not ready: {self.not_ready_reason}",
@@ -860,6 +868,13 @@ class EngineLoop:
                 out.append(PrefetchOutcome(key, True, self.residency.tier_of(key), ""))
         return out
 
+    # --- drain ----------------------------------------------------------------------------
+
+    def in_flight(self) -> int:
+        """Requests admitted and not finished: running, queued, or waiting for an adapter
+        (any thread; an estimate between two iterations, exact once admission stopped)."""
+        return len(self._running) + sum(len(t) for t in list(self._parked.values()))
+
     # --- reports (built in the loop, asked for from other threads) -----------------------
 
     def heartbeat(self) -> WorkerHeartbeat | None:
@@ -886,5 +901,6 @@ class EngineLoop:
             base_model_digest=self.base_digest, loaded=loaded,
             free_slots=self.engine.adapters.free_slots,
             free_kv_blocks=stats.free_kv_blocks, lease_epoch=epoch,
-            merged_mode=self.merge.report() if self.merge is not None else None)
+            merged_mode=self.merge.report() if self.merge is not None else None,
+            draining=self.draining)
 

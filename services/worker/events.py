@@ -61,6 +61,7 @@ class WorkerEvents:
         self._numbered: list[Envelope] = []
         self.sent = 0
         self.last_error: str | None = None
+        self._beat_now = False
 
     # --- producers of events (any thread) ------------------------------------------------
 
@@ -76,6 +77,11 @@ class WorkerEvents:
             full = len(self._traces) >= MAX_TRACES_PER_EVENT
         if full:
             self._wake.set()
+
+    def beat_now(self) -> None:
+        """Send a heartbeat at once rather than at the next interval (the drain's)."""
+        self._beat_now = True
+        self._wake.set()
 
     @property
     def unsent(self) -> int:
@@ -112,7 +118,8 @@ class WorkerEvents:
         while True:
             now = time.monotonic()
             stopping = self._stop.is_set()
-            if now >= next_beat and not stopping:
+            if (now >= next_beat or self._beat_now) and not stopping:
+                self._beat_now = False
                 beat = self._heartbeat()
                 if beat is not None:
                     self.emit(beat)

@@ -221,6 +221,13 @@ class WorkerServer:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=0.2)
 
+    async def not_serving(self) -> None:
+        """Health NOT_SERVING for every service name (the drain: probes and load balancers
+        stop sending), while calls keep being answered."""
+        for name in ("", INFERENCE, CONTROL):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self._serving = False
+
     async def stop(self, grace_s: float = 5.0) -> None:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
