@@ -3,6 +3,9 @@ load from several clients; each worker in turn gets SIGTERM (it leaves the ring,
 its streams, exits) and is started again. Every request completes with all its tokens:
 0 failed, 0 cut. p99 TTFT during the roll is reported against the p99 before it.
 
+The first worker also serves one long stream when it gets SIGTERM (longer than the 5 s
+a worker used to give its streams): it finishes whole.
+
 Then a router process gets SIGTERM while it streams: the stream finishes, the router
 answers no new call, and it exits well within its drain window.
 
@@ -48,6 +51,10 @@ pytestmark = pytest.mark.slow
 CLIENTS = int(os.environ.get("LORAPLANE_TEST_ROLL_CLIENTS", "4"))
 TOKENS = int(os.environ.get("LORAPLANE_TEST_ROLL_TOKENS", "24"))
 WORKERS = ("w1", "w2", "w3")
+DRAIN_S = 60
+LONG = 600
+"""Tokens of the stream the first worker is serving when it gets SIGTERM: longer than the
+5 s a worker used to give its streams before it cut them."""
 
 
 @pytest.fixture(scope="module")
@@ -55,9 +62,9 @@ def stack(kafka_bootstrap: str, served_model: ServedModel,
           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     settings = isolated_settings(kafka_bootstrap, None)
     with running_stack(settings, tmp_path_factory.mktemp("roll"), served_model.path, None,
-                       worker_drain_s=20) as running:
+                       worker_drain_s=DRAIN_S) as running:
         for worker in WORKERS[1:]:
-            running.worker(worker, worker_drain_s=20).start()
+            running.worker(worker, worker_drain_s=DRAIN_S).start()
         for worker in WORKERS[1:]:
             running.workers[worker].wait_serving()
         with running.publisher() as pub:
@@ -130,6 +137,41 @@ class Load:
             return [c for c in self.calls if c.phase == phase]
 
 
+class LongStream:
+    """One long stream straight to a worker, read to its end in a thread of its own."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.tokens = 0
+        self.finished = False
+        self.error: str | None = None
+        self.seconds = 0.0
+        self.started = threading.Event()
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        request = pb.GenerateRequest(
+            tenant=pb.TenantSignature(org_id=TENANT["org"], team_id=TENANT["team"],
+                                      project_id=TENANT["project"], user_id="long"),
+            adapter=pb.AdapterRef(alias="roll"),
+            sampling=pb.SamplingParams(max_tokens=LONG, ignore_eos=True))
+        request.token_ids.ids.extend([5, 6, 7])
+        began = time.monotonic()
+        with grpc.insecure_channel(self.address) as channel:
+            try:
+                for answer in pb_grpc.InferenceStub(channel).Generate(request, timeout=120):
+                    if answer.HasField("token"):
+                        self.tokens += 1
+                        self.started.set()
+                    else:
+                        self.finished = True
+            except grpc.RpcError as exc:
+                self.error = f"{exc.code().name}: {exc.details()}"  # type: ignore[attr-defined]
+        self.seconds = time.monotonic() - began
+        self.started.set()
+
+
 def restart(worker: WorkerProcess, timeout_s: float = 120.0) -> None:
     worker.start()
     deadline = time.monotonic() + timeout_s
@@ -159,8 +201,11 @@ def test_rolling_restart_of_three_workers_fails_no_request(stack: Stack) -> None
             load.phase = "during"
             rolled: list[float] = []
             drains: list[float] = []
+            long = LongStream(stack.workers[WORKERS[0]].address)
             for worker_id in WORKERS:
                 worker = stack.workers[worker_id]
+                if worker_id == WORKERS[0]:
+                    long.started.wait(60)
                 began = time.monotonic()
                 worker.kill(signal.SIGTERM)  # waits for the exit (drained)
                 assert worker.proc is not None and worker.proc.returncode == 0, \
@@ -188,10 +233,21 @@ def test_rolling_restart_of_three_workers_fails_no_request(stack: Stack) -> None
                   "p50_ttft_before_ms": round(sorted(before)[len(before) // 2] * 1e3, 1),
                   "p50_ttft_during_ms": round(sorted(during)[len(during) // 2] * 1e3, 1),
                   "worker_drain_s": drains, "worker_exit_s": [round(s, 1) for s in rolled]}
+        long.thread.join(timeout=120)
+        retried = sum(sample.value for family in router.dispatcher.metrics.retries.collect()
+                      for sample in family.samples if sample.name.endswith("_total"))
+        report["router_retries"] = retried
+        report["long_stream"] = {"tokens": long.tokens, "seconds": round(long.seconds, 1),
+                                 "finished": long.finished, "error": long.error}
         print("rolling restart:", json.dumps(report))
         if os.environ.get("LORAPLANE_TEST_ROLL_REPORT"):
             Path(os.environ["LORAPLANE_TEST_ROLL_REPORT"]).write_text(json.dumps(report) + "\n")
+        assert (long.tokens, long.finished, long.error) == (LONG, True, None), \
+            report["long_stream"]
         assert not failed, failed[:5]
+        # the router took each worker out of its ring before that worker stopped admitting:
+        # no request had to be retried elsewhere
+        assert retried == 0, report
         assert not cut, cut[:5]
         assert len(load.of("before")) >= CLIENTS and len(load.of("during")) >= 3 * CLIENTS
         assert calls and all(c.finished for c in calls)
