@@ -30,7 +30,7 @@ app.add_typer(audit_app, name="audit")
 gate_app = typer.Typer(help="Quality gates of adapter versions.", no_args_is_help=True)
 app.add_typer(gate_app, name="gate")
 console = Console()
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)  # an error is one line, whatever the width
 
 
 def _settings() -> Settings:
@@ -266,6 +266,7 @@ def gate_report(
 
     import httpx
 
+    from services import tls
     from services.client import api_token
     from services.release.report import gate_report as render
 
@@ -274,7 +275,8 @@ def gate_report(
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
         response = httpx.get(f"{settings.registry_base_url}/v1/adapters/{adapter}/versions/"
-                             f"{version}/gate", headers=headers, timeout=30)
+                             f"{version}/gate", headers=headers, timeout=30,
+                             verify=tls.client_ssl_context(settings))
     except httpx.HTTPError as exc:
         err.print(f"[red]registry at {settings.registry_base_url} unreachable: {exc}[/red]")
         raise typer.Exit(2) from None
@@ -649,13 +651,16 @@ def status(as_json: bool = typer.Option(False, "--json", help="One JSON document
             services.append(("registry", settings.registry_base_url,
                              f"[red]{escape(str(exc))}[/red]"))
     host = "127.0.0.1" if settings.router_host in ("0.0.0.0", "") else settings.router_host
-    router_ready = scrape(f"http://{host}:{settings.router_http_port}/metrics") \
+    from services import tls
+
+    scheme, verify = tls.http_scheme(settings), tls.client_ssl_context(settings)
+    router_ready = scrape(f"{scheme}://{host}:{settings.router_http_port}/metrics", verify) \
         .get("loraplane_router_ready")
     services.append(("router", f"{host}:{settings.router_port}",
                      "[green]ready[/green]" if router_ready == 1 else
                      "[red]not answering[/red]" if router_ready is None else "[yellow]"
                      "replaying[/yellow]"))
-    audit = scrape(f"http://127.0.0.1:{settings.audit_metrics_port}/metrics")
+    audit = scrape(f"{scheme}://127.0.0.1:{settings.audit_metrics_port}/metrics", verify)
     lag = sum(v for k, v in audit.items() if k.startswith("loraplane_audit_lag_records"))
     services.append(("audit", f"127.0.0.1:{settings.audit_metrics_port}",
                      f"[green]running[/green], lag {lag:.0f} records" if audit else
@@ -669,7 +674,8 @@ def status(as_json: bool = typer.Option(False, "--json", help="One JSON document
                      "[yellow]replaying[/yellow]"))
     for worker in document.get("workers", []):
         services.append((worker["worker_id"], worker["address"],
-                         "[green]serving[/green]" if grpc_serving(worker["address"]) else
+                         "[green]serving[/green]" if grpc_serving(worker["address"], settings)
+                         else
                          "[red]not serving[/red]"))
     plain = [(name, where, Text.from_markup(state).plain) for name, where, state in services]
     if not as_json:

@@ -20,7 +20,7 @@ from rich.console import Console
 from services.config import Settings
 from services.rows import print_rows
 
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)  # an error is one line, whatever the width
 
 HEALTH_SERVICES = ("registry", "router", "worker", "audit", "canary")
 
@@ -38,23 +38,27 @@ def probe(service: str, settings: Settings, timeout_s: float = 3.0) -> str | Non
     `loraplane_canary_ready` at 1)."""
     import httpx
 
+    from services import tls
     from services.client import grpc_serving
 
     def get(url: str) -> httpx.Response | str:
         try:
-            return httpx.get(url, timeout=timeout_s)
+            return httpx.get(url, timeout=timeout_s, verify=tls.client_ssl_context(settings))
         except httpx.HTTPError as exc:
             return f"{url}: {type(exc).__name__}: {exc}"
 
     if service == "worker":
         address = f"{local(settings.worker_host)}:{settings.worker_port}"
-        return None if grpc_serving(address) else f"worker at {address} is not SERVING"
+        return None if grpc_serving(address, settings) else \
+            f"worker at {address} is not SERVING"
+    scheme = tls.http_scheme(settings)
     registry = (settings.registry_url
-                or f"http://{local(settings.registry_host)}:{settings.registry_port}")
+                or f"{scheme}://{local(settings.registry_host)}:{settings.registry_port}")
     url = {
         "registry": f"{registry}/readyz",
-        "router": f"http://{local(settings.router_host)}:{settings.router_http_port}/readyz",
-        "audit": f"http://{local(settings.audit_http_host)}:{settings.audit_metrics_port}"
+        "router": f"{scheme}://{local(settings.router_host)}:{settings.router_http_port}"
+                  "/readyz",
+        "audit": f"{scheme}://{local(settings.audit_http_host)}:{settings.audit_metrics_port}"
                  "/metrics",
         "canary": f"http://{local(settings.canary_metrics_host)}:"
                   f"{settings.canary_metrics_port}/metrics",

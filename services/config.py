@@ -303,6 +303,43 @@ class Settings(BaseSettings):
         None, description="Bearer token the loraplane CLI sends the registry (default: the "
         "admin token `loraplane up` wrote to STATE_DIR/admin.token).")
 
+    # --- TLS (services/tls.py) ----------------------------------------------------------
+    tls_cert_file: Path | None = Field(
+        None, description="PEM certificate chain of this process: every listener it has "
+        "serves TLS with it (router gRPC and HTTP, worker gRPC, registry, the projector's "
+        "checkpoints), and its clients present it where a peer asks for a client "
+        "certificate. Re-read when the file changes (no restart). Unset: plaintext.")
+    tls_key_file: Path | None = Field(None, description="The private key of tls_cert_file.")
+    tls_ca_file: Path | None = Field(
+        None, description="PEM CA bundle this process trusts: its clients dial TLS and "
+        "verify servers against it, and listeners verify client certificates against it.")
+    tls_client_auth: list[Literal["router", "worker", "registry", "audit"]] = Field(
+        default_factory=list, description="Listeners that require a client certificate "
+        "signed by tls_ca_file (mutual TLS, per hop), e.g. [\"worker\"] so only routers "
+        "holding a certificate reach workers.")
+    tls_server_name: str | None = Field(
+        None, description="Name gRPC clients check server certificates against instead of "
+        "the host they dial (one certificate for workers at changing addresses).")
+
+    # --- Kafka security (passed to every librdkafka client) -----------------------------
+    kafka_security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
+        "PLAINTEXT", description="librdkafka security.protocol.")
+    kafka_ssl_ca_file: Path | None = Field(None, description="ssl.ca.location")
+    kafka_ssl_cert_file: Path | None = Field(None, description="ssl.certificate.location")
+    kafka_ssl_key_file: Path | None = Field(None, description="ssl.key.location")
+    kafka_sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = Field(
+        None, description="sasl.mechanism (with a SASL_* protocol)")
+    kafka_sasl_username: str | None = None
+    kafka_sasl_password: str | None = None
+
+    # --- PostgreSQL TLS (added to database_url's libpq parameters) ----------------------
+    database_sslmode: Literal["disable", "allow", "prefer", "require", "verify-ca",
+                              "verify-full"] | None = Field(
+        None, description="libpq sslmode for every connection to database_url.")
+    database_sslrootcert: Path | None = Field(None, description="libpq sslrootcert")
+    database_sslcert: Path | None = Field(None, description="libpq sslcert (client certificate)")
+    database_sslkey: Path | None = Field(None, description="libpq sslkey")
+
     log_level: str = "INFO"
 
     @model_validator(mode="before")
@@ -314,6 +351,32 @@ class Settings(BaseSettings):
             if name in given or f"LORAPLANE_{name.upper()}" in os.environ:
                 raise ValueError(f"LORAPLANE_{name.upper()} was removed: {why}")
         return data
+
+    @model_validator(mode="after")
+    def _database_tls(self) -> Settings:
+        """The database_sslmode/-rootcert/-cert/-key settings as libpq parameters of
+        database_url, so every engine and migration uses them; a URL that says otherwise
+        is refused, not overridden."""
+        wanted = {name: getattr(self, f"database_{name}") for name in
+                  ("sslmode", "sslrootcert", "sslcert", "sslkey")}
+        wanted = {k: str(v) for k, v in wanted.items() if v is not None}
+        if not wanted:
+            return self
+        if not self.database_url:
+            raise ValueError("LORAPLANE_DATABASE_SSLMODE (and the other database TLS settings) "
+                             "need LORAPLANE_DATABASE_URL")
+        from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+        parts = urlsplit(self.database_url)
+        query = dict(parse_qsl(parts.query, keep_blank_values=True))
+        for name, value in wanted.items():
+            if name in query and query[name] != value:
+                raise ValueError(f"LORAPLANE_DATABASE_URL says {name}={query[name]}, "
+                                 f"LORAPLANE_DATABASE_{name.upper()} says {value}")
+            query[name] = value
+        object.__setattr__(self, "database_url", urlunsplit(parts._replace(
+            query=urlencode(query, safe="/:"))))
+        return self
 
     @field_validator("allowed_dtypes")
     @classmethod
@@ -328,7 +391,8 @@ class Settings(BaseSettings):
 
     @property
     def registry_base_url(self) -> str:
-        return self.registry_url or f"http://{self.registry_host}:{self.registry_port}"
+        scheme = "https" if self.tls_ca_file is not None else "http"
+        return self.registry_url or f"{scheme}://{self.registry_host}:{self.registry_port}"
 
     @property
     def blob_root(self) -> Path:

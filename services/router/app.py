@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 
 import uvicorn
 
+from services import tls
 from services.config import Settings
 from services.eventlog import Record
 from services.registry.auth import TokenBook
@@ -71,13 +72,14 @@ class RouterApp:
         self._stop = asyncio.Event()
         host = self.settings.router_host
         grpc_server, self.grpc_port = build_server(self.dispatcher, self.tokens, self.health,
-                                                   f"{host}:{self.grpc_port}")
+                                                   f"{host}:{self.grpc_port}", self.settings)
         await self.health.set(False)
         await grpc_server.start()
-        self._http = _EmbeddedUvicorn(uvicorn.Config(
+        self._http = _EmbeddedUvicorn(tls.uvicorn_ssl(uvicorn.Config(
             create_http_app(self.dispatcher, self.tokens), host=host, port=self.http_port,
             log_level=self.settings.log_level.lower(), lifespan="off",
-            timeout_graceful_shutdown=max(1, round(self.settings.router_drain_s))))
+            timeout_graceful_shutdown=max(1, round(self.settings.router_drain_s))),
+            self.settings, "router"))
         http_task = asyncio.create_task(self._http.serve())
         while not self._http.started and not http_task.done():
             await asyncio.sleep(0.01)
@@ -85,8 +87,8 @@ class RouterApp:
             await grpc_server.stop(0)
             http_task.result()
             raise OSError(f"HTTP server did not start on {host}:{self.http_port}")
-        log.info("router %s listening: gRPC %s:%d, HTTP %s:%d", self.router_id, host,
-                 self.grpc_port, host, self.http_port)
+        log.info("router %s listening: gRPC %s:%d, HTTP %s:%d; %s", self.router_id, host,
+                 self.grpc_port, host, self.http_port, tls.describe(self.settings))
         if on_listening is not None:
             on_listening()
         fold_task = asyncio.create_task(self._follow())

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from services import tls
 from services.config import Settings
 from services.contracts.capacity import AdapterLimits, serving_context
 from services.contracts.events import Envelope
@@ -108,7 +109,8 @@ class WorkerRuntime:
         self.host = HostCache(settings.worker_host_cache_bytes,
                               pin=self.engine.model.device.type == "cuda")
         self.disk = DiskCache(settings.adapter_cache_dir, settings.worker_disk_cache_bytes)
-        self.blobs = RegistryBlobs(settings.registry_base_url, settings.worker_token)
+        self.blobs = RegistryBlobs(settings.registry_base_url, settings.worker_token,
+                                   verify=tls.client_ssl_context(settings))
         self.loader = AdapterLoader(self.host, self.disk, self.blobs,
                                     checked_parser(settings, self.engine),
                                     on_done=lambda result: self.loop.fetched(result))
@@ -161,11 +163,12 @@ async def serve(settings: Settings, stop: asyncio.Event,
     """Run a worker until `stop` is set (the gRPC server on the running event loop)."""
     runtime = runtime or WorkerRuntime(settings)
     server = WorkerServer(runtime.loop, runtime.rules, runtime.gate, runtime.worker_id,
-                          f"{settings.worker_host}:{settings.worker_port}")
+                          f"{settings.worker_host}:{settings.worker_port}", settings)
     await server.start()
     runtime.start(deliver_via(asyncio.get_running_loop()))
-    log.info("worker %s: gRPC on %s:%d, base model %s (digest %s), metrics on %s%s",
-             runtime.worker_id, settings.worker_host, server.port, runtime.model_dir,
+    log.info("worker %s: gRPC on %s:%d (%s), base model %s (digest %s), metrics on %s%s",
+             runtime.worker_id, settings.worker_host, server.port, tls.describe(settings),
+             runtime.model_dir,
              runtime.engine.base_digest, settings.worker_metrics_port or "off",
              f"; merged mode: serves only {settings.worker_merge}, merged into the base "
              "weights" if settings.worker_merge else "")

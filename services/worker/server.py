@@ -29,7 +29,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from services import tls
 from services.catalog.state import Refusal
+from services.config import Settings
 from services.contracts.generate import Undecodable, add_inference_servicer
 from services.contracts.grpc import inference_pb2 as pb
 from services.contracts.grpc import inference_pb2_grpc as pb_grpc
@@ -179,7 +181,7 @@ class WorkerServer:
     """The grpc.aio server and its health reporting."""
 
     def __init__(self, loop: EngineLoop, rules: PromptRules, gate: Gate, worker_id: str,
-                 address: str) -> None:
+                 address: str, settings: Settings | None = None) -> None:
         self.loop = loop
         self.gate = gate
         self.address = address
@@ -193,7 +195,8 @@ class WorkerServer:
         reflection.enable_server_reflection(
             (INFERENCE, CONTROL, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME), self.server)
-        self.port = self.server.add_insecure_port(address)
+        self.port = (tls.add_grpc_port(self.server, address, settings, "worker")
+                     if settings is not None else self.server.add_insecure_port(address))
         self._serving: bool | None = None
 
     async def start(self) -> None:
