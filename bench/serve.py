@@ -212,7 +212,7 @@ def tls_main(args: argparse.Namespace) -> None:
     record = BenchRun("serve_tls", quick=args.quick)
     args.requests = args.requests or (12 if args.quick else 32)
     args.adapters = args.adapters or (4 if args.quick else 8)
-    args.repeats = args.repeats or (2 if args.quick else 3)
+    args.repeats = args.repeats or (3 if args.quick else 4)
     bases: list = []
     with bench_stack("serve-tls", lambda d: bases.append(build_random_base(d, 7, smoke=False)),
                      tail=False, max_upload_bytes=256 * 1024 * 1024) as (root, stack):
@@ -246,8 +246,9 @@ def tls_main(args: argparse.Namespace) -> None:
         workload = mixed_workload(args.requests, args.adapters, 32000, seed=1234)
         warm = [{"prompt": [5, 6, 7], "max_tokens": 2, "adapter": i}
                 for i in range(args.adapters)]
-        for worker, creds in workers.values():
+        for worker, creds in workers.values():  # adapters resident, every shape compiled
             asyncio.run(grpc_run(worker.address, warm, names, creds))
+            asyncio.run(grpc_run(worker.address, workload, names, creds))
         rates: dict[str, list[float]] = {name: [] for name in workers}
         ttft: dict[str, list[float]] = {name: [] for name in workers}
         loads: list[float] = []
