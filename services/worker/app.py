@@ -172,21 +172,25 @@ async def serve(settings: Settings, stop: asyncio.Event,
              runtime.engine.base_digest, settings.worker_metrics_port or "off",
              f"; merged mode: serves only {settings.worker_merge}, merged into the base "
              "weights" if settings.worker_merge else "")
+    grace_s = 0.5
     try:
         await server.watch_health(stop)
-        await drain(runtime, server, settings)
+        grace_s = max(grace_s, await drain(runtime, server, settings))
     finally:
-        await server.stop(grace_s=0.5)
+        # calls still answering (a final message waiting for its trace to be durable) get
+        # what is left of the drain before they are cancelled
+        await server.stop(grace_s=grace_s)
         await asyncio.to_thread(runtime.stop)
         log.info("worker %s stopped", runtime.worker_id)
 
 
-async def drain(runtime: WorkerRuntime, server: WorkerServer, settings: Settings) -> None:
+async def drain(runtime: WorkerRuntime, server: WorkerServer, settings: Settings) -> float:
     """Leave without failing a request: a heartbeat that says `draining` (routers take the
     worker out of their rings and send it nothing new) and health NOT_SERVING; requests
     routers sent before they read it are still taken for two heartbeat intervals; then
     new ones are refused UNAVAILABLE (a router retries those elsewhere before their first
-    token) while the streams in flight finish, all within `worker_drain_s`."""
+    token) while the streams in flight finish, all within `worker_drain_s`. Returns the
+    seconds of it left, for the calls still sending their last messages."""
     loop = runtime.loop
     began = time.monotonic()
     budget = settings.worker_drain_s
@@ -202,6 +206,7 @@ async def drain(runtime: WorkerRuntime, server: WorkerServer, settings: Settings
     left = loop.in_flight()
     log.info("worker %s drained in %.1f s%s", runtime.worker_id, time.monotonic() - began,
              f"; {left} requests still running are cut" if left else "")
+    return max(0.0, budget - (time.monotonic() - began))
 
 
 def run_worker(settings: Settings) -> None:
