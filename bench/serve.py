@@ -24,8 +24,13 @@ same rounds, so the cost is measured side by side: tokens/s, time to first token
 end-to-end latency, and the gap between a request's last token and its FinalUsage (where
 the hold shows itself), per request, client side.
 
+`--tls` adds the cost of TLS: a second worker process serving the same model over TLS
+(certificates made for the run, `services.tls`), run in the same rounds as the plaintext
+one, alternating; tokens/s and time to first token (per request, client side) of each
+(results in `bench/results/serve_tls.json`).
+
 Usage: python bench/serve.py [--quick] [--requests 32] [--adapters 8] [--repeats 2]
-                             [--family llama|qwen2]
+                             [--family llama|qwen2] [--tls]
 """
 
 from __future__ import annotations
@@ -71,13 +76,17 @@ WORKER = {"worker_adapter_slots": 8, "worker_max_lora_rank": 64, "worker_kv_bloc
           "worker_dtype": "float32"}
 
 
-async def grpc_run(address: str, workload: list[dict], names: list[str]
+async def grpc_run(address: str, workload: list[dict], names: list[str],
+                   credentials: grpc.ChannelCredentials | None = None
                    ) -> tuple[int, float, list[tuple[float, float, float]]]:
     """Streamed tokens, seconds from the first request sent to the last FinalUsage, and per
-    request (time to first token, end to end, last token to FinalUsage), in seconds."""
+    request (time to first token, end to end, last token to FinalUsage), in seconds. With
+    `credentials`, over TLS."""
     tenant = pb.TenantSignature(org_id=TENANT["org"], team_id=TENANT["team"],
                                 project_id=TENANT["project"])
-    async with grpc.aio.insecure_channel(address) as channel:
+    channel = (grpc.aio.secure_channel(address, credentials) if credentials is not None
+               else grpc.aio.insecure_channel(address))
+    async with channel:
         stub = pb_grpc.InferenceStub(channel)
 
         async def one(r: dict) -> tuple[int, tuple[float, float, float]]:
@@ -161,11 +170,17 @@ def main() -> None:
                              "not the process")
     parser.add_argument("--family", default="llama", choices=("llama", "qwen2"),
                         help="the random model served (bench/multi_lora.py builds both)")
+    parser.add_argument("--tls", action="store_true",
+                        help="plaintext against TLS, two worker processes, same rounds")
     parser.add_argument("--out", default=None, help="default bench/results/serve.json "
-                        "(serve_qwen2.json for --family qwen2)")
+                        "(serve_qwen2.json for --family qwen2, serve_tls.json with --tls)")
     args = parser.parse_args()
     args.out = args.out or str(Path(__file__).parent / "results" / (
+        "serve_tls.json" if args.tls else
         "serve.json" if args.family == "llama" else f"serve_{args.family}.json"))
+    if args.tls:
+        tls_main(args)
+        return
     record = BenchRun("serve", quick=args.quick)
     args.requests = args.requests or (12 if args.quick else 32)
     args.adapters = args.adapters or (4 if args.quick else 8)
@@ -252,6 +267,103 @@ def main() -> None:
     }
     report["meets_target"] = report["grpc_vs_engine"] >= 0.9
     record.save(args.out, report, figures(report))
+
+
+def tls_main(args: argparse.Namespace) -> None:
+    """Plaintext and TLS workers on the same model, adapters and requests, alternating."""
+    from tests.certificates import Authority
+
+    record = BenchRun("serve_tls", quick=args.quick)
+    args.requests = args.requests or (12 if args.quick else 32)
+    args.adapters = args.adapters or (4 if args.quick else 8)
+    args.repeats = args.repeats or (3 if args.quick else 4)
+    bases: list = []
+    with bench_stack("serve-tls", lambda d: bases.append(build_random_base(d, 7, smoke=False)),
+                     tail=False, max_upload_bytes=256 * 1024 * 1024) as (root, stack):
+        shape = ModelConfig.from_dir(root / "base")
+        targets = (ATTN, MLP, ATTN + MLP, ("q_proj", "v_proj", "down_proj"))
+        names = [f"bench-{i}" for i in range(args.adapters)]
+        with stack.publisher() as pub:
+            for i, name in enumerate(names):
+                write_adapter(root / f"a{i}", shape, RANKS[i % len(RANKS)],
+                              targets[i % len(targets)], seed=100 + i)
+                publish_files(pub, name, peft_files(root / f"a{i}"), "v1", TENANT)
+                switch(pub, name, 1)
+        bases.clear()
+        ca = Authority(root / "certs")
+        pem = ca.issue("worker")
+        credentials = grpc.ssl_channel_credentials(root_certificates=ca.ca.read_bytes())
+        common = {"heartbeat_interval_s": 1.0, "worker_trace_flush_s": 0.5,
+                  "log_level": "WARNING", **WORKER}
+        workers = {"plaintext": (stack.worker("bench-plain", **common), None),
+                   "tls": (stack.worker("bench-tls", tls_cert_file=pem.cert,
+                                        tls_key_file=pem.key, tls_ca_file=ca.ca, **common),
+                           credentials)}
+        for name, (worker, creds) in workers.items():
+            worker.start()
+            deadline = time.monotonic() + 300
+            while not _serving(worker.address, creds):
+                assert worker.proc is not None and worker.proc.poll() is None, \
+                    worker.log_tail()
+                assert time.monotonic() < deadline, f"{name} worker never served"
+                time.sleep(0.5)
+        workload = mixed_workload(args.requests, args.adapters, 32000, seed=1234)
+        warm = [{"prompt": [5, 6, 7], "max_tokens": 2, "adapter": i}
+                for i in range(args.adapters)]
+        for worker, creds in workers.values():  # adapters resident, every shape compiled
+            asyncio.run(grpc_run(worker.address, warm, names, creds))
+            asyncio.run(grpc_run(worker.address, workload, names, creds))
+        rates: dict[str, list[float]] = {name: [] for name in workers}
+        ttft: dict[str, list[float]] = {name: [] for name in workers}
+        loads: list[float] = []
+        tokens = 0
+        for round_ in range(args.repeats):
+            order = list(workers) if round_ % 2 == 0 else list(reversed(workers))
+            for name in order:
+                worker, creds = workers[name]
+                tokens, seconds, times = asyncio.run(
+                    grpc_run(worker.address, workload, names, creds))
+                ttft[name].extend(first for first, _, _ in times)
+                rates[name].append(tokens / seconds)
+                loads.append(os.getloadavg()[0])
+
+    def pct(values: list[float], q: float) -> float:
+        ordered = sorted(values)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e3
+
+    plain, secure = statistics.median(rates["plaintext"]), statistics.median(rates["tls"])
+    report = {
+        "requests": args.requests, "adapters": args.adapters, "output_tokens": tokens,
+        "rounds": args.repeats, "worker_settings": WORKER,
+        "plaintext_tok_s": round(plain, 2), "tls_tok_s": round(secure, 2),
+        "tls_vs_plaintext": round(secure / plain, 4),
+        "runs_tok_s": {k: [round(x, 2) for x in v] for k, v in rates.items()},
+        "ttft_ms": {name: {"p50": round(pct(v, 0.5), 1), "p95": round(pct(v, 0.95), 1)}
+                    for name, v in ttft.items()},
+        "load_avg_after_runs": [round(x, 2) for x in loads],
+    }
+    record.save(args.out, report, [Figure(
+        "worker over gRPC with TLS, streamed tokens/s", report["tls_tok_s"], "tokens/s",
+        baseline="the same worker settings in plaintext, same requests, alternating rounds",
+        baseline_value=report["plaintext_tok_s"],
+        settings=(f"{args.requests} requests at once over {args.adapters} adapters; TTFT p50 "
+                  f"{report['ttft_ms']['tls']['p50']} ms with TLS, "
+                  f"{report['ttft_ms']['plaintext']['p50']} ms without"),
+        load_average=report["load_avg_after_runs"][-1:] or None)])
+
+
+def _serving(address: str, credentials: grpc.ChannelCredentials | None) -> bool:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    channel = (grpc.secure_channel(address, credentials) if credentials is not None
+               else grpc.insecure_channel(address))
+    with channel:
+        try:
+            answer = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                               timeout=2)
+        except grpc.RpcError:
+            return False
+        return bool(answer.status == health_pb2.HealthCheckResponse.SERVING)
 
 
 def figures(report: dict[str, Any]) -> list[Figure]:

@@ -21,6 +21,7 @@ import grpc
 import httpx
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay
 
+from services import tls
 from services.config import Settings
 from services.contracts.grpc import inference_pb2 as pb
 from services.contracts.grpc import inference_pb2_grpc as pb_grpc
@@ -166,7 +167,8 @@ class RegistryClient:
         self.url = self.settings.registry_base_url
         token = self.token or api_token(self.settings)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=self.timeout_s)
+        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=self.timeout_s,
+                                  verify=tls.client_ssl_context(self.settings))
 
     def close(self) -> None:
         self._http.close()
@@ -396,7 +398,7 @@ class InferenceClient:
         host = self.settings.router_host
         host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
         self.address = f"{host}:{self.settings.router_port}"
-        self._channel = grpc.insecure_channel(self.address)
+        self._channel = tls.channel(self.address, self.settings)
         self._stub = pb_grpc.InferenceStub(self._channel)
         token = self.token or api_token(self.settings)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
@@ -449,11 +451,13 @@ class InferenceClient:
         return Completion("".join(parts), final)
 
 
-def grpc_serving(address: str) -> bool:
-    """Whether the gRPC health service at `address` says SERVING (a worker's readiness)."""
+def grpc_serving(address: str, settings: Settings | None = None) -> bool:
+    """Whether the gRPC health service at `address` says SERVING (a worker's readiness);
+    over TLS when `settings` dial TLS."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(address) as channel:
+    with (tls.channel(address, settings) if settings is not None
+          else grpc.insecure_channel(address)) as channel:
         try:
             answer = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=""), timeout=1.0)
@@ -518,12 +522,12 @@ def lease_age_s(settings: Settings, now: float | None = None) -> float | None:
         consumer.close()
 
 
-def scrape(url: str) -> dict[str, float]:
+def scrape(url: str, verify: Any = True) -> dict[str, float]:
     """A /metrics page as {name{labels}: value}; empty when it does not answer."""
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
-        text = httpx.get(url, timeout=2).text
+        text = httpx.get(url, timeout=2, verify=verify).text
     except httpx.HTTPError:
         return {}
     values = {}

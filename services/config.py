@@ -180,6 +180,11 @@ class Settings(BaseSettings):
         "trace even if the worker dies right after. Traces finishing while one write is in "
         "flight go out together in the next (group commit); the engine never waits. Off: "
         "traces are batched every `worker_trace_flush_s` and a kill -9 loses the last batch.")
+    worker_drain_s: float = Field(
+        30.0, ge=0, description="On SIGTERM a worker leaves the ring (a draining heartbeat), "
+        "stops admitting once routers had time to see it, and gives its streams this long "
+        "(seconds, all of it) to finish before it exits; compose and Kubernetes give it "
+        "this much grace and some more.")
     stale_lease_threshold_s: float = Field(
         30.0, gt=0, description="Version wall: a worker whose last registry lease is older "
         "refuses requests (UNAVAILABLE) rather than serve a possibly stale version.")
@@ -223,6 +228,9 @@ class Settings(BaseSettings):
         True, description="Once the log is replayed, move everything folded so far out of "
         "the garbage collector's reach (gc.freeze), so a full collection walks only what "
         "came later: without it one took 120-150 ms over a 10,000-tenant catalog.")
+    router_drain_s: float = Field(
+        30.0, ge=0, description="On SIGTERM a router reports NOT_SERVING, refuses new "
+        "requests on both fronts and gives those in flight this long (seconds) to finish.")
     router_request_timeout_s: float = Field(
         300.0, gt=0, description="Deadline of a request whose client set none (HTTP).")
     audit_metrics_port: int = Field(
@@ -238,6 +246,9 @@ class Settings(BaseSettings):
     audit_checkpoint_every: int = Field(
         1000, ge=1, description="Events per partition between signed Merkle checkpoints."
     )
+    audit_checkpoint_every_s: float = Field(
+        60.0, ge=0, description="A partition with events no checkpoint covers gets one "
+        "signed at least this often (seconds), however few events came; 0: only by count.")
     audit_origin: str = Field(
         "loraplane.local/audit", pattern=r"^[^\s+]+$",
         description="Prefix of every partition log's checkpoint origin (and note key name): "
@@ -299,6 +310,43 @@ class Settings(BaseSettings):
         None, description="Bearer token the loraplane CLI sends the registry (default: the "
         "admin token `loraplane up` wrote to STATE_DIR/admin.token).")
 
+    # --- TLS (services/tls.py) ----------------------------------------------------------
+    tls_cert_file: Path | None = Field(
+        None, description="PEM certificate chain of this process: every listener it has "
+        "serves TLS with it (router gRPC and HTTP, worker gRPC, registry, the projector's "
+        "checkpoints), and its clients present it where a peer asks for a client "
+        "certificate. Re-read when the file changes (no restart). Unset: plaintext.")
+    tls_key_file: Path | None = Field(None, description="The private key of tls_cert_file.")
+    tls_ca_file: Path | None = Field(
+        None, description="PEM CA bundle this process trusts: its clients dial TLS and "
+        "verify servers against it, and listeners verify client certificates against it.")
+    tls_client_auth: list[Literal["router", "worker", "registry", "audit"]] = Field(
+        default_factory=list, description="Listeners that require a client certificate "
+        "signed by tls_ca_file (mutual TLS, per hop), e.g. [\"worker\"] so only routers "
+        "holding a certificate reach workers.")
+    tls_server_name: str | None = Field(
+        None, description="Name gRPC clients check server certificates against instead of "
+        "the host they dial (one certificate for workers at changing addresses).")
+
+    # --- Kafka security (passed to every librdkafka client) -----------------------------
+    kafka_security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
+        "PLAINTEXT", description="librdkafka security.protocol.")
+    kafka_ssl_ca_file: Path | None = Field(None, description="ssl.ca.location")
+    kafka_ssl_cert_file: Path | None = Field(None, description="ssl.certificate.location")
+    kafka_ssl_key_file: Path | None = Field(None, description="ssl.key.location")
+    kafka_sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = Field(
+        None, description="sasl.mechanism (with a SASL_* protocol)")
+    kafka_sasl_username: str | None = None
+    kafka_sasl_password: str | None = None
+
+    # --- PostgreSQL TLS (added to database_url's libpq parameters) ----------------------
+    database_sslmode: Literal["disable", "allow", "prefer", "require", "verify-ca",
+                              "verify-full"] | None = Field(
+        None, description="libpq sslmode for every connection to database_url.")
+    database_sslrootcert: Path | None = Field(None, description="libpq sslrootcert")
+    database_sslcert: Path | None = Field(None, description="libpq sslcert (client certificate)")
+    database_sslkey: Path | None = Field(None, description="libpq sslkey")
+
     log_level: str = "INFO"
 
     @model_validator(mode="before")
@@ -310,6 +358,32 @@ class Settings(BaseSettings):
             if name in given or f"LORAPLANE_{name.upper()}" in os.environ:
                 raise ValueError(f"LORAPLANE_{name.upper()} was removed: {why}")
         return data
+
+    @model_validator(mode="after")
+    def _database_tls(self) -> Settings:
+        """The database_sslmode/-rootcert/-cert/-key settings as libpq parameters of
+        database_url, so every engine and migration uses them; a URL that says otherwise
+        is refused, not overridden."""
+        wanted = {name: getattr(self, f"database_{name}") for name in
+                  ("sslmode", "sslrootcert", "sslcert", "sslkey")}
+        wanted = {k: str(v) for k, v in wanted.items() if v is not None}
+        if not wanted:
+            return self
+        if not self.database_url:
+            raise ValueError("LORAPLANE_DATABASE_SSLMODE (and the other database TLS settings) "
+                             "need LORAPLANE_DATABASE_URL")
+        from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+        parts = urlsplit(self.database_url)
+        query = dict(parse_qsl(parts.query, keep_blank_values=True))
+        for name, value in wanted.items():
+            if name in query and query[name] != value:
+                raise ValueError(f"LORAPLANE_DATABASE_URL says {name}={query[name]}, "
+                                 f"LORAPLANE_DATABASE_{name.upper()} says {value}")
+            query[name] = value
+        object.__setattr__(self, "database_url", urlunsplit(parts._replace(
+            query=urlencode(query, safe="/:"))))
+        return self
 
     @field_validator("allowed_dtypes")
     @classmethod
@@ -324,7 +398,8 @@ class Settings(BaseSettings):
 
     @property
     def registry_base_url(self) -> str:
-        return self.registry_url or f"http://{self.registry_host}:{self.registry_port}"
+        scheme = "https" if self.tls_ca_file is not None else "http"
+        return self.registry_url or f"{scheme}://{self.registry_host}:{self.registry_port}"
 
     @property
     def blob_root(self) -> Path:

@@ -15,7 +15,10 @@ In a scratch state folder, as an operator and three tenants would:
    on screen), and the controller rolls it back at its first stage;
 6. one tenant is purged: every worker frees its KV and adapters and acknowledges;
 7. from SQL: the purge proof, the lineage, `served_by`, the release decisions and the
-   measured tokens/s, TTFT and adapter load latencies;
+   measured tokens/s, TTFT and adapter load latencies; then what a third party checks: the
+   trace of one request step 3 served is proven included in a signed checkpoint (the
+   projector signs one every few seconds while events wait, `audit_checkpoint_every_s`),
+   by the stand-alone verifier run as a separate program with the log's public key;
 8. everything stops; nothing is left running.
 
 The trained demo adapters (`services.demo_adapters`) are used on the default model when
@@ -161,7 +164,8 @@ def run_demo(settings: Settings, options: DemoOptions | None = None) -> None:
         "worker_port": free_port(), "worker_metrics_port": free_port(),
         "worker_kv_blocks": 512, "worker_adapter_slots": 4, "worker_dtype": "float32",
         "heartbeat_interval_s": 1.0, "worker_trace_flush_s": 0.5,
-        "canary_interval_s": 0.5, "canary_settle_s": 1.0, "release_ungated": "block"})
+        "canary_interval_s": 0.5, "canary_settle_s": 1.0, "release_ungated": "block",
+        "audit_checkpoint_every_s": 2.0})
     console.rule("1. the stack: broker, PostgreSQL, registry, projector, router, canary "
                  "controller, 2 workers")
     # The same `Stack` as `loraplane up --workers 2`, in a scratch state folder.
@@ -276,6 +280,7 @@ class Answer:
     ttft_ms: float
     total_ms: float
     tokens: int
+    trace_id: str = ""
 
 
 class Demo:
@@ -449,7 +454,7 @@ class Demo:
                       if final.HasField("served_adapter") else "base")
             self.answers.append(Answer(who, answer, final.worker_id, served,
                                        final.time_to_first_token_ms, final.total_ms,
-                                       final.completion_tokens))
+                                       final.completion_tokens, final.trace_id))
             table.add_row(who, answer.strip() or "(empty)", served, final.worker_id,
                           f"{final.time_to_first_token_ms:.0f} ms")
         console.print(table)
@@ -611,6 +616,50 @@ class Demo:
         verdict = "OK" if not report.problems else f"FAILED: {report.problems[0]}"
         console.print(f"audit verify: {verdict} ({report.rows} rows, {report.partitions} "
                       f"partition chains, {report.checkpoints} signed checkpoints)")
+        if report.problems:
+            raise DemoFailed(f"audit verify: {report.problems[0]}")
+        self.prove_one_request(db)
+
+    def prove_one_request(self, db: Engine) -> None:
+        """An inclusion proof of one served request's trace in a signed checkpoint, checked
+        by the stand-alone verifier (`services/audit/verifier.py`, run as its own program:
+        standard library and `cryptography` only) with the log's public key alone."""
+        import base64
+        import subprocess
+        import sys
+        import tempfile
+
+        from services.audit.proof import ProofUnavailable, build_proof
+        from services.audit.signing import load_signer, log_origin
+
+        answer = next(a for a in self.answers if a.served != "base")
+        rows = _wait_rows(db, "SELECT t.event_id, e.topic, e.partition FROM request_traces t "
+                              "JOIN events e USING (event_id) "
+                              f"WHERE t.trace_id = '{answer.trace_id}'", bool, 60, self)
+        event_id, topic, partition = (rows[0]["event_id"], rows[0]["topic"],
+                                      rows[0]["partition"])
+        document = self._until(lambda: _proof_or_none(build_proof, ProofUnavailable, db,
+                                                      event_id), 60,
+                               f"a signed checkpoint covering event {event_id}")
+        leaf = json.loads(base64.b64decode(document["leaf"]))
+        assert answer.trace_id in json.dumps(leaf)
+        vkey = load_signer(self.settings, create=False).note_key(
+            log_origin(self.settings, topic, partition)).vkey
+        verifier = Path(__file__).resolve().parent / "audit" / "verifier.py"
+        with tempfile.TemporaryDirectory() as scratch:
+            proof_file = Path(scratch) / "proof.json"
+            proof_file.write_text(json.dumps(document))
+            checked = subprocess.run([sys.executable, "-I", str(verifier), "inclusion",
+                                      str(proof_file), "--key", vkey],
+                                     capture_output=True, text=True, timeout=60)
+        console.print(f"request {answer.trace_id} ({answer.who}, {answer.served} on "
+                      f"{answer.worker}) is traced in event {event_id}, entry "
+                      f"{document['leaf_index']} of {document['origin']}; signed checkpoint "
+                      f"of size {document['tree_size']}")
+        if checked.returncode != 0:
+            raise DemoFailed(f"the stand-alone verifier refused the proof: "
+                             f"{(checked.stdout + checked.stderr).strip()}")
+        console.print(f"stand-alone verifier: {checked.stdout.strip()}")
 
     def _figures(self, db: Engine) -> None:
         with db.connect() as conn:
@@ -734,6 +783,15 @@ class AliasTraffic:
 
 
 # --- small pieces ---------------------------------------------------------------------------
+
+
+def _proof_or_none(build: Callable[..., dict[str, Any]], unavailable: type[Exception],
+                   db: Engine, event_id: Any) -> dict[str, Any] | None:
+    """The inclusion proof once a signed checkpoint covers the event; None until then."""
+    try:
+        return build(db, event_id)
+    except unavailable:
+        return None
 
 
 def _check(response: httpx.Response) -> dict[str, Any]:

@@ -290,6 +290,10 @@ class WorkerHeartbeat(_WorkerPayload):
         None, description="Set when the worker is dedicated to one adapter merged into its "
                           "base weights: routers send it only that adapter's requests, and the "
                           "registry assigns it no quality gates.")
+    draining: bool = Field(
+        False, description="The worker is shutting down (SIGTERM): routers take it out of "
+                           "their rings at once and send it nothing new; it finishes the "
+                           "streams it has, then stops.")
 
 
 class AdapterLoaded(_WorkerPayload):

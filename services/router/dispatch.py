@@ -46,6 +46,7 @@ from typing import NamedTuple
 
 import grpc
 
+from services import tls
 from services.catalog.serving import (
     MergeSpec,
     Resolution,
@@ -389,7 +390,7 @@ class Dispatcher:
                 for worker in gone:
                     ring.remove(worker)
             self._change_ring(drop, "leave")
-            log.warning("workers left the ring after %d missed heartbeats: %s",
+            log.warning("workers left the ring (draining, or %d heartbeats missed): %s",
                         self.membership.misses, ", ".join(gone))
         for worker in list(self._channels):
             if (worker not in self.membership.live
@@ -771,14 +772,16 @@ class Dispatcher:
     # --- connections and hints -------------------------------------------------------------
 
     def _channel(self, worker: str, address: str) -> grpc.aio.Channel:
+        # with TLS, rotated client certificate files make new channels (services.tls)
+        key = tls.channel_key(address, self.settings)
         known = self._channels.get(worker)
-        if known is not None and known[0] == address:
+        if known is not None and known[0] == key:
             return known[1]
         if known is not None:
             self._spawn(known[1].close())
-        channel = grpc.aio.insecure_channel(address, options=[
+        channel = tls.aio_channel(address, self.settings, options=[
             ("grpc.keepalive_time_ms", 30_000), ("grpc.http2.max_pings_without_data", 0)])
-        self._channels[worker] = (address, channel)
+        self._channels[worker] = (key, channel)
         return channel
 
     def _hint(self, worker: str, adapters: list[RecentAdapter], tier: int,

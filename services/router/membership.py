@@ -5,7 +5,9 @@ it read the event) and `now`. A `WorkerHeartbeat` is a worker's full report (add
 base model, adapters held per tier, free slots and KV blocks) and replaces the previous
 one; `AdapterLoaded` / `AdapterUnloaded` between two heartbeats update what it holds. A
 worker that has missed `misses` heartbeats (`misses * interval_s` without one) leaves
-the ring; its next heartbeat brings it back.
+the ring; its next heartbeat brings it back. A heartbeat that says `draining` (the worker
+got SIGTERM) takes it out at the next `expire`, without waiting for missed beats, and
+keeps it out until a heartbeat of a new process says otherwise.
 
 The router also remembers where it sent an adapter cold a moment ago (`note_sent`): for
 up to `misses` heartbeat intervals that worker counts as `loading` it, so the next
@@ -68,6 +70,8 @@ class Membership:
         self.workers: dict[str, WorkerView] = {}
         self.live: set[str] = set()
         """Workers in the ring now; changed only by `observe` and `expire`."""
+        self.draining: set[str] = set()
+        """Workers whose last heartbeat said they are draining: out at the next `expire`."""
         self.in_flight: dict[str, int] = {}
         self.generation = 0
         """Moves whenever a pool (`pool_entry`) or `merged_for` may have changed."""
@@ -112,6 +116,10 @@ class Membership:
             for sha in list(view.sent):
                 if sha in held:
                     self._unsend(view, sha)
+            if p.draining:
+                self.draining.add(p.worker_id)
+                return False
+            self.draining.discard(p.worker_id)
             joined = p.worker_id not in self.live
             if joined:
                 self._changed()
@@ -151,8 +159,10 @@ class Membership:
                 del index[sha256]
 
     def expire(self, now: float) -> list[str]:
-        """Take out of the ring every worker silent for `misses` intervals; returns them."""
-        gone = [w for w in self.live if now - self.workers[w].seen_at > self.timeout_s]
+        """Take out of the ring every worker silent for `misses` intervals or draining;
+        returns them."""
+        gone = [w for w in self.live
+                if now - self.workers[w].seen_at > self.timeout_s or w in self.draining]
         for worker in gone:
             self.live.discard(worker)
             view = self.workers[worker]

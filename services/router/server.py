@@ -17,6 +17,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services import tls
+from services.config import Settings
 from services.contracts.generate import Undecodable, add_inference_servicer
 from services.contracts.grpc import inference_pb2 as pb
 from services.contracts.grpc import inference_pb2_grpc as pb_grpc
@@ -143,7 +145,7 @@ class RouterHealth:
 
 
 def build_server(dispatcher: Dispatcher, tokens: TokenBook, health_: RouterHealth,
-                 address: str) -> tuple[grpc.aio.Server, int]:
+                 address: str, settings: Settings | None = None) -> tuple[grpc.aio.Server, int]:
     """The grpc.aio server with every service added and `address` bound; returns its port."""
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     add_inference_servicer(InferenceServicer(dispatcher, tokens), server)
@@ -151,7 +153,8 @@ def build_server(dispatcher: Dispatcher, tokens: TokenBook, health_: RouterHealt
     reflection.enable_server_reflection(
         (INFERENCE_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
          reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(address)
+    port = (tls.add_grpc_port(server, address, settings, "router") if settings is not None
+            else server.add_insecure_port(address))
     if port == 0:
         raise OSError(f"cannot listen for gRPC on {address}")
     return server, port

@@ -16,12 +16,14 @@ import asyncio
 import contextlib
 import logging
 import signal
+import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
 
+from services import tls
 from services.config import Settings
 from services.contracts.capacity import AdapterLimits, serving_context
 from services.contracts.events import Envelope
@@ -102,12 +104,14 @@ class WorkerRuntime:
         self.worker_id = settings.worker_name
         self.model_dir = Path(settings.base_model) if settings.base_model else Path(".")
         self.engine = engine or Engine.from_pretrained(self.model_dir, engine_config(settings))
-        self.metrics = WorkerMetrics()
+        self.metrics = WorkerMetrics(model_name=self.model_dir.name,
+                                     max_lora=self.engine.adapters.num_slots)
         self.follower = CatalogFollower(settings, self.worker_id, on_ready=self._caught_up)
         self.host = HostCache(settings.worker_host_cache_bytes,
                               pin=self.engine.model.device.type == "cuda")
         self.disk = DiskCache(settings.adapter_cache_dir, settings.worker_disk_cache_bytes)
-        self.blobs = RegistryBlobs(settings.registry_base_url, settings.worker_token)
+        self.blobs = RegistryBlobs(settings.registry_base_url, settings.worker_token,
+                                   verify=tls.client_ssl_context(settings))
         self.loader = AdapterLoader(self.host, self.disk, self.blobs,
                                     checked_parser(settings, self.engine),
                                     on_done=lambda result: self.loop.fetched(result))
@@ -160,19 +164,50 @@ async def serve(settings: Settings, stop: asyncio.Event,
     """Run a worker until `stop` is set (the gRPC server on the running event loop)."""
     runtime = runtime or WorkerRuntime(settings)
     server = WorkerServer(runtime.loop, runtime.rules, runtime.gate, runtime.worker_id,
-                          f"{settings.worker_host}:{settings.worker_port}")
+                          f"{settings.worker_host}:{settings.worker_port}", settings)
     await server.start()
     runtime.start(deliver_via(asyncio.get_running_loop()))
-    log.info("worker %s: gRPC on %s:%d, base model %s (digest %s), metrics on %s%s",
-             runtime.worker_id, settings.worker_host, server.port, runtime.model_dir,
+    log.info("worker %s: gRPC on %s:%d (%s), base model %s (digest %s), metrics on %s%s",
+             runtime.worker_id, settings.worker_host, server.port, tls.describe(settings),
+             runtime.model_dir,
              runtime.engine.base_digest, settings.worker_metrics_port or "off",
              f"; merged mode: serves only {settings.worker_merge}, merged into the base "
              "weights" if settings.worker_merge else "")
+    grace_s = 0.5
     try:
         await server.watch_health(stop)
+        grace_s = max(grace_s, await drain(runtime, server, settings))
     finally:
-        await server.stop()
+        # calls still answering (a final message waiting for its trace to be durable) get
+        # what is left of the drain before they are cancelled
+        await server.stop(grace_s=grace_s)
         await asyncio.to_thread(runtime.stop)
+        log.info("worker %s stopped", runtime.worker_id)
+
+
+async def drain(runtime: WorkerRuntime, server: WorkerServer, settings: Settings) -> float:
+    """Leave without failing a request: a heartbeat that says `draining` (routers take the
+    worker out of their rings and send it nothing new) and health NOT_SERVING; requests
+    routers sent before they read it are still taken for two heartbeat intervals; then
+    new ones are refused UNAVAILABLE (a router retries those elsewhere before their first
+    token) while the streams in flight finish, all within `worker_drain_s`. Returns the
+    seconds of it left, for the calls still sending their last messages."""
+    loop = runtime.loop
+    began = time.monotonic()
+    budget = settings.worker_drain_s
+    loop.draining = True
+    runtime.events.beat_now()
+    await server.not_serving()
+    log.info("worker %s draining: %d requests in flight, up to %.0f s", runtime.worker_id,
+             loop.in_flight(), budget)
+    await asyncio.sleep(min(2 * settings.heartbeat_interval_s, budget / 2))
+    loop.admitting = False
+    while loop.in_flight() and time.monotonic() - began < budget:
+        await asyncio.sleep(0.05)
+    left = loop.in_flight()
+    log.info("worker %s drained in %.1f s%s", runtime.worker_id, time.monotonic() - began,
+             f"; {left} requests still running are cut" if left else "")
+    return max(0.0, budget - (time.monotonic() - began))
 
 
 def run_worker(settings: Settings) -> None:

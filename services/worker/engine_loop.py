@@ -218,9 +218,14 @@ class EngineLoop:
         self._gate_requests: dict[str, str] = {}
         self._gates_waiting: list[GateInFlight] = []
         self._gates_tried = 0.0
+        self._load_reported = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.synced = False
+        self.draining = False
+        """SIGTERM: heartbeats say so (routers take this worker out of their rings)."""
+        self.admitting = True
+        """False once the drain stops admitting: new requests are refused UNAVAILABLE."""
         self.ready = threading.Event()
         self.not_ready_reason = "replaying the adapter log"
         self.base_model_name: str | None = None
@@ -276,7 +281,25 @@ class EngineLoop:
             except Exception:  # one bad command or step must not stop serving
                 log.exception("engine loop")
             self._flush()
+            self._report_load()
         self._shutdown()
+
+    def _report_load(self) -> None:
+        """The gateway gauges (`vllm:*`): requests batched and waiting, KV in use, the
+        adapters ready on the device and those requests wait for; at most every 50 ms."""
+        now = time.monotonic()
+        if now - self._load_reported < 0.05:
+            return
+        self._load_reported = now
+        stats = self.engine.stats()
+        ready = [key[0] for key, state in self.residency.states
+                 if state is AdapterState.LOADED]
+        parked = [t.choice.adapter_id for ts in self._parked.values() for t in ts
+                  if t.choice is not None and not t.cancelled]
+        self.metrics.vllm.load(
+            running=stats.running, waiting=stats.waiting + len(parked),
+            kv_usage=1.0 - stats.free_kv_blocks / max(1, stats.total_kv_blocks),
+            running_adapters=ready, waiting_adapters=parked)
 
     def _drain_inbox(self, wait: float) -> None:
         try:
@@ -467,6 +490,10 @@ class EngineLoop:
 
     def _admit(self, ticket: Ticket) -> None:
         if ticket.cancelled or self._stop.is_set():
+            return
+        if not self.admitting:
+            self._refuse(ticket, "UNAVAILABLE", f"worker {self.worker_id} is draining (shutting "
+                         "down): retry on another worker", 0.05)
             return
         if not self.ready.is_set():
             self._refuse(ticket, "UNAVAILABLE", f"worker not ready: {self.not_ready_reason}",
@@ -712,6 +739,7 @@ class EngineLoop:
         completion = (sum(len(c.token_ids) for c in result.choices) or len(result.token_ids)
                       if result is not None else ticket.completion_tokens)
         self.metrics.request_finished(ticket.work.tenant.key, prompt, cached)
+        self.metrics.vllm.finished(reason, prompt, completion, now - ticket.arrival)
         self.metrics.requests.labels(
             "CANCELLED" if ticket.cancelled else ("INTERNAL" if result is None else "OK")).inc()
         status = {"length": "ok", "stop": "ok", "abort": "aborted"}.get(reason, "error")
@@ -852,6 +880,13 @@ class EngineLoop:
                 out.append(PrefetchOutcome(key, True, self.residency.tier_of(key), ""))
         return out
 
+    # --- drain ----------------------------------------------------------------------------
+
+    def in_flight(self) -> int:
+        """Requests admitted and not finished: running, queued, or waiting for an adapter
+        (any thread; an estimate between two iterations, exact once admission stopped)."""
+        return len(self._running) + sum(len(t) for t in list(self._parked.values()))
+
     # --- reports (built in the loop, asked for from other threads) -----------------------
 
     def heartbeat(self) -> WorkerHeartbeat | None:
@@ -878,5 +913,6 @@ class EngineLoop:
             base_model_digest=self.base_digest, loaded=loaded,
             free_slots=self.engine.adapters.free_slots,
             free_kv_blocks=stats.free_kv_blocks, lease_epoch=epoch,
-            merged_mode=self.merge.report() if self.merge is not None else None)
+            merged_mode=self.merge.report() if self.merge is not None else None,
+            draining=self.draining)
 

@@ -76,6 +76,7 @@ class WorkerEvents:
         self._numbered_waiters: list[Durable] = []
         self.sent = 0
         self.last_error: str | None = None
+        self._beat_now = False
 
     # --- producers of events (any thread) ------------------------------------------------
 
@@ -96,6 +97,11 @@ class WorkerEvents:
         if full or waiter is not None:
             self._wake.set()
         return waiter
+
+    def beat_now(self) -> None:
+        """Send a heartbeat at once rather than at the next interval (the drain's)."""
+        self._beat_now = True
+        self._wake.set()
 
     @property
     def unsent(self) -> int:
@@ -132,7 +138,8 @@ class WorkerEvents:
         while True:
             now = time.monotonic()
             stopping = self._stop.is_set()
-            if now >= next_beat and not stopping:
+            if (now >= next_beat or self._beat_now) and not stopping:
+                self._beat_now = False
                 beat = self._heartbeat()
                 if beat is not None:
                     self.emit(beat)

@@ -32,7 +32,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from services import tls
 from services.catalog.state import Refusal
+from services.config import Settings
 from services.contracts.generate import Undecodable, add_inference_servicer
 from services.contracts.grpc import inference_pb2 as pb
 from services.contracts.grpc import inference_pb2_grpc as pb_grpc
@@ -262,7 +264,7 @@ class WorkerServer:
     """The grpc.aio server and its health reporting."""
 
     def __init__(self, loop: EngineLoop, rules: PromptRules, gate: Gate, worker_id: str,
-                 address: str) -> None:
+                 address: str, settings: Settings | None = None) -> None:
         self.loop = loop
         self.gate = gate
         self.address = address
@@ -276,7 +278,8 @@ class WorkerServer:
         reflection.enable_server_reflection(
             (INFERENCE, CONTROL, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME), self.server)
-        self.port = self.server.add_insecure_port(address)
+        self.port = (tls.add_grpc_port(self.server, address, settings, "worker")
+                     if settings is not None else self.server.add_insecure_port(address))
         self._serving: bool | None = None
 
     async def start(self) -> None:
@@ -303,6 +306,13 @@ class WorkerServer:
             last_reason = reason
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=0.2)
+
+    async def not_serving(self) -> None:
+        """Health NOT_SERVING for every service name (the drain: probes and load balancers
+        stop sending), while calls keep being answered."""
+        for name in ("", INFERENCE, CONTROL):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self._serving = False
 
     async def stop(self, grace_s: float = 5.0) -> None:
         await self.health.enter_graceful_shutdown()

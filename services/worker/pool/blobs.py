@@ -12,6 +12,7 @@ once, because retrying cannot fix it.
 from __future__ import annotations
 
 import json
+import ssl
 
 import httpx
 from tenacity import (
@@ -39,11 +40,12 @@ class RegistryBlobs:
     """A small client for the registry's blob route (thread-safe: httpx.Client is)."""
 
     def __init__(self, base_url: str, token: str | None, *, timeout_s: float = 30.0,
-                 max_bytes: int = 1 << 31, attempts: int = 3) -> None:
+                 max_bytes: int = 1 << 31, attempts: int = 3,
+                 verify: ssl.SSLContext | bool = True) -> None:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.base_url = base_url.rstrip("/")
         self.max_bytes = max_bytes
-        self._client = httpx.Client(base_url=self.base_url, headers=headers,
+        self._client = httpx.Client(base_url=self.base_url, headers=headers, verify=verify,
                                     timeout=httpx.Timeout(timeout_s, connect=5.0))
         self._retrying = retry(
             retry=retry_if_exception_type(BlobUnavailable),
