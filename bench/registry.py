@@ -43,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.record import BenchRun, Figure, load_average  # noqa: E402
 from services.config import Settings  # noqa: E402
+from services.contracts.capacity import AdapterLimits  # noqa: E402
 from services.eventlog import ensure_topics  # noqa: E402
 from services.registry.app import create_app  # noqa: E402
 from services.registry.auth import token_hash  # noqa: E402
@@ -150,8 +151,8 @@ def validation_alone(uploads: list[tuple[bytes, bytes]]) -> float:
     registry makes on an upload, without HTTP, blob store or Kafka."""
     started = time.perf_counter()
     for config, weights in uploads:
-        validate_adapter(config, io.BytesIO(weights), len(weights), BASE, max_rank=128,
-                         allowed_dtypes=["float16", "bfloat16", "float32"], sink=io.BytesIO())
+        validate_adapter(config, io.BytesIO(weights), len(weights), BASE,
+                         limits=AdapterLimits(128), sink=io.BytesIO())
     return time.perf_counter() - started
 
 

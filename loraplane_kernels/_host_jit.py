@@ -252,13 +252,28 @@ def softmax_rows(scores: Any, rows: Any, n: Any) -> None:
 _UNROLL = np.uint64(4)
 
 
+@numba.njit(inline="always")
+def softcapped(scores: Any, rows: Any, n: Any, cap: Any) -> None:
+    """``cap * tanh(s / cap)`` over the first `n` scores of `rows` rows, in place (Gemma 2's
+    attention soft-capping, applied to the scaled scores as transformers does)."""
+    inv = np.float32(1.0) / cap
+    for j in range(rows):
+        for pos in range(n):
+            scores[j, pos] = np.tanh(scores[j, pos] * inv) * cap
+
+
 @numba.njit(cache=True, nogil=True, fastmath=_FAST)
 def decode_attention(q: Any, k_cache: Any, v_cache: Any, out: Any, rows: Any, tables: Any,
-                     lens: Any, block_size: int, scale: Any, lo: int, hi: int) -> None:
+                     lens: Any, block_size: int, scale: Any, window: int, softcap: Any,
+                     lo: int, hi: int) -> None:
     """Decodes `lo:hi` of a step: for each, softmax(scale * q K^T) V over its context,
     read from the paged cache in place (no gathered copy of K and V). q, out [T, H, D];
     caches [KVH, slots, D]; tables [B, blocks]. Scores, softmax and the weighted sum are
     fp32 (bf16 inputs widened, the output rounded once).
+
+    `window` > 0 keeps each decode to its last `window` positions (a sliding-window layer:
+    the blocks before them may be freed, and are never read); `softcap` > 0 soft-caps the
+    scaled scores before the softmax.
 
     Each cache block's positions go four at a time: one pass over D computes a query
     head's four scores (the K rows stream through registers beside one q row), and one
@@ -273,20 +288,26 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, out: Any, rows: Any, ta
     scores = np.empty((group, longest), np.float32)
     acc = np.empty((group, dim), np.float32)
     qs = np.empty((group, dim), np.float32)
+    zero = np.uint64(0)
     one = np.uint64(1)
     two = np.uint64(2)
     three = np.uint64(3)
     ud, ug, bs = np.uint64(dim), np.uint64(group), np.uint64(block_size)
     for b in range(lo, hi):
         row, n = rows[b], np.uint64(lens[b])
+        first = zero
+        if window > 0 and lens[b] > window:
+            first = np.uint64(lens[b] - window)
+        count_all = n - first
         for h in range(kv_heads):
             uh = np.uint64(h)
             for j in range(group):
                 load(qs[j], q[row, h * group + j])
-            for blk in range((n + bs - one) // bs):
-                base, p0 = np.uint64(tables[b, blk]) * bs, blk * bs
+            for blk in range(first // bs, (n + bs - one) // bs):
+                p0 = np.uint64(blk) * bs
+                base = np.uint64(tables[b, blk]) * bs
                 count = min(bs, n - p0)
-                i = np.uint64(0)
+                i = first - p0 if first > p0 else zero
                 while i + _UNROLL <= count:
                     s = base + i
                     for j in range(ug):
@@ -297,7 +318,7 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, out: Any, rows: Any, ta
                             a1 += qd * cached(k_cache, uh, s + one, d)
                             a2 += qd * cached(k_cache, uh, s + two, d)
                             a3 += qd * cached(k_cache, uh, s + three, d)
-                        at = p0 + i
+                        at = p0 + i - first
                         scores[j, at] = a0 * scale
                         scores[j, at + one] = a1 * scale
                         scores[j, at + two] = a2 * scale
@@ -308,16 +329,19 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, out: Any, rows: Any, ta
                         a = np.float32(0.0)
                         for d in range(ud):
                             a += qs[j, d] * cached(k_cache, uh, base + i, d)
-                        scores[j, p0 + i] = a * scale
+                        scores[j, p0 + i - first] = a * scale
                     i += one
-            softmax_rows(scores, group, n)
+            if softcap > 0:
+                softcapped(scores, group, count_all, softcap)
+            softmax_rows(scores, group, count_all)
             acc[:] = 0.0
-            for blk in range((n + bs - one) // bs):
-                base, p0 = np.uint64(tables[b, blk]) * bs, blk * bs
+            for blk in range(first // bs, (n + bs - one) // bs):
+                p0 = np.uint64(blk) * bs
+                base = np.uint64(tables[b, blk]) * bs
                 count = min(bs, n - p0)
-                i = np.uint64(0)
+                i = first - p0 if first > p0 else zero
                 while i + _UNROLL <= count:
-                    s, at = base + i, p0 + i
+                    s, at = base + i, p0 + i - first
                     for j in range(ug):
                         w0, w1 = scores[j, at], scores[j, at + one]
                         w2, w3 = scores[j, at + two], scores[j, at + three]
@@ -329,7 +353,7 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, out: Any, rows: Any, ta
                     i += _UNROLL
                 while i < count:
                     for j in range(ug):
-                        w = scores[j, p0 + i]
+                        w = scores[j, p0 + i - first]
                         for d in range(ud):
                             acc[j, d] += w * cached(v_cache, uh, base + i, d)
                     i += one

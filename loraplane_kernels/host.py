@@ -75,12 +75,17 @@ def _helper_threads(count: int) -> ThreadPoolExecutor:
 
 
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor,
-                     plan: DecodePlan, scale: float) -> None:
+                     plan: DecodePlan, scale: float, window: int | None = None,
+                     softcap: float | None = None) -> None:
     """``out[rows] = softmax(scale * q[rows] K^T) V`` for every decode of `plan`, with K and
-    V read from the layer's paged cache ([KVH, slots, D]); q and out are [T, H, D]."""
+    V read from the layer's paged cache ([KVH, slots, D]); q and out are [T, H, D].
+
+    `window`: a sliding-window layer's decodes see only their last `window` positions;
+    `softcap`: ``cap * tanh(s / cap)`` on the scaled scores before the softmax."""
     kernel_fn = _attention()
     args = (as_array(q), as_array(k_cache), as_array(v_cache), as_array(out), plan.rows,
-            plan.tables, plan.lens, plan.block_size, np.float32(scale))
+            plan.tables, plan.lens, plan.block_size, np.float32(scale), int(window or 0),
+            np.float32(softcap or 0.0))
     cuts = plan.cuts(torch.get_num_threads())
     shares = list(itertools.pairwise(cuts))
     pending = [_helper_threads(len(shares) - 1).submit(kernel_fn, *args, lo, hi)

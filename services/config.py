@@ -8,17 +8,27 @@ each variable it names is a field here.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from services.contracts.capacity import ENGINE_DTYPES
 from services.contracts.events import MERGE_PATTERN
 
 BrokerKind = Literal["auto", "apache", "tansu"]
 TierName = Literal["platinum", "gold", "silver", "bronze"]
 
+
+REMOVED = {
+    "max_lora_rank": "the registry refuses ranks above LORAPLANE_WORKER_MAX_LORA_RANK, the "
+                     "rank a worker's adapter pool holds; set that one (for every process)",
+    "blob_erasure_grace_s": "a purge erases every file of the tenant's purged versions at "
+                            "once; a publish racing it stores its own files again",
+}
+"""Settings that existed once, each with what replaced it: set, they stop the process."""
 
 class Settings(BaseSettings):
     """Process configuration, from `LORAPLANE_*` environment variables or keyword args."""
@@ -114,14 +124,16 @@ class Settings(BaseSettings):
         None, description="Content-addressed blob store (sha256/ab/abcd…); default STATE_DIR/blobs."
     )
     max_upload_bytes: int = Field(512 * 1024 * 1024, ge=1)
-    max_lora_rank: int = Field(128, ge=1)
-    allowed_dtypes: list[str] = Field(default_factory=lambda: ["float16", "bfloat16", "float32"])
+    allowed_dtypes: list[str] = Field(
+        default_factory=lambda: list(ENGINE_DTYPES), min_length=1,
+        description="Adapter dtypes the registry accepts and workers load (one capacity "
+        "rule, services/contracts/capacity.py): some of float16, bfloat16, float32.")
     auth_tokens: str | None = Field(
         None,
         description='JSON list of {"sha256": hex of the token, "role": admin|publisher|reader|'
-        'worker|inference, "tenant": "org/team/project" for publishers and inference callers '
-        '(a "*" segment matches any), optional "qos_tier" of an inference caller}. Tokens are '
-        'stored hashed.',
+        'worker|inference|canary (what each may do: services/contracts/roles.py), "tenant": '
+        '"org/team/project" for publishers and inference callers (a "*" segment matches '
+        'any), optional "qos_tier" of an inference caller}. Tokens are stored hashed.',
     )
 
     # --- worker ----------------------------------------------------------------------------
@@ -143,7 +155,9 @@ class Settings(BaseSettings):
         "auto", description="auto = bf16 where the hardware runs it natively (CUDA, CPUs with "
         "AVX512-BF16 or AMX), else float32 (the engine's serving_dtype).")
     worker_adapter_slots: int = Field(8, ge=1, description="Device tier: adapter slots.")
-    worker_max_lora_rank: int = Field(64, ge=1)
+    worker_max_lora_rank: int = Field(
+        64, ge=1, description="The largest LoRA rank a worker's adapter pool holds; the "
+        "registry refuses a higher one at publish (it shares this setting).")
     worker_kv_blocks: int = Field(2048, ge=1)
     worker_block_size: int = Field(16, ge=1)
     worker_max_running: int = Field(64, ge=1, description="Sequences batched at once.")
@@ -170,7 +184,19 @@ class Settings(BaseSettings):
         1.0, gt=0, description="How often workers emit WorkerHeartbeat (the router's clock "
         "for liveness: a worker that misses `router_missed_heartbeats` of them leaves the ring).")
     worker_trace_flush_s: float = Field(
-        0.5, gt=0, description="RequestServed batches: at most this old before they are sent.")
+        0.5, gt=0, description="RequestServed batches: at most this old before they are sent "
+        "(when `worker_trace_durable` is off; with it on, traces are sent at once).")
+    worker_trace_durable: bool = Field(
+        True, description="Hold each request's final message (FinalUsage) until its trace is "
+        "acknowledged by the broker, so every client that got a complete answer has a durable "
+        "trace even if the worker dies right after. Traces finishing while one write is in "
+        "flight go out together in the next (group commit); the engine never waits. Off: "
+        "traces are batched every `worker_trace_flush_s` and a kill -9 loses the last batch.")
+    worker_drain_s: float = Field(
+        30.0, ge=0, description="On SIGTERM a worker leaves the ring (a draining heartbeat), "
+        "stops admitting once routers had time to see it, and gives its streams this long "
+        "(seconds, all of it) to finish before it exits; compose and Kubernetes give it "
+        "this much grace and some more.")
     stale_lease_threshold_s: float = Field(
         30.0, gt=0, description="Version wall: a worker whose last registry lease is older "
         "refuses requests (UNAVAILABLE) rather than serve a possibly stale version.")
@@ -222,6 +248,9 @@ class Settings(BaseSettings):
         True, description="Once the log is replayed, move everything folded so far out of "
         "the garbage collector's reach (gc.freeze), so a full collection walks only what "
         "came later: without it one took 120-150 ms over a 10,000-tenant catalog.")
+    router_drain_s: float = Field(
+        30.0, ge=0, description="On SIGTERM a router reports NOT_SERVING, refuses new "
+        "requests on both fronts and gives those in flight this long (seconds) to finish.")
     router_request_timeout_s: float = Field(
         300.0, gt=0, description="Deadline of a request whose client set none (HTTP).")
     audit_metrics_port: int = Field(
@@ -237,6 +266,9 @@ class Settings(BaseSettings):
     audit_checkpoint_every: int = Field(
         1000, ge=1, description="Events per partition between signed Merkle checkpoints."
     )
+    audit_checkpoint_every_s: float = Field(
+        60.0, ge=0, description="A partition with events no checkpoint covers gets one "
+        "signed at least this often (seconds), however few events came; 0: only by count.")
     audit_origin: str = Field(
         "loraplane.local/audit", pattern=r"^[^\s+]+$",
         description="Prefix of every partition log's checkpoint origin (and note key name): "
@@ -298,13 +330,98 @@ class Settings(BaseSettings):
         None, description="Bearer token the loraplane CLI sends the registry (default: the "
         "admin token `loraplane up` wrote to STATE_DIR/admin.token).")
 
+    # --- TLS (services/tls.py) ----------------------------------------------------------
+    tls_cert_file: Path | None = Field(
+        None, description="PEM certificate chain of this process: every listener it has "
+        "serves TLS with it (router gRPC and HTTP, worker gRPC, registry, the projector's "
+        "checkpoints), and its clients present it where a peer asks for a client "
+        "certificate. Re-read when the file changes (no restart). Unset: plaintext.")
+    tls_key_file: Path | None = Field(None, description="The private key of tls_cert_file.")
+    tls_ca_file: Path | None = Field(
+        None, description="PEM CA bundle this process trusts: its clients dial TLS and "
+        "verify servers against it, and listeners verify client certificates against it.")
+    tls_client_auth: list[Literal["router", "worker", "registry", "audit"]] = Field(
+        default_factory=list, description="Listeners that require a client certificate "
+        "signed by tls_ca_file (mutual TLS, per hop), e.g. [\"worker\"] so only routers "
+        "holding a certificate reach workers.")
+    tls_server_name: str | None = Field(
+        None, description="Name gRPC clients check server certificates against instead of "
+        "the host they dial (one certificate for workers at changing addresses).")
+
+    # --- Kafka security (passed to every librdkafka client) -----------------------------
+    kafka_security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
+        "PLAINTEXT", description="librdkafka security.protocol.")
+    kafka_ssl_ca_file: Path | None = Field(None, description="ssl.ca.location")
+    kafka_ssl_cert_file: Path | None = Field(None, description="ssl.certificate.location")
+    kafka_ssl_key_file: Path | None = Field(None, description="ssl.key.location")
+    kafka_sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = Field(
+        None, description="sasl.mechanism (with a SASL_* protocol)")
+    kafka_sasl_username: str | None = None
+    kafka_sasl_password: str | None = None
+
+    # --- PostgreSQL TLS (added to database_url's libpq parameters) ----------------------
+    database_sslmode: Literal["disable", "allow", "prefer", "require", "verify-ca",
+                              "verify-full"] | None = Field(
+        None, description="libpq sslmode for every connection to database_url.")
+    database_sslrootcert: Path | None = Field(None, description="libpq sslrootcert")
+    database_sslcert: Path | None = Field(None, description="libpq sslcert (client certificate)")
+    database_sslkey: Path | None = Field(None, description="libpq sslkey")
+
     log_level: str = "INFO"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_removed(cls, data: Any) -> Any:
+        """A setting that no longer exists is refused by name, not ignored (`REMOVED`)."""
+        given = set(data) if isinstance(data, dict) else set()
+        for name, why in REMOVED.items():
+            if name in given or f"LORAPLANE_{name.upper()}" in os.environ:
+                raise ValueError(f"LORAPLANE_{name.upper()} was removed: {why}")
+        return data
+
+    @model_validator(mode="after")
+    def _database_tls(self) -> Settings:
+        """The database_sslmode/-rootcert/-cert/-key settings as libpq parameters of
+        database_url, so every engine and migration uses them; a URL that says otherwise
+        is refused, not overridden."""
+        wanted = {name: getattr(self, f"database_{name}") for name in
+                  ("sslmode", "sslrootcert", "sslcert", "sslkey")}
+        wanted = {k: str(v) for k, v in wanted.items() if v is not None}
+        if not wanted:
+            return self
+        if not self.database_url:
+            raise ValueError("LORAPLANE_DATABASE_SSLMODE (and the other database TLS settings) "
+                             "need LORAPLANE_DATABASE_URL")
+        from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+        parts = urlsplit(self.database_url)
+        query = dict(parse_qsl(parts.query, keep_blank_values=True))
+        for name, value in wanted.items():
+            if name in query and query[name] != value:
+                raise ValueError(f"LORAPLANE_DATABASE_URL says {name}={query[name]}, "
+                                 f"LORAPLANE_DATABASE_{name.upper()} says {value}")
+            query[name] = value
+        object.__setattr__(self, "database_url", urlunsplit(parts._replace(
+            query=urlencode(query, safe="/:"))))
+        return self
+
+    @field_validator("allowed_dtypes")
+    @classmethod
+    def _engine_dtypes(cls, value: list[str]) -> list[str]:
+        """Only dtypes a worker's pool holds: accepting another would publish adapters
+        that no worker loads."""
+        other = sorted(set(value) - set(ENGINE_DTYPES))
+        if other:
+            raise ValueError(f"{other} are not adapter dtypes a worker holds "
+                             f"({', '.join(ENGINE_DTYPES)})")
+        return value
 
     @property
     def registry_urls(self) -> list[str]:
         """Every registry a client may use, in the order given (the first is preferred)."""
         if not self.registry_url:
-            return [f"http://{self.registry_host}:{self.registry_port}"]
+            scheme = "https" if self.tls_ca_file is not None else "http"
+            return [f"{scheme}://{self.registry_host}:{self.registry_port}"]
         return [u.strip().rstrip("/") for u in self.registry_url.split(",") if u.strip()]
 
     @property

@@ -15,7 +15,10 @@ In a scratch state folder, as an operator and three tenants would:
    on screen), and the controller rolls it back at its first stage;
 6. one tenant is purged: every worker frees its KV and adapters and acknowledges;
 7. from SQL: the purge proof, the lineage, `served_by`, the release decisions and the
-   measured tokens/s, TTFT and adapter load latencies;
+   measured tokens/s, TTFT and adapter load latencies; then what a third party checks: the
+   trace of one request step 3 served is proven included in a signed checkpoint (the
+   projector signs one every few seconds while events wait, `audit_checkpoint_every_s`),
+   by the stand-alone verifier run as a separate program with the log's public key;
 8. everything stops; nothing is left running.
 
 The trained demo adapters (`services.demo_adapters`) are used on the default model when
@@ -62,6 +65,13 @@ from services.stack.stack import Stack
 console = Console()
 
 QUESTION = "What is the capital of France?"
+STRUCTURED = {"initech-json": {
+    "type": "object", "properties": {
+        "answer": {"type": "string", "maxLength": 160},
+        "confidence": {"type": "number", "minimum": 0, "maximum": 1}},
+    "required": ["answer", "confidence"], "additionalProperties": False}}
+"""Tenants whose answers are asked for with `response_format: json_schema` (the grammar
+holds each token to the schema); the demo validates what comes back."""
 """The question every tenant and the base model answer, side by side."""
 CANARY_STAGES = [5, 25, 100]
 TENANTS = (
@@ -77,7 +87,7 @@ the base model's: a random adapter may also leave an answer unchanged, or end it
 @dataclass(frozen=True)
 class DemoOptions:
     base_model: Path | None = None
-    """A Hugging Face Llama directory; None = SmolLM2-135M-Instruct."""
+    """A Hugging Face directory of a served family; None = SmolLM2-135M-Instruct."""
     answer_tokens: int = 40
     stage_s: float = 6.0
     """Least time at each canary stage (the default plan says 15 minutes)."""
@@ -154,7 +164,8 @@ def run_demo(settings: Settings, options: DemoOptions | None = None) -> None:
         "worker_port": free_port(), "worker_metrics_port": free_port(),
         "worker_kv_blocks": 512, "worker_adapter_slots": 4, "worker_dtype": "float32",
         "heartbeat_interval_s": 1.0, "worker_trace_flush_s": 0.5,
-        "canary_interval_s": 0.5, "canary_settle_s": 1.0, "release_ungated": "block"})
+        "canary_interval_s": 0.5, "canary_settle_s": 1.0, "release_ungated": "block",
+        "audit_checkpoint_every_s": 2.0})
     console.rule("1. the stack: broker, PostgreSQL, registry, projector, router, canary "
                  "controller, 2 workers")
     # The same `Stack` as `loraplane up --workers 2`, in a scratch state folder.
@@ -219,20 +230,22 @@ def _trained_adapters(settings: Settings, model_dir: Path, digest: str
 
 
 def random_adapter(shape: BaseModelShape, *, rank: int, seed: int) -> tuple[bytes, bytes]:
-    """A PEFT LoRA adapter (config, safetensors) on q/v of every layer, big enough to
-    change greedy answers."""
+    """A PEFT LoRA adapter (config, safetensors) on q/v of every layer (the fused q|k|v of
+    a family that fuses it), big enough to change greedy answers."""
+    lora = shape.config.family.lora
+    modules = [m for m in ("q_proj", "v_proj") if m in lora] or [next(iter(lora))]
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(shape.num_hidden_layers):
-        for module in ("q_proj", "v_proj"):
+        for module in modules:
             fan_in, fan_out = shape.module_shape(module)
-            prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            prefix = f"base_model.model.model.layers.{layer}.{lora[module].path}"
             tensors[f"{prefix}.lora_A.weight"] = (torch.randn(rank, fan_in, generator=gen)
                                                   / fan_in ** 0.5).to(torch.float16)
             tensors[f"{prefix}.lora_B.weight"] = (torch.randn(fan_out, rank, generator=gen)
                                                   * 0.15).to(torch.float16)
     config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "bias": "none",
-              "target_modules": ["q_proj", "v_proj"], "task_type": "CAUSAL_LM"}
+              "target_modules": modules, "task_type": "CAUSAL_LM"}
     return json.dumps(config).encode(), save(tensors)
 
 
@@ -267,6 +280,7 @@ class Answer:
     ttft_ms: float
     total_ms: float
     tokens: int
+    trace_id: str = ""
 
 
 class Demo:
@@ -288,6 +302,10 @@ class Demo:
         self.router = f"127.0.0.1:{settings.router_port}"
         self.answers: list[Answer] = []
         self.chat_prompt = chat_prompt(model_dir, QUESTION)
+        self.structured = STRUCTURED if options.base_model is None else {}
+        """The schemas asked for: on the packaged model, whose tokenizer can spell JSON and
+        whose initech adapter was trained to answer in it (another base model's
+        vocabulary may not hold the characters JSON needs)."""
 
     def run(self) -> None:
         db = make_engine(str(self.settings.database_url))
@@ -390,6 +408,10 @@ class Demo:
                                       project_id=owner.tenant.project, user_id=user),
             adapter=ref, sampling=pb.SamplingParams(max_tokens=max_tokens),
             chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content=QUESTION)]))
+        schema = self.structured.get(adapter.adapter_id) if adapter is not None else None
+        if schema is not None:  # as `response_format: {"type": "json_schema", ...}` asks
+            request.sampling.guide.json_schema = json.dumps(schema)
+            request.sampling.max_tokens = max(max_tokens, 96)
         metadata = (("authorization", f"Bearer {self.tokens.for_tenant(owner.tenant_path)}"),)
         for attempt in range(retries):
             try:
@@ -432,13 +454,33 @@ class Demo:
                       if final.HasField("served_adapter") else "base")
             self.answers.append(Answer(who, answer, final.worker_id, served,
                                        final.time_to_first_token_ms, final.total_ms,
-                                       final.completion_tokens))
+                                       final.completion_tokens, final.trace_id))
             table.add_row(who, answer.strip() or "(empty)", served, final.worker_id,
                           f"{final.time_to_first_token_ms:.0f} ms")
         console.print(table)
+        self._validate_structured(jobs, results)
         texts = {a.text for a in self.answers}
         console.print(f"{len(texts)} different answers from {len(self.answers)} requests on "
                       f"one base model; {len({a.worker for a in self.answers})} workers served")
+
+    def _validate_structured(self, jobs: list[tuple[str, TenantAdapter | None, TenantAdapter]],
+                             results: list[tuple[pb.FinalUsage, str]]) -> None:
+        """Each answer asked for with a JSON schema, parsed and validated on screen."""
+        import jsonschema
+
+        for (who, adapter, _), (final, answer) in zip(jobs, results, strict=True):
+            schema = self.structured.get(adapter.adapter_id) if adapter is not None else None
+            if schema is None:
+                continue
+            try:
+                jsonschema.validate(json.loads(answer), schema)
+            except (ValueError, jsonschema.ValidationError) as exc:
+                reason = pb.FinishReason.Name(final.finish_reason)
+                raise DemoFailed(f"{who}: the json_schema answer does not validate "
+                                 f"({reason}): {exc}") from None
+            fields = ", ".join(schema["required"])
+            console.print(f"{who}: served with response_format json_schema; the answer "
+                          f"parses and validates against its schema ({fields}): {answer}")
 
     # 4 ------------------------------------------------------------------------------------
 
@@ -574,6 +616,50 @@ class Demo:
         verdict = "OK" if not report.problems else f"FAILED: {report.problems[0]}"
         console.print(f"audit verify: {verdict} ({report.rows} rows, {report.partitions} "
                       f"partition chains, {report.checkpoints} signed checkpoints)")
+        if report.problems:
+            raise DemoFailed(f"audit verify: {report.problems[0]}")
+        self.prove_one_request(db)
+
+    def prove_one_request(self, db: Engine) -> None:
+        """An inclusion proof of one served request's trace in a signed checkpoint, checked
+        by the stand-alone verifier (`services/audit/verifier.py`, run as its own program:
+        standard library and `cryptography` only) with the log's public key alone."""
+        import base64
+        import subprocess
+        import sys
+        import tempfile
+
+        from services.audit.proof import ProofUnavailable, build_proof
+        from services.audit.signing import load_signer, log_origin
+
+        answer = next(a for a in self.answers if a.served != "base")
+        rows = _wait_rows(db, "SELECT t.event_id, e.topic, e.partition FROM request_traces t "
+                              "JOIN events e USING (event_id) "
+                              f"WHERE t.trace_id = '{answer.trace_id}'", bool, 60, self)
+        event_id, topic, partition = (rows[0]["event_id"], rows[0]["topic"],
+                                      rows[0]["partition"])
+        document = self._until(lambda: _proof_or_none(build_proof, ProofUnavailable, db,
+                                                      event_id), 60,
+                               f"a signed checkpoint covering event {event_id}")
+        leaf = json.loads(base64.b64decode(document["leaf"]))
+        assert answer.trace_id in json.dumps(leaf)
+        vkey = load_signer(self.settings, create=False).note_key(
+            log_origin(self.settings, topic, partition)).vkey
+        verifier = Path(__file__).resolve().parent / "audit" / "verifier.py"
+        with tempfile.TemporaryDirectory() as scratch:
+            proof_file = Path(scratch) / "proof.json"
+            proof_file.write_text(json.dumps(document))
+            checked = subprocess.run([sys.executable, "-I", str(verifier), "inclusion",
+                                      str(proof_file), "--key", vkey],
+                                     capture_output=True, text=True, timeout=60)
+        console.print(f"request {answer.trace_id} ({answer.who}, {answer.served} on "
+                      f"{answer.worker}) is traced in event {event_id}, entry "
+                      f"{document['leaf_index']} of {document['origin']}; signed checkpoint "
+                      f"of size {document['tree_size']}")
+        if checked.returncode != 0:
+            raise DemoFailed(f"the stand-alone verifier refused the proof: "
+                             f"{(checked.stdout + checked.stderr).strip()}")
+        console.print(f"stand-alone verifier: {checked.stdout.strip()}")
 
     def _figures(self, db: Engine) -> None:
         with db.connect() as conn:
@@ -697,6 +783,15 @@ class AliasTraffic:
 
 
 # --- small pieces ---------------------------------------------------------------------------
+
+
+def _proof_or_none(build: Callable[..., dict[str, Any]], unavailable: type[Exception],
+                   db: Engine, event_id: Any) -> dict[str, Any] | None:
+    """The inclusion proof once a signed checkpoint covers the event; None until then."""
+    try:
+        return build(db, event_id)
+    except unavailable:
+        return None
 
 
 def _check(response: httpx.Response) -> dict[str, Any]:

@@ -16,6 +16,7 @@ is: whether to retry is the caller's decision (with its Idempotency-Key).
 from __future__ import annotations
 
 import json
+import ssl
 import threading
 from collections.abc import Sequence
 
@@ -93,10 +94,12 @@ def not_written(response: httpx.Response) -> bool:
 
 def registry_client(urls: Sequence[str], *, headers: dict[str, str] | None = None,
                     timeout: httpx.Timeout | float = 30.0,
-                    connect_timeout_s: float = 3.0) -> httpx.Client:
+                    connect_timeout_s: float = 3.0,
+                    verify: ssl.SSLContext | bool = True) -> httpx.Client:
     """An httpx client over `RegistryFailover`; paths are relative to whichever registry
-    answers. A registry host that is unreachable costs `connect_timeout_s`, not `timeout`."""
+    answers. A registry host that is unreachable costs `connect_timeout_s`, not `timeout`.
+    `verify` checks https registries (`services.tls.client_ssl_context`)."""
     if not isinstance(timeout, httpx.Timeout):
         timeout = httpx.Timeout(timeout, connect=connect_timeout_s)
     return httpx.Client(base_url=urls[0], headers=headers or {}, timeout=timeout,
-                        transport=RegistryFailover(urls))
+                        transport=RegistryFailover(urls, httpx.HTTPTransport(verify=verify)))

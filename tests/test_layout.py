@@ -120,3 +120,50 @@ def test_dockerfile_environment_names_real_settings() -> None:
     for word in text.replace("=", " ").split():
         if word.startswith("LORAPLANE_"):
             assert word.removeprefix("LORAPLANE_").lower() in fields, word
+
+
+ONE_SHOT = ("no", "on-failure")
+"""Restart policies of compose services that run once (migrations, topics, registration)."""
+
+
+def test_compose_services_have_health_checks_and_ordered_starts() -> None:
+    """Every long-running service says when it is healthy (ours through `loraplane health`
+    of the service it runs), and a service that needs another started waits for it to be
+    healthy (or, for a one-shot, to have completed)."""
+    compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())
+    services = compose["services"]
+    for name, service in services.items():
+        command = service.get("command", [])
+        one_shot = service.get("restart") in ONE_SHOT
+        if one_shot:
+            assert "healthcheck" not in service, f"{name} runs once: completion is its health"
+            continue
+        assert "healthcheck" in service, f"{name} has no health check"
+        test = service["healthcheck"]["test"]
+        if service.get("image") == "loraplane:dev":
+            assert test[:3] == ["CMD", "loraplane", "health"], name
+            assert not _is_group(_resolve(test[2:-1])), name
+            assert command[:2] == ["loraplane", "serve"] and test[-1] == command[-1], \
+                f"{name} serves {command[-1]} but checks {test[-1]}"
+        for needed, condition in service.get("depends_on", {}).items():
+            wanted = condition["condition"]
+            if services[needed].get("restart") in ONE_SHOT:
+                assert wanted == "service_completed_successfully", (name, needed)
+            else:
+                assert wanted == "service_healthy", (name, needed)
+                assert "healthcheck" in services[needed], (name, needed)
+    for name in ("canary", "worker", "worker-gpu", "base-model"):
+        assert services[name]["depends_on"]["registry"]["condition"] == "service_healthy"
+
+
+def test_compose_gives_workers_and_routers_their_drain() -> None:
+    """SIGTERM starts a drain of up to LORAPLANE_WORKER_DRAIN_S / _ROUTER_DRAIN_S; compose
+    must wait longer than that before it kills (its default is 10 s)."""
+    compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())
+    defaults = Settings()
+    drains = {"worker": defaults.worker_drain_s, "router": defaults.router_drain_s}
+    for name, service in compose["services"].items():
+        kind = service.get("command", [None])[-1]
+        if kind in drains:
+            grace = service.get("stop_grace_period", "10s")
+            assert grace.endswith("s") and float(grace[:-1]) > drains[kind], (name, grace)

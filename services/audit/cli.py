@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.console import Console
-from rich.table import Table
 from sqlalchemy import Engine, select
 
 from services.config import Settings
+from services.rows import print_rows
 
 if TYPE_CHECKING:
     from services.audit.verifier import NoteKey
@@ -38,7 +38,8 @@ def _engine() -> Engine:
 
 
 @audit_app.command()
-def tail(limit: int = typer.Option(20, min=1, max=10_000)) -> None:
+def tail(limit: int = typer.Option(20, min=1, max=10_000),
+         as_json: bool = typer.Option(False, "--json", help="Rows as JSON lines")) -> None:
     """The most recently recorded events."""
     from services.audit.tables import events
 
@@ -48,13 +49,10 @@ def tail(limit: int = typer.Option(20, min=1, max=10_000)) -> None:
                                    events.c.actor, events.c.occurred_at, events.c.topic,
                                    events.c.partition, events.c.offset)
                             .order_by(events.c.id.desc()).limit(limit)).all()
-    table = Table()
-    for col in ("id", "type", "stream", "seq", "actor", "occurred_at", "position"):
-        table.add_column(col)
-    for r in reversed(rows):
-        table.add_row(str(r.id), r.type, r.stream, str(r.seq), r.actor, str(r.occurred_at),
-                      f"{r.topic}[{r.partition}]@{r.offset}")
-    console.print(table)
+    print_rows(console, ("id", "type", "stream", "seq", "actor", "occurred_at", "position"),
+               [(r.id, r.type, r.stream, r.seq, r.actor, r.occurred_at,
+                 f"{r.topic}[{r.partition}]@{r.offset}") for r in reversed(rows)],
+               as_json=as_json)
 
 
 def _trusted(keys: list[str] | None, settings: Settings) -> list[NoteKey]:
@@ -353,17 +351,10 @@ def sql(
         raise typer.Exit(2) from None
     finally:
         engine.dispose()
-    if as_json:
-        for row in rows:
-            print(json.dumps(dict(zip(columns, row, strict=True)), default=str))
-        return
-    table = Table()
-    for column in columns:
-        table.add_column(column, overflow="fold")
-    for row in rows:
-        table.add_row(*("" if v is None else str(v) for v in row))
-    console.print(table)
-    console.print(f"{len(rows)} row(s)" + (f", more not shown (--limit {limit})" if more else ""))
+    print_rows(console, columns, rows, as_json=as_json)
+    if not as_json:
+        console.print(f"{len(rows)} row(s)" + (f", more not shown (--limit {limit})" if more
+                                               else ""))
 
 
 def _first_line(exc: Exception) -> str:

@@ -539,21 +539,27 @@ def _on_tenant_purged(state: FoldState, e: AnyEnvelope) -> None:
 TRACE_COLUMNS = ("event_id", "ordinal", "request_id", "trace_id", "worker_id", "tenant_org",
                  "tenant_team", "tenant_project", "user_id", "adapter_id", "version",
                  "adapter_sha256", "base_model_digest", "prompt_tokens", "completion_tokens",
-                 "started_at", "finished_at", "status")
+                 "started_at", "finished_at", "status", "witness")
 """The order of the values of a `request_traces` row (the most numerous rows: tuples)."""
 
 
 def _on_request_served(state: FoldState, e: AnyEnvelope, stored: Mapping[Any, str]) -> None:
+    """Every witness's traces are stored as they were written; `served_by` keeps one row
+    per request (the worker's where a router witnessed it too). A router's witness says
+    nothing about the worker being alive, so it leaves the worker's row alone."""
     p: Any = e.payload
     worker_id = p.worker_id
-    state.worker(worker_id, e)
+    witness = p.witness
+    if witness == "worker":
+        state.worker(worker_id, e)
     event_id, append = e.event_id, state.request_traces.append
     for ordinal, r in enumerate(p.requests):  # typed requests: plain attribute reads
         tenant = r.tenant
         append((event_id, ordinal, r.request_id, r.trace_id, worker_id, tenant.org,
                 tenant.team, tenant.project, stored.get(("user_id", ordinal), r.user_id),
                 r.adapter_id, r.version, r.adapter_sha256, r.base_model_digest,
-                r.prompt_tokens, r.completion_tokens, r.started_at, r.finished_at, r.status))
+                r.prompt_tokens, r.completion_tokens, r.started_at, r.finished_at, r.status,
+                witness))
 
 
 HANDLERS = {

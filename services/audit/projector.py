@@ -148,6 +148,10 @@ class Ahead:
     positions: dict[PartitionKey, int]
     keys: KeyRing
     state: fold.FoldState = field(default_factory=fold.FoldState)
+    signed: dict[PartitionKey, int] = field(default_factory=dict)
+    """The largest tree size signed per partition (committed or prepared)."""
+    unsigned_since: dict[PartitionKey, float] = field(default_factory=dict)
+    """Partitions with events no checkpoint covers: since when (monotonic seconds)."""
 
 
 @dataclass(frozen=True)
@@ -179,7 +183,7 @@ class PreparedBatch:
 
     @property
     def empty(self) -> bool:
-        return not (self.count or self.positions or self.rejected)
+        return not (self.count or self.positions or self.rejected or self.checkpoints)
 
 
 EVENT_FORMAT = CopyFormat(events, (
@@ -294,8 +298,15 @@ class AuditProjector:
             self.signer = load_signer(self.settings)
         with self.engine.connect() as conn:
             self._committed = self._stored_offsets(conn)
-            self._ahead = Ahead(self._load_heads(conn), dict(self._committed),
-                                KeyRing.load(conn, self._kek), self._load_fold_state(conn))
+            heads = self._load_heads(conn)
+            signed = {(r.topic, r.partition): r.size for r in conn.execute(
+                select(checkpoints.c.topic, checkpoints.c.partition,
+                       func.max(checkpoints.c.tree_size).label("size"))
+                .group_by(checkpoints.c.topic, checkpoints.c.partition))}
+            now = time.monotonic()
+            self._ahead = Ahead(heads, dict(self._committed), KeyRing.load(conn, self._kek),
+                                self._load_fold_state(conn), signed,
+                                {k: now for k, h in heads.items() if h.size > signed.get(k, 0)})
         self.metrics.watch_lag(self.settings, lambda: dict(self._committed))
         self.publish_checkpoints()
         self._rejected = []
@@ -347,6 +358,7 @@ class AuditProjector:
         liveness = self.settings.liveness_topic
         rows, due, stored = self._chain([r for r in fresh if r.topic != liveness], heads,
                                         ahead.heads, ahead.keys)
+        due += self._due_on_time(ahead, heads, due)
         state = ahead.state
         values = iter(stored)  # one per chained record, in order
         for record in fresh:
@@ -546,6 +558,36 @@ class AuditProjector:
             if head.size % every == 0:
                 due.append(self._checkpoint(key, head))
         return rows, due, stored
+
+    def _due_on_time(self, ahead: Ahead, heads: dict[PartitionKey, PartitionHead],
+                     due: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Checkpoints of partitions whose newest events have waited `audit_checkpoint_
+        every_s` for one: a quiet log (a demo, a small tenant) is signed on a period, as
+        transparency logs publish, not only every `audit_checkpoint_every` events.
+
+        Keeps `ahead`'s record of what is signed and since when the rest waits, given the
+        batch's new `heads` and the count-based checkpoints `due` in it."""
+        now = time.monotonic()
+        for cp in due:
+            key = (cp["topic"], cp["partition"])
+            ahead.signed[key] = max(ahead.signed.get(key, 0), cp["tree_size"])
+        for key, head in heads.items():
+            if head.size <= ahead.signed.get(key, 0):
+                ahead.unsigned_since.pop(key, None)
+            else:
+                ahead.unsigned_since.setdefault(key, now)
+        period = self.settings.audit_checkpoint_every_s
+        if not period:
+            return []
+        late = []
+        for key, since in sorted(ahead.unsigned_since.items()):
+            if now - since < period:
+                continue
+            head = heads.get(key) or ahead.heads[key]
+            late.append(self._checkpoint(key, head))
+            ahead.signed[key] = head.size
+            del ahead.unsigned_since[key]
+        return late
 
     def _checkpoint(self, key: PartitionKey, head: PartitionHead) -> dict[str, Any]:
         assert self.signer is not None

@@ -22,6 +22,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
+import ssl
+import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -155,11 +158,35 @@ class _QuietHandler(WSGIRequestHandler):
         """Scrapes every few seconds would flood stderr; requests are not evidence."""
 
 
-class HttpEndpoint:
-    """The projector's HTTP server in a daemon thread; `port` is the one bound."""
+class _TlsWSGIServer(ThreadingWSGIServer):
+    """Each accepted connection is wrapped in TLS; the handshake runs on the first read
+    in the connection's own thread, so a client that never speaks holds no other up."""
 
-    def __init__(self, host: str, port: int, app: Wsgi) -> None:
-        self._server: WSGIServer = make_server(host, port, app, ThreadingWSGIServer,
+    ssl_context: ssl.SSLContext
+
+    def get_request(self) -> tuple[socket.socket, Any]:
+        sock, address = super().get_request()
+        return self.ssl_context.wrap_socket(sock, server_side=True,
+                                            do_handshake_on_connect=False), address
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A refused handshake (no certificate, an untrusted one) is the client's error:
+        not a traceback on the projector's stderr."""
+        if isinstance(sys.exc_info()[1], (ssl.SSLError, ConnectionError)):
+            return
+        super().handle_error(request, client_address)
+
+
+class HttpEndpoint:
+    """The projector's HTTP server in a daemon thread; `port` is the one bound. With an
+    SSL context it serves HTTPS (`services.tls`: mutual TLS and rotation included)."""
+
+    def __init__(self, host: str, port: int, app: Wsgi,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
+        server_class: type[WSGIServer] = ThreadingWSGIServer
+        if ssl_context is not None:
+            server_class = type("TlsServer", (_TlsWSGIServer,), {"ssl_context": ssl_context})
+        self._server: WSGIServer = make_server(host, port, app, server_class,
                                                handler_class=_QuietHandler)
         self.port = self._server.server_port
         self._thread = threading.Thread(target=self._server.serve_forever,

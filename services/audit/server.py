@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 
+from services import tls
 from services.audit.db import make_engine
 from services.audit.projector import AuditProjector
 from services.audit.publication import HttpEndpoint, http_app
@@ -21,9 +22,11 @@ def serve(settings: Settings, stop: threading.Event) -> None:
     projector = AuditProjector(settings, engine)
     projector.open()
     endpoint = HttpEndpoint(settings.audit_http_host, settings.audit_metrics_port,
-                            http_app(projector.folder, projector.metrics.registry))
-    log.info("audit projector running; metrics and checkpoints on http://%s:%d",
-             settings.audit_http_host, endpoint.port)
+                            http_app(projector.folder, projector.metrics.registry),
+                            tls.server_ssl_context(settings, "audit"))
+    log.info("audit projector running; metrics and checkpoints on %s://%s:%d (%s)",
+             "https" if tls.serves_tls(settings) else "http", settings.audit_http_host,
+             endpoint.port, tls.describe(settings))
     try:
         projector.run(stop)
     finally:

@@ -287,6 +287,7 @@ request_traces = Table(
     Column("started_at", DateTime(timezone=True), nullable=False),
     Column("finished_at", DateTime(timezone=True), nullable=False),
     Column("status", Text, nullable=False),
+    Column("witness", Text, nullable=False, server_default="worker"),  # revision 0011
 )
 
 tenant_keys = Table(  # revision 0007

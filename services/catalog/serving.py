@@ -24,7 +24,11 @@ handing out its files.
 Refusals use `Refusal.kind`: `not_found` (no such adapter, alias or version, or a version
 erased by a purge), `forbidden` (it belongs to another tenant: never served, whatever the
 version), and `precondition` (exists but may not be served now: disabled, rolled back,
-not active or in a split, built for another base model).
+not active or in a split, built for another base model). Every front answers `forbidden`
+exactly as `not_found` (`Refusal.public`), so a caller cannot tell another tenant's name
+from a missing one; the real reason stays in the refusal's `message` for the audit.
+Another tenant's alias is passed over as if it did not exist (the name is then looked up
+as an adapter id, as a missing alias's would be).
 
 Merged mode (`serve worker --merge`) has its rule here too, `merge_target`: which version
 a worker dedicated to one adapter serves merged into its base weights. The worker and
@@ -42,7 +46,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from services.catalog.release import release_refusal
-from services.catalog.state import Adapter, AdapterVersion, CatalogState, Refusal, RefusalKind
+from services.catalog.state import (
+    Adapter,
+    AdapterVersion,
+    CatalogState,
+    Refusal,
+    RefusalKind,
+    foreign,
+)
 from services.contracts.events import MERGE_PATTERN, SplitEntry, TenantRef
 
 POINTS = 10_000
@@ -169,7 +180,7 @@ def _choice(adapter: Adapter, number: int, alias: str | None) -> ServingChoice:
 def _owned(state: CatalogState, adapter_id: str, tenant: TenantRef) -> Adapter:
     adapter = state.adapter(adapter_id)  # not_found
     if adapter.tenant is not None and adapter.tenant != tenant:
-        raise Refusal("forbidden", f"adapter {adapter_id!r} belongs to another tenant")
+        raise foreign("adapter", adapter_id, adapter.tenant)
     return adapter
 
 
@@ -236,7 +247,7 @@ class Resolution:
     def pick(self, user_id: str) -> ServingChoice:
         outcome = self.outcomes[self.entry(user_id)]
         if isinstance(outcome, Refusal):  # a new exception each time: no traceback grows
-            raise Refusal(outcome.kind, outcome.message)
+            raise outcome.again()
         return outcome
 
 
@@ -244,15 +255,17 @@ def resolution(state: CatalogState, tenant: TenantRef, name: str, *,
                base_digest: str | None = None) -> Resolution:
     """The serving rule for references (see the module doc), for every user at once."""
     alias = state.aliases.get(name)
-    if alias is None:
+    theirs = alias is not None and alias.tenant is not None and alias.tenant != tenant
+    if alias is None or theirs:
         try:
             outcome: ServingChoice | Refusal = _active_choice(state, tenant, name, base_digest)
         except Refusal as refusal:
             outcome = refusal
+            if theirs and refusal.kind == "not_found":  # answered alike; the audit knows
+                outcome = foreign("alias", name, alias.tenant if alias else None,
+                                  answer=refusal.answer)
         return Resolution(name, tenant, (), (outcome,))
-    if alias.tenant is not None and alias.tenant != tenant:
-        refused = Refusal("forbidden", f"alias {name!r} belongs to another tenant")
-        return Resolution(name, tenant, (), (refused,))
+    assert alias is not None
     ordered = split_order(alias.split)
     outcomes = []
     for start in range(max(1, len(ordered))):  # an empty split: one refusal for everyone
@@ -365,7 +378,7 @@ class ResolutionCache:
                 found = refusal
             self._pins[key] = found
         if isinstance(found, Refusal):
-            raise Refusal(found.kind, found.message)
+            raise found.again()
         return found
 
 

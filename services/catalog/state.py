@@ -101,12 +101,49 @@ RefusalKind = Literal["not_found", "conflict", "precondition", "invalid", "forbi
 
 
 class Refusal(Exception):
-    """A command the state does not allow; `kind` maps to one HTTP status at the edge."""
+    """A command the state does not allow; `kind` maps to one HTTP status at the edge.
 
-    def __init__(self, kind: RefusalKind, message: str) -> None:
+    `message` is the real reason, for logs and the audit; `answer` is what the caller is
+    told, the same words unless the refusal is `forbidden` (see `public`)."""
+
+    def __init__(self, kind: RefusalKind, message: str, *, answer: str | None = None,
+                 answer_kind: RefusalKind = "not_found") -> None:
         super().__init__(message)
         self.kind = kind
         self.message = message
+        self.answer = answer or message
+        self.answer_kind = answer_kind
+
+    def again(self) -> Refusal:
+        """A new exception of the same refusal (a kept one re-raised grows its traceback)."""
+        return Refusal(self.kind, self.message, answer=self.answer,
+                       answer_kind=self.answer_kind)
+
+    def public(self) -> Refusal:
+        """The refusal as every front answers it: another tenant's resource (`forbidden`)
+        is answered exactly as a missing one would be (`not_found`, or the kind a missing
+        one gets where it is named inside a request, in the same words), so that no caller
+        learns which names other tenants use. The one place this mapping is made; the
+        real reason stays in `message` for the audit."""
+        if self.kind == "forbidden":
+            return Refusal(self.answer_kind, self.answer)
+        return self
+
+
+def missing(what: str, name: str) -> str:
+    """How a missing resource is answered (`adapter 'x' does not exist`): one spelling, so
+    that another tenant's resource, answered the same way, reads exactly alike."""
+    return f"{what} {name!r} does not exist"
+
+
+def foreign(what: str, name: str, owner: TenantRef | None, *, answer: str | None = None,
+            answer_kind: RefusalKind = "not_found") -> Refusal:
+    """Another tenant's resource: refused as `forbidden` with the real reason (the owner)
+    for the audit, answered as a missing one, `missing(what, name)` unless the caller
+    would be told `answer` (of `answer_kind`) were it missing."""
+    owner_key = owner.key if owner is not None else "no tenant"
+    return Refusal("forbidden", f"{what} {name!r} belongs to another tenant ({owner_key})",
+                   answer=answer or missing(what, name), answer_kind=answer_kind)
 
 
 def adapter_stream(adapter_id: str) -> str:
@@ -760,7 +797,7 @@ class CatalogState:
     def adapter(self, adapter_id: str) -> Adapter:
         adapter = self.adapters.get(adapter_id)
         if adapter is None or not adapter.versions:
-            raise Refusal("not_found", f"adapter {adapter_id!r} does not exist")
+            raise Refusal("not_found", missing("adapter", adapter_id))
         return adapter
 
     def version(self, adapter_id: str, version: int) -> AdapterVersion:

@@ -290,6 +290,10 @@ class WorkerHeartbeat(_WorkerPayload):
         None, description="Set when the worker is dedicated to one adapter merged into its "
                           "base weights: routers send it only that adapter's requests, and the "
                           "registry assigns it no quality gates.")
+    draining: bool = Field(
+        False, description="The worker is shutting down (SIGTERM): routers take it out of "
+                           "their rings at once and send it nothing new; it finishes the "
+                           "streams it has, then stops.")
 
 
 class AdapterLoaded(_WorkerPayload):
@@ -346,13 +350,25 @@ class ServedRequest(_Frozen):
     completion_tokens: int = Field(ge=0)
     started_at: datetime
     finished_at: datetime
-    status: Literal["ok", "aborted", "rejected", "error"] = "ok"
+    status: Literal["ok", "aborted", "rejected", "error", "cancelled", "cut"] = Field(
+        "ok", description="ok: answered to its end (length or stop); aborted: ended by the "
+                          "platform (a purge); rejected: refused after resolution; error: the "
+                          "engine failed; cancelled: the client went away or its deadline "
+                          "passed, and the sequence was aborted; cut: the worker's stream "
+                          "broke after the answer began (the worker died), as a router "
+                          "witnessed it.")
 
 
 class RequestServed(_WorkerPayload):
     """A batch of request traces: which adapter version and digest served which request."""
 
     requests: list[ServedRequest] = Field(min_length=1)
+    witness: Literal["worker", "router"] = Field(
+        "worker", description="Who wrote the traces: the worker that served them (worker_id), "
+                              "or a router whose stream from that worker broke mid-answer, "
+                              "which the worker can no longer trace itself (the envelope's "
+                              "actor names the router). A request traced by both is the "
+                              "same request: readers keep the worker's trace.")
 
 
 # --- release safety: quality gates and canary rollouts (services/release) ---------------

@@ -1,28 +1,19 @@
-"""The PEFT LoRA format as loraplane reads it.
+"""The PEFT LoRA format's file names, and Llama's target modules and shapes for the tools
+that build Llama-shaped adapters (benches, the demo).
 
-The registry validates uploads against it and the engine loads adapters by it; defining
-the file names, target modules, tensor naming and projection shapes once means an
-adapter the registry accepts is, by construction, one the engine can load.
+The rules an adapter is accepted by, for every family, are `services.families.adapters`:
+the registry validates uploads and the engine loads adapters by them.
 """
 
 from __future__ import annotations
 
-import re
+from services.families.adapters import CONFIG_FILE, WEIGHTS_FILE
+from services.families.description import LLAMA_LORA
 
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
+__all__ = ["CONFIG_FILE", "PARENT", "TARGET_MODULES", "WEIGHTS_FILE", "projection_shape"]
 
-ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
-TARGET_MODULES = ATTENTION_MODULES + MLP_MODULES
-PARENT = {m: "self_attn" for m in ATTENTION_MODULES} | {m: "mlp" for m in MLP_MODULES}
-
-TENSOR_NAME = re.compile(
-    r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_(A|B)"
-    r"(?:\.[\w-]+)?\.weight$"
-)
-"""Groups: layer, parent (self_attn | mlp), module, A | B. An optional adapter name may
-follow `lora_A` (`lora_A.default.weight`), as PEFT writes for named adapters."""
+TARGET_MODULES = tuple(LLAMA_LORA)
+PARENT = {m: target.path.split(".")[0] for m, target in LLAMA_LORA.items()}
 
 
 def projection_shape(module: str, *, hidden_size: int, intermediate_size: int, q_size: int,

@@ -17,6 +17,35 @@ def bootstrap_of(settings: Settings) -> str:
     return settings.kafka_bootstrap
 
 
+def security_config(settings: Settings) -> dict[str, Any]:
+    """The broker's TLS and SASL settings (LORAPLANE_KAFKA_SECURITY_PROTOCOL, _SSL_*,
+    _SASL_*), as librdkafka names them; nothing for PLAINTEXT. A setting that the protocol
+    would not use is refused by name rather than ignored."""
+    protocol = settings.kafka_security_protocol
+    config: dict[str, Any] = {}
+    if protocol != "PLAINTEXT":
+        config["security.protocol"] = protocol
+    tls = {"ssl.ca.location": settings.kafka_ssl_ca_file,
+           "ssl.certificate.location": settings.kafka_ssl_cert_file,
+           "ssl.key.location": settings.kafka_ssl_key_file}
+    sasl = {"sasl.mechanism": settings.kafka_sasl_mechanism,
+            "sasl.username": settings.kafka_sasl_username,
+            "sasl.password": settings.kafka_sasl_password}
+    for group, uses, values, protocols in (("SSL", "SSL" in protocol, tls, "SSL or SASL_SSL"),
+                                           ("SASL", "SASL" in protocol, sasl,
+                                            "SASL_PLAINTEXT or SASL_SSL")):
+        given = {k: v for k, v in values.items() if v is not None}
+        if given and not uses:
+            raise ValueError(f"LORAPLANE_KAFKA_SECURITY_PROTOCOL={protocol} does not use the "
+                             f"{group} settings given ({', '.join(sorted(given))}): use "
+                             f"{protocols}")
+        config.update({k: str(v) for k, v in given.items()})
+    if "SASL" in protocol and settings.kafka_sasl_mechanism is None:
+        raise ValueError(f"LORAPLANE_KAFKA_SECURITY_PROTOCOL={protocol} needs "
+                         "LORAPLANE_KAFKA_SASL_MECHANISM (and a username and password)")
+    return config
+
+
 def base_config(settings: Settings, client_id: str) -> dict[str, Any]:
     return {
         "bootstrap.servers": bootstrap_of(settings),
@@ -24,6 +53,7 @@ def base_config(settings: Settings, client_id: str) -> dict[str, Any]:
         "socket.connection.setup.timeout.ms": 5000,
         "reconnect.backoff.max.ms": 2000,
         "log_level": 3,
+        **security_config(settings),
     }
 
 

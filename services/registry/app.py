@@ -6,7 +6,8 @@ answers at once) and then leases every `lease_interval_s`. Shutdown stops the no
 
 Every error is an RFC 9457 problem (`services/contracts/problems.py`) with a stable
 `code`: a refusal of the catalog its kind (`not_found`, `conflict`, `precondition`,
-`invalid`, `forbidden`, `key_reused`), an upload `invalid_adapter` or `too_large`
+`invalid`, `key_reused`; another tenant's resource is `not_found`, like a missing one),
+a role without the route's permission `forbidden`, an upload `invalid_adapter` or `too_large`
 (naming the `tensor` or `field`), the event log `replaying`, `halted`, `fenced`,
 `standby`, `timeout` or `unavailable` (503 with Retry-After, and `outcome`: whether the
 command was `not_written`, is `unknown`, or `committed`), a bad request `invalid_request`.
@@ -47,7 +48,9 @@ from services.registry.validation import UploadRejected
 log = logging.getLogger("loraplane.registry")
 
 REFUSAL_STATUS = {"not_found": 404, "conflict": 409, "precondition": 412, "invalid": 422,
-                  "forbidden": 403, "key_reused": 422}
+                  "key_reused": 422}
+"""`Refusal.kind`, as answered (`Refusal.public`: another tenant's resource reads as a
+missing one) → HTTP status."""
 MULTIPART_SLACK_BYTES = 1024 * 1024
 """Room for form fields and adapter_config.json on top of the weights limit."""
 
@@ -156,7 +159,10 @@ def create_app(settings: Settings, *, registry_id: str | None = None) -> FastAPI
 
     @app.exception_handler(Refusal)
     async def refused(request: Request, exc: Refusal) -> JSONResponse:
-        return problem_response(REFUSAL_STATUS[exc.kind], exc.kind, exc.message,
+        answer = exc.public()
+        if answer is not exc:  # answered as a missing resource; the log keeps why
+            log.info("%s %s refused: %s", request.method, request.url.path, exc.message)
+        return problem_response(REFUSAL_STATUS[answer.kind], answer.kind, answer.message,
                                 instance=request.url.path)
 
     @app.exception_handler(UploadRejected)

@@ -1,12 +1,11 @@
-"""Bearer tokens, stored only as SHA-256 hashes, mapped to a role and (for publishers) a tenant.
+"""Bearer tokens, stored only as SHA-256 hashes, mapped to a role and (for publishers and
+inference callers) a tenant.
 
-Roles: admin (everything), publisher (publish, split, roll back, disable, purge within its
-own org/team/project; a `*` segment matches any), reader (reads), worker (blob fetches
-only), inference (generate through the router for its own org/team/project, nothing in the
-registry), canary (the canary controller: rollout steps on any alias, each re-judged from
-the figures it sends; nothing else). An inference token may carry the tenant's
-`qos_tier` (the router's limits and scheduling tier). An unknown or missing token is 401;
-a known token without the right is 403.
+What each role may do is the table in `services.contracts.roles`; a tenant-scoped token
+(publisher, inference) holds its permissions for its own org/team/project only (a `*`
+segment matches any). An inference token may carry the tenant's `qos_tier` (the router's
+limits and scheduling tier). An unknown or missing token is 401; a known token whose role
+lacks the permission is 403.
 """
 
 from __future__ import annotations
@@ -14,13 +13,12 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Literal
 
 from services.contracts.events import TenantRef
+from services.contracts.roles import ROLES, TENANT_SCOPED, Permission, Role, may
 
-Role = Literal["admin", "publisher", "reader", "worker", "inference", "canary"]
-ROLES: tuple[Role, ...] = ("admin", "publisher", "reader", "worker", "inference", "canary")
-TENANT_SCOPED: tuple[Role, ...] = ("publisher", "inference")
+__all__ = ["ROLES", "TENANT_SCOPED", "AuthConfigError", "Permission", "Principal", "Role",
+           "TokenBook", "token_hash"]
 QOS_TIERS = ("platinum", "gold", "silver", "bronze")
 
 
@@ -42,16 +40,24 @@ class Principal:
     def actor(self) -> str:
         return f"{self.role}:{self.token_id}"
 
-    def may_write_for(self, tenant: TenantRef) -> bool:
-        if self.role == "admin":
+    def holds(self, permission: Permission) -> bool:
+        """Does the token's role carry `permission` (for some tenant at least)?"""
+        return may(self.role, permission)
+
+    def allows(self, permission: Permission, tenant: TenantRef | None) -> bool:
+        """May this token do `permission` on a resource of `tenant` (None: a resource of no
+        tenant, which a tenant-scoped token never covers)?"""
+        if not may(self.role, permission):
+            return False
+        if self.role not in TENANT_SCOPED:
             return True
-        return self.role == "publisher" and self.in_scope(tenant)
+        return tenant is not None and self.in_scope(tenant)
+
+    def may_write_for(self, tenant: TenantRef | None) -> bool:
+        return self.allows(Permission.PUBLISH, tenant)
 
     def may_infer_for(self, tenant: TenantRef) -> bool:
-        """May this token run inference for `tenant` (admin, or a matching scope)?"""
-        if self.role == "admin":
-            return True
-        return self.role in TENANT_SCOPED and self.in_scope(tenant)
+        return self.allows(Permission.INFER, tenant)
 
     def in_scope(self, tenant: TenantRef) -> bool:
         """Does the token's org/team/project pattern cover `tenant` (`*` matches any)?"""
@@ -62,9 +68,7 @@ class Principal:
                        strict=True))
 
     def may_read_for(self, tenant: TenantRef | None) -> bool:
-        if self.role in ("admin", "reader"):
-            return True
-        return tenant is not None and self.may_write_for(tenant)
+        return self.allows(Permission.READ, tenant)
 
 
 def token_hash(token: str) -> str:

@@ -2,6 +2,11 @@
 
 Every check that more than one route needs lives here, so a handler reads as the command
 it performs: role and tenant scope, If-Match, Idempotency-Key, trace id.
+
+Every route declares the one permission it needs (`Allowed`, from the table in
+`services.contracts.roles`); a role without it is 403. Another tenant's adapter, alias,
+rollout or purge is answered exactly as a missing one (404, the same words: `foreign`,
+mapped by `Refusal.public`), and the registry's log keeps the real reason.
 """
 
 from __future__ import annotations
@@ -15,11 +20,12 @@ from fastapi import Depends, Header, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel
 
-from services.catalog.state import Adapter
+from services.catalog.state import Adapter, RefusalKind, foreign
 from services.contracts.codec import canonical_bytes
 from services.contracts.events import TenantRef
 from services.contracts.problems import ProblemError
-from services.registry.auth import Principal, Role, TokenBook
+from services.contracts.roles import Permission, holders
+from services.registry.auth import Principal, TokenBook
 from services.registry.blobstore import LocalBlobStore
 from services.registry.node import Deadline, RegistryNode
 
@@ -72,47 +78,69 @@ def current_principal(
     return principal
 
 
-class RequireRole:
-    """403 when the caller is known but its role may not do this."""
+class Allowed:
+    """A route's permission: 403 when the caller is known but its role lacks it. The
+    permission is kept on the dependency so the routes' table can be read back."""
 
-    def __init__(self, *roles: Role) -> None:
-        self.roles = roles
+    def __init__(self, permission: Permission) -> None:
+        self.permission = permission
 
     def __call__(
         self, principal: Annotated[Principal, Depends(current_principal)]
     ) -> Principal:
-        if principal.role not in self.roles:
-            raise ProblemError(403, "forbidden", f"role {principal.role} may not do this "
-                                                 f"(needs {' or '.join(self.roles)})")
+        if not principal.holds(self.permission):
+            raise ProblemError(403, "forbidden", f"role {principal.role} may not "
+                               f"{self.permission.value} (roles that may: "
+                               f"{', '.join(holders(self.permission))})")
         return principal
 
 
-Writer = Annotated[Principal, Depends(RequireRole("admin", "publisher"))]
-Reader = Annotated[Principal, Depends(RequireRole("admin", "publisher", "reader"))]
-Admin = Annotated[Principal, Depends(RequireRole("admin"))]
-BlobReader = Annotated[Principal, Depends(RequireRole("admin", "worker"))]
+Writer = Annotated[Principal, Depends(Allowed(Permission.PUBLISH))]
+Reader = Annotated[Principal, Depends(Allowed(Permission.READ))]
+Purger = Annotated[Principal, Depends(Allowed(Permission.PURGE))]
+RolloutStepper = Annotated[Principal, Depends(Allowed(Permission.STEP_ROLLOUT))]
+BaseModelRegistrar = Annotated[Principal, Depends(Allowed(Permission.REGISTER_BASE_MODEL))]
+ReleaseOverrider = Annotated[Principal, Depends(Allowed(Permission.OVERRIDE_RELEASE))]
+BlobReader = Annotated[Principal, Depends(Allowed(Permission.FETCH_BLOB))]
 
 
-def ensure_write_scope(principal: Principal, tenant: TenantRef | None) -> None:
-    if tenant is None:
-        if principal.role != "admin":
-            raise ProblemError(403, "forbidden",
-                               "only an admin may change resources without a tenant")
+def ensure_write_scope(principal: Principal, tenant: TenantRef | None,
+                       permission: Permission = Permission.PUBLISH) -> None:
+    """For a tenant the request itself names (a publish form, a purge): 403 when the
+    token does not cover it. Nothing is learnt about other tenants' names from this."""
+    if principal.allows(permission, tenant):
         return
-    if not principal.may_write_for(tenant):
-        raise ProblemError(403, "forbidden", f"token is not scoped to tenant {tenant.key}")
+    if tenant is None:
+        raise ProblemError(403, "forbidden",
+                           "only an admin may change resources without a tenant")
+    raise ProblemError(403, "forbidden", f"token is not scoped to tenant {tenant.key}")
 
 
-def ensure_read_scope(principal: Principal, tenant: TenantRef | None) -> None:
-    if not principal.may_read_for(tenant):
-        raise ProblemError(403, "forbidden", "token is not scoped to this tenant")
+def visible(principal: Principal, tenant: TenantRef | None, what: str, name: str, *,
+            permission: Permission = Permission.READ, answer: str | None = None,
+            answer_kind: RefusalKind = "not_found") -> None:
+    """A resource the request names (an adapter, alias, rollout or purge): one the token
+    may not `permission` is answered as if it did not exist (`foreign`)."""
+    if not principal.allows(permission, tenant):
+        raise foreign(what, name, tenant, answer=answer, answer_kind=answer_kind)
+
+
+def alias_in_scope(principal: Principal, alias: str, owner: TenantRef | None) -> None:
+    """An existing alias the request would change: another tenant's is refused as taken
+    (409, naming no tenant). Alias names are one namespace across tenants, so that the
+    name is in use cannot be hidden from a caller who tries to create it; who uses it is."""
+    if owner is None:
+        ensure_write_scope(principal, None)
+    visible(principal, owner, "alias", alias, permission=Permission.PUBLISH,
+            answer=f"alias {alias!r} is taken: alias names are unique across tenants",
+            answer_kind="conflict")
 
 
 def writable_adapter(node: RegistryNode, principal: Principal, adapter_id: str) -> Adapter:
-    """The adapter, if it exists (404) and the caller may change it (403)."""
+    """The adapter, if it exists and the caller may change it (404 alike otherwise)."""
     with node.state_lock:
         adapter = node.state.adapter(adapter_id)
-    ensure_write_scope(principal, adapter.tenant)
+    visible(principal, adapter.tenant, "adapter", adapter_id, permission=Permission.PUBLISH)
     return adapter
 
 

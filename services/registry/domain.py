@@ -9,7 +9,7 @@ state before" is a property of the fold alone.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
@@ -25,6 +25,7 @@ from services.catalog.state import (
     adapter_stream,
     alias_stream,
     base_model_stream,
+    foreign,
     rollback_target,
     tenant_stream,
 )
@@ -109,8 +110,9 @@ def precheck_publish(state: CatalogState, request: PublishRequest,
     nothing, and again (inside `publish_version`) when the event is decided."""
     adapter = state.adapters.get(request.adapter_id)
     if adapter is not None and adapter.tenant is not None and adapter.tenant != request.tenant:
-        raise Refusal("conflict", f"adapter {request.adapter_id!r} belongs to tenant "
-                                  f"{adapter.tenant.key}, not {request.tenant.key}")
+        raise foreign("adapter", request.adapter_id, adapter.tenant, answer_kind="conflict",
+                      answer=f"adapter id {request.adapter_id!r} is taken: adapter ids are "
+                             "unique across tenants")
     _check_expected("adapter", request.adapter_id, adapter.seq if adapter else 0, expected)
     if adapter is not None:
         taken = adapter.label_taken(request.label)
@@ -238,8 +240,12 @@ def set_disabled(state: CatalogState, adapter_id: str, version: int, disabled: b
 
 
 def set_split(state: CatalogState, alias: str, split: Iterable[SplitEntry],
-              expected: int | None = None, idempotency_key: str | None = None) -> Decision:
-    """A traffic split: weights sum to 100, every version exists and is enabled, one tenant."""
+              expected: int | None = None, idempotency_key: str | None = None, *,
+              usable: Callable[[TenantRef | None], bool] | None = None) -> Decision:
+    """A traffic split: weights sum to 100, every version exists and is enabled, one tenant.
+
+    `usable` says whose adapters the caller may put in a split: another tenant's entry is
+    refused exactly as a missing one (`foreign`), at the same point of the checks."""
     entries = tuple(split)
     current = state.aliases.get(alias)
     _check_expected("alias", alias, current.seq if current else 0, expected)
@@ -258,8 +264,12 @@ def set_split(state: CatalogState, alias: str, split: Iterable[SplitEntry],
         seen.add(key)
         adapter = state.adapters.get(entry.adapter_id)
         version = adapter.versions.get(entry.version) if adapter else None
+        absent = f"{entry.adapter_id} version {entry.version} does not exist"
         if adapter is None or version is None:
-            raise Refusal("invalid", f"{entry.adapter_id} version {entry.version} does not exist")
+            raise Refusal("invalid", absent)
+        if usable is not None and not usable(adapter.tenant):
+            raise foreign("adapter", entry.adapter_id, adapter.tenant, answer=absent,
+                          answer_kind="invalid")
         gone = purged_reason(adapter, entry.version, version) if entry.weight else None
         if gone:
             raise Refusal("conflict", gone)

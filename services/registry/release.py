@@ -146,11 +146,16 @@ def start_rollout(state: CatalogState, alias: str, adapter_id: str, canary: int,
                     adapter.tenant)
 
 
+def no_rollout(alias: str) -> str:
+    """How a missing rollout is answered (another tenant's too, in the same words)."""
+    return f"alias {alias!r} has no rollout"
+
+
 def _rollout(state: CatalogState, alias: str, rollout_id: str, from_stage: int,
              statuses: tuple[str, ...] = ("running",)) -> Rollout:
     rollout = state.rollouts.get(alias)
     if rollout is None:
-        raise Refusal("not_found", f"alias {alias!r} has no rollout")
+        raise Refusal("not_found", no_rollout(alias))
     if rollout.rollout_id != rollout_id:
         raise Refusal("conflict", f"rollout {rollout_id} is not the current one of {alias!r} "
                                   f"({rollout.rollout_id})")

@@ -11,6 +11,7 @@ import logging
 
 import uvicorn
 
+from services import tls
 from services.config import Settings
 from services.registry.app import create_app
 
@@ -22,4 +23,6 @@ def serve(settings: Settings) -> None:
                             host=settings.registry_host,
                             port=settings.registry_port, log_level=settings.log_level.lower(),
                             timeout_graceful_shutdown=10)
-    uvicorn.Server(config).run()
+    logging.getLogger("loraplane.registry").info("registry listener: %s",
+                                                  tls.describe(settings))
+    uvicorn.Server(tls.uvicorn_ssl(config, settings, "registry")).run()

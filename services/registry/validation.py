@@ -7,9 +7,10 @@ registered base model's config.json. The data is then streamed once, in chunks: 
 (sha256), scanned for NaN/Inf by exponent bits (no float conversion, so bf16 needs no
 special support), and copied to the caller's sink (the blob store's temporary file).
 
-The rules mirror what a worker's engine accepts (`services/worker/engine/adapter.py`),
-so the registry never publishes an adapter a worker would refuse; this module keeps no
-torch dependency, which is why the projection shape table is restated here.
+The rules are the ones a worker's engine loads adapters by (`services.families.adapters`,
+read against the base model's family description), so the registry never publishes an
+adapter a worker would refuse; the limits both check (rank, dtype) are one rule they both
+call, `services.contracts.capacity`. This module keeps no torch dependency.
 """
 
 from __future__ import annotations
@@ -25,13 +26,19 @@ from typing import IO, Any
 
 import numpy as np
 
-from services.contracts.peft import (
+from services.contracts.capacity import AdapterLimits, OverCapacity
+from services.families import ModelConfig
+from services.families.adapters import (
     CONFIG_FILE,
-    PARENT,
-    TARGET_MODULES,
-    TENSOR_NAME,
     WEIGHTS_FILE,
-    projection_shape,
+    AdapterRefused,
+    LoraSpec,
+    check_targets,
+    classify_tensor,
+    expected_pairs,
+    read_lora_config,
+    tensor_name,
+    tensor_shape,
 )
 from services.registry.domain import ArtifactFacts
 
@@ -68,54 +75,37 @@ class UploadRejected(Exception):
 
 @dataclass(frozen=True)
 class BaseModelShape:
-    """The dimensions of a Llama-family base model that LoRA shapes depend on."""
+    """A registered base model's config.json read through its family's description (the
+    LoRA shapes and module names an adapter must have)."""
 
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    num_hidden_layers: int
+    config: ModelConfig
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> BaseModelShape:
-        """Read config.json; raises ValueError naming the missing or bad field."""
-        def positive(key: str, default: Any = None) -> int:
-            raw = config.get(key, default)
-            if isinstance(raw, bool) or not isinstance(raw, int) or raw <= 0:
-                raise ValueError(f"config.json: {key} must be a positive integer, got {raw!r}")
-            return raw
+        """Read config.json; raises ValueError naming the family or field it refuses."""
+        return cls(ModelConfig.from_dict(config))
 
-        hidden = positive("hidden_size")
-        heads = positive("num_attention_heads")
-        kv_heads = positive("num_key_value_heads", config.get("num_key_value_heads") or heads)
-        head_dim = positive("head_dim", config.get("head_dim") or hidden // heads or None)
-        if heads % kv_heads:
-            raise ValueError("config.json: num_attention_heads must be a multiple of "
-                             "num_key_value_heads")
-        return cls(hidden, positive("intermediate_size"), heads, kv_heads, head_dim,
-                   positive("num_hidden_layers"))
+    @property
+    def num_hidden_layers(self) -> int:
+        return self.config.num_hidden_layers
 
     def module_shape(self, module: str) -> tuple[int, int]:
-        """(in_features, out_features) of one projection."""
-        return projection_shape(
-            module, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-            q_size=self.num_attention_heads * self.head_dim,
-            kv_size=self.num_key_value_heads * self.head_dim)
+        """(in_features, out_features) of one of the family's target modules."""
+        return self.config.lora_shape(module)
 
 
 # --- adapter_config.json -------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class LoraConfig:
-    rank: int
-    alpha: float
-    targets: tuple[str, ...] | str
-    """A list of module names, or PEFT's regex string (full match on the module path)."""
-    layers: frozenset[int] | None
-    declared_base: str | None = None
-    """`base_model_name_or_path`: the model the adapter says it was trained on."""
+LoraConfig = LoraSpec
+
+
+def over_capacity(exc: OverCapacity, *, tensor: str | None = None,
+                  field: str | None = None) -> UploadRejected:
+    """A limit of the fleet (`services.contracts.capacity`): 422 naming it (`limit`)."""
+    where = f"{CONFIG_FILE}: " if field == "adapter_config" else \
+        f"tensor {tensor}: " if tensor else f"{WEIGHTS_FILE}: "
+    return UploadRejected(where + exc.message, tensor=tensor, field=field, limit=exc.limit)
 
 
 def too_large_config(size: int) -> UploadRejected:
@@ -128,57 +118,9 @@ def parse_lora_config(raw: bytes) -> LoraConfig:
     if len(raw) > MAX_CONFIG_BYTES:
         raise too_large_config(len(raw))
     try:
-        conf = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise UploadRejected(f"{CONFIG_FILE} is not valid JSON: {exc}") from exc
-    if not isinstance(conf, dict):
-        raise UploadRejected(f"{CONFIG_FILE} must be a JSON object")
-    if conf.get("peft_type", "LORA") != "LORA":
-        raise UploadRejected(f"peft_type {conf.get('peft_type')!r} is not supported (only LORA)")
-    for key, why in (("use_dora", "DoRA is not supported"),
-                     ("rank_pattern", "per-module ranks are not supported"),
-                     ("alpha_pattern", "per-module alphas are not supported"),
-                     ("modules_to_save", "it replaces base weights"),
-                     ("layer_replication", "it is not supported")):
-        if conf.get(key):
-            raise UploadRejected(f"{CONFIG_FILE}: {key} is set ({why})")
-    if conf.get("bias", "none") != "none":
-        raise UploadRejected(f"{CONFIG_FILE}: bias={conf.get('bias')!r} (only 'none')")
-    rank = conf.get("r")
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
-        raise UploadRejected(f"{CONFIG_FILE}: r must be a positive integer, got {rank!r}")
-    alpha = conf.get("lora_alpha", rank)
-    if isinstance(alpha, bool) or not isinstance(alpha, int | float):
-        raise UploadRejected(f"{CONFIG_FILE}: lora_alpha must be a number")
-    targets = conf.get("target_modules")
-    if isinstance(targets, str):
-        try:
-            re.compile(targets)
-        except re.error as exc:
-            raise UploadRejected(f"{CONFIG_FILE}: target_modules regex is invalid: {exc}") from exc
-        declared: tuple[str, ...] | str = targets
-    elif isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets):
-        unknown = sorted(set(targets) - set(TARGET_MODULES))
-        if unknown:
-            raise UploadRejected(f"{CONFIG_FILE}: target_modules {unknown} are not projections "
-                                 f"of a Llama-family model ({list(TARGET_MODULES)})")
-        declared = tuple(targets)
-    else:
-        raise UploadRejected(f"{CONFIG_FILE}: target_modules must be a non-empty list or a "
-                             "regex string")
-    layers_raw = conf.get("layers_to_transform")
-    layers: frozenset[int] | None = None
-    if isinstance(layers_raw, int) and not isinstance(layers_raw, bool):
-        layers = frozenset({layers_raw})
-    elif isinstance(layers_raw, list) and all(isinstance(x, int) for x in layers_raw):
-        layers = frozenset(layers_raw)
-    elif layers_raw is not None:
-        raise UploadRejected(f"{CONFIG_FILE}: layers_to_transform must be integers")
-    base = conf.get("base_model_name_or_path")
-    if base is not None and (not isinstance(base, str) or len(base) > 512):
-        raise UploadRejected(f"{CONFIG_FILE}: base_model_name_or_path must be a name or path "
-                             "of at most 512 characters")
-    return LoraConfig(rank, float(alpha), declared, layers, base or None)
+        return read_lora_config(raw)
+    except AdapterRefused as exc:
+        raise UploadRejected(exc.message, field=exc.field) from exc
 
 
 def declared_base_matches(declared: str, registered: str,
@@ -193,12 +135,6 @@ def declared_base_matches(declared: str, registered: str,
     if isinstance(registered_config.get("_name_or_path"), str):
         names.add(tail(registered_config["_name_or_path"]))
     return tail(declared) in names
-
-
-def _covers(targets: tuple[str, ...] | str, module: str, path: str) -> bool:
-    if isinstance(targets, str):
-        return targets == "all-linear" or re.fullmatch(targets, path) is not None
-    return module in targets
 
 
 # --- the safetensors header ----------------------------------------------------------------
@@ -281,63 +217,64 @@ def read_header(source: IO[bytes], total_size: int) -> SafetensorsLayout:
 
 
 def check_tensors(layout: SafetensorsLayout, lora: LoraConfig, base: BaseModelShape, *,
-                  max_rank: int, allowed_dtypes: list[str]) -> tuple[tuple[str, ...], str]:
-    """PEFT naming, coverage, shapes, rank and dtype; returns (modules, dtype)."""
-    if lora.rank > max_rank:
-        raise UploadRejected(f"{CONFIG_FILE}: r={lora.rank} exceeds the maximum rank {max_rank}")
+                  limits: AdapterLimits) -> tuple[tuple[str, ...], str]:
+    """PEFT naming, coverage and shapes by the family's description, and the fleet's
+    limits; returns (modules, dtype)."""
+    try:
+        limits.check_rank(lora.max_rank)
+    except OverCapacity as exc:
+        raise over_capacity(exc, field="adapter_config") from None
     if not layout.tensors:
         raise UploadRejected(f"{WEIGHTS_FILE} contains no tensors")
+    cfg = base.config
+    try:
+        check_targets(lora, cfg)
+    except AdapterRefused as exc:  # the family's modules: a limit of what workers serve
+        raise UploadRejected(exc.message, field=exc.field, limit="target_modules") from exc
     dtypes = set()
     pairs: dict[tuple[int, str], dict[str, TensorEntry]] = {}
     for entry in layout.tensors:
-        m = TENSOR_NAME.match(entry.name)
-        if m is None:
-            raise UploadRejected(f"tensor {entry.name} is not a PEFT LoRA weight of a decoder "
-                                 "layer projection", tensor=entry.name)
-        layer, parent, module, which = int(m[1]), m[2], m[3], m[4]
-        if module not in TARGET_MODULES or PARENT[module] != parent:
-            raise UploadRejected(f"tensor {entry.name} targets {parent}.{module}, which the "
-                                 "base model lacks", tensor=entry.name)
-        if layer >= base.num_hidden_layers:
-            raise UploadRejected(f"tensor {entry.name} targets layer {layer}; the base model has "
-                                 f"{base.num_hidden_layers}", tensor=entry.name)
-        path = f"model.layers.{layer}.{parent}.{module}"
-        if not _covers(lora.targets, module, path):
-            raise UploadRejected(f"tensor {entry.name} is not covered by target_modules "
-                                 f"{lora.targets!r}", tensor=entry.name)
-        if lora.layers is not None and layer not in lora.layers:
-            raise UploadRejected(f"tensor {entry.name} is outside layers_to_transform",
-                                 tensor=entry.name)
-        if entry.dtype not in _DTYPES or _DTYPES[entry.dtype][0] not in allowed_dtypes:
-            name = _DTYPES[entry.dtype][0] if entry.dtype in _DTYPES else entry.dtype
-            raise UploadRejected(f"tensor {entry.name} has dtype {name}; allowed: "
-                                 f"{allowed_dtypes}", tensor=entry.name)
-        dtypes.add(entry.dtype)
-        if which in pairs.setdefault((layer, module), {}):
-            raise UploadRejected(f"tensor {entry.name} duplicates another lora_{which}",
-                                 tensor=entry.name)
-        pairs[(layer, module)][which] = entry
-        fin, fout = base.module_shape(module)
-        want = (lora.rank, fin) if which == "A" else (fout, lora.rank)
+        try:
+            role = classify_tensor(entry.name, lora, cfg)
+        except AdapterRefused as exc:
+            raise UploadRejected(exc.message, tensor=entry.name) from exc
+        name = _DTYPES[entry.dtype][0] if entry.dtype in _DTYPES else entry.dtype
+        try:
+            limits.check_dtypes({name})
+        except OverCapacity as exc:
+            raise over_capacity(exc, tensor=entry.name) from None
+        dtypes.add(name)
+        if role.which in pairs.setdefault(role.key, {}):
+            raise UploadRejected(f"tensor {entry.name} duplicates another "
+                                 f"{role.module} {role.which}", tensor=entry.name)
+        pairs[role.key][role.which] = entry
+        want = tensor_shape(role, lora, cfg)
         if entry.shape != want:
             raise UploadRejected(f"tensor {entry.name} has shape {list(entry.shape)}, expected "
-                                 f"{list(want)} (r={lora.rank}, {module} {fin}->{fout})",
+                                 f"{list(want)} (r={lora.rank_of(role.path)}, {role.module})",
                                  tensor=entry.name)
-    if len(dtypes) > 1:
-        raise UploadRejected(f"{WEIGHTS_FILE} mixes dtypes {sorted(dtypes)}")
-    layers = sorted(lora.layers) if lora.layers is not None else range(base.num_hidden_layers)
-    present = {module for _, module in pairs}
-    declared = lora.targets if isinstance(lora.targets, tuple) else tuple(sorted(present))
-    for module in declared:
-        for layer in layers:
-            ab = pairs.get((layer, module), {})
-            for which in ("A", "B"):
-                if which not in ab:
-                    name = (f"base_model.model.model.layers.{layer}.{PARENT[module]}.{module}"
-                            f".lora_{which}.weight")
-                    raise UploadRejected(f"tensor {name} is missing", tensor=name)
-    modules = tuple(m for m in TARGET_MODULES if m in present)
-    return modules, _DTYPES[dtypes.pop()][0]
+    try:
+        dtype = limits.check_dtypes(dtypes)
+    except OverCapacity as exc:
+        raise over_capacity(exc, field="adapter_model") from None
+    lora_pairs = {k for k, v in pairs.items() if "A" in v or "B" in v}
+    try:
+        expected = expected_pairs(lora, cfg, lora_pairs)
+    except AdapterRefused as exc:
+        raise UploadRejected(exc.message, field=exc.field) from exc
+    for key in [*expected, *sorted(lora_pairs - set(expected))]:
+        for which in ("A", "B"):
+            if which not in pairs.get(key, {}):
+                name = tensor_name(*key, which, cfg)
+                raise UploadRejected(f"tensor {name} is missing", tensor=name)
+    for module in lora.modules_to_save:
+        if "W" not in pairs.get((-1, module), {}):
+            raise UploadRejected(f"{CONFIG_FILE}: modules_to_save names {module}, but "
+                                 f"{WEIGHTS_FILE} holds no {module} weight",
+                                 field="modules_to_save")
+    order = [*cfg.family.lora, "embed_tokens", "lm_head"]
+    modules = tuple(m for m in order if any(k[1] == m for k in pairs))  # saved ones too
+    return modules, dtype
 
 
 # --- the data ------------------------------------------------------------------------------
@@ -369,8 +306,8 @@ def scan_data(source: IO[bytes], layout: SafetensorsLayout, hasher: Any,
 
 
 def validate_adapter(config_bytes: bytes, weights: IO[bytes], weights_size: int,
-                     base_config: Mapping[str, Any], *, max_rank: int,
-                     allowed_dtypes: list[str], sink: IO[bytes] | None = None,
+                     base_config: Mapping[str, Any], *, limits: AdapterLimits,
+                     sink: IO[bytes] | None = None,
                      base_name: str | None = None) -> ArtifactFacts:
     """Every check, in order of cost; the weights are read once and copied to `sink`.
 
@@ -383,8 +320,7 @@ def validate_adapter(config_bytes: bytes, weights: IO[bytes], weights_size: int,
         raise UploadRejected(f"registered base model: {exc}") from exc
     layout = read_header(weights, weights_size)
     try:
-        modules, dtype = check_tensors(layout, lora, base, max_rank=max_rank,
-                                       allowed_dtypes=allowed_dtypes)
+        modules, dtype = check_tensors(layout, lora, base, limits=limits)
     except UploadRejected as exc:
         declared = lora.declared_base
         if declared and base_name and not declared_base_matches(declared, base_name,
@@ -405,7 +341,7 @@ def validate_adapter(config_bytes: bytes, weights: IO[bytes], weights_size: int,
         sha256=hasher.hexdigest(),
         config_sha256=hashlib.sha256(config_bytes).hexdigest(),
         size_bytes=weights_size,
-        rank=lora.rank,
+        rank=lora.max_rank,
         lora_alpha=lora.alpha,
         target_modules=modules,
         dtype=dtype,

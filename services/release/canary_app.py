@@ -30,6 +30,7 @@ from typing import Any
 import httpx
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 
+from services import tls
 from services.catalog.state import CatalogState
 from services.config import Settings
 from services.contracts.events import RequestServed
@@ -88,7 +89,7 @@ class CanaryController:
         headers = {"Authorization": f"Bearer {settings.canary_token}"} \
             if settings.canary_token else {}
         self.http = http or registry_client(settings.registry_urls, headers=headers,
-                                            timeout=10.0)
+                                            timeout=10.0, verify=tls.client_ssl_context(settings))
         self.sent: set[tuple[str, int, str]] = set()
         self.decisions: list[tuple[ControllerStep, int]] = []
         """Every step sent and the registry's status code (for logs and tests)."""

@@ -2,6 +2,10 @@
 server (uvicorn) and the fold of the log, so the state the request path reads is only
 ever changed on that loop's thread, between two requests' decisions.
 
+Stop (SIGTERM, SIGINT): the drain. gRPC health NOT_SERVING, both servers stop taking new
+calls, and the calls in flight, streams included, get `router_drain_s` to finish before
+the process exits (clients with another router fail over to it).
+
 Start-up: both servers listen at once (gRPC health NOT_SERVING, HTTP `/readyz` 503, and
 requests answered UNAVAILABLE / 503 with a retry hint), while the log is replayed to
 its end in a worker thread; then the router is ready. A broker that
@@ -20,6 +24,7 @@ from collections.abc import Callable, Iterator
 
 import uvicorn
 
+from services import tls
 from services.config import Settings
 from services.eventlog import Record
 from services.registry.auth import TokenBook
@@ -28,6 +33,7 @@ from services.router.follower import LogFollower
 from services.router.metrics import RouterMetrics
 from services.router.openai_http import create_http_app
 from services.router.server import RouterHealth, build_server
+from services.router.witness import CutWitness
 
 log = logging.getLogger("loraplane.router")
 
@@ -47,6 +53,8 @@ class RouterApp:
         self.router_id = router_id or settings.router_id or f"router-{uuid.uuid4().hex[:12]}"
         self.metrics = RouterMetrics()
         self.dispatcher = Dispatcher(settings, self.metrics)
+        self.witness = CutWitness(settings, self.router_id)
+        self.dispatcher.witness = self.witness
         self.tokens = TokenBook.from_setting(settings.auth_tokens)
         self.follower = LogFollower(settings, self.router_id)
         self.grpc_port = settings.router_port if grpc_port is None else grpc_port
@@ -67,13 +75,14 @@ class RouterApp:
         self._stop = asyncio.Event()
         host = self.settings.router_host
         grpc_server, self.grpc_port = build_server(self.dispatcher, self.tokens, self.health,
-                                                   f"{host}:{self.grpc_port}")
+                                                   f"{host}:{self.grpc_port}", self.settings)
         await self.health.set(False)
         await grpc_server.start()
-        self._http = _EmbeddedUvicorn(uvicorn.Config(
+        self._http = _EmbeddedUvicorn(tls.uvicorn_ssl(uvicorn.Config(
             create_http_app(self.dispatcher, self.tokens), host=host, port=self.http_port,
             log_level=self.settings.log_level.lower(), lifespan="off",
-            timeout_graceful_shutdown=10))
+            timeout_graceful_shutdown=max(1, round(self.settings.router_drain_s))),
+            self.settings, "router"))
         http_task = asyncio.create_task(self._http.serve())
         while not self._http.started and not http_task.done():
             await asyncio.sleep(0.01)
@@ -81,8 +90,8 @@ class RouterApp:
             await grpc_server.stop(0)
             http_task.result()
             raise OSError(f"HTTP server did not start on {host}:{self.http_port}")
-        log.info("router %s listening: gRPC %s:%d, HTTP %s:%d", self.router_id, host,
-                 self.grpc_port, host, self.http_port)
+        log.info("router %s listening: gRPC %s:%d, HTTP %s:%d; %s", self.router_id, host,
+                 self.grpc_port, host, self.http_port, tls.describe(self.settings))
         if on_listening is not None:
             on_listening()
         fold_task = asyncio.create_task(self._follow())
@@ -92,11 +101,17 @@ class RouterApp:
             fold_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await fold_task
+            # the drain: NOT_SERVING, no new calls on either front, those in flight get
+            # `router_drain_s` to finish
             await self.health.set(False)
+            self.metrics.ready.set(0)
+            log.info("router %s draining: up to %.0f s for the requests in flight",
+                     self.router_id, self.settings.router_drain_s)
             self._http.should_exit = True
-            await grpc_server.stop(grace=5)
+            await grpc_server.stop(grace=self.settings.router_drain_s)
             await http_task
             await self.dispatcher.close()
+            await asyncio.to_thread(self.witness.stop)
             await asyncio.to_thread(self.follower.close)
             self.metrics.ready.set(0)
 
@@ -111,6 +126,7 @@ class RouterApp:
                 log.warning("router cannot replay the log yet, retrying: %s", exc)
                 await asyncio.sleep(1.0)
         d.tick()
+        self.witness.start()
         d.start_serving()
         self.metrics.ready.set(1)
         await self.health.set(True)
@@ -135,6 +151,7 @@ class RouterApp:
                        source: tuple[str, int] | None = None) -> None:
         # Runs in the replay thread before the router is ready: nothing reads the state yet.
         self.dispatcher.fold(envelope, seen_at, source)  # type: ignore[arg-type]
+        self.witness.observe(envelope)  # type: ignore[arg-type]
 
     def _fold_live(self, records: list[Record]) -> None:
         now = self.dispatcher.clock()

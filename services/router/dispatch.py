@@ -20,7 +20,11 @@ the workers make too; its base model's limits are checked once step 2 knows the 
    when the placement is cold. A refusal is RESOURCE_EXHAUSTED with a retry-after.
 5. Forwarding with the client's deadline. A worker that fails before its first response is
    replaced once by the next ring worker; after the first response the worker's error
-   goes to the client as it is. Every attempt is written into the request's `RouteTrace`.
+   goes to the client as it is, and the request is traced `cut` by the router's witness
+   (`services.router.witness`): a worker that died cannot trace it. Every attempt is
+   written into the request's `RouteTrace`. A client that leaves (a gRPC cancel or
+   deadline, an HTTP disconnect) closes the request's stream here, which cancels the
+   worker's call: the worker aborts the sequence and traces it `cancelled`.
 """
 
 from __future__ import annotations
@@ -37,10 +41,12 @@ import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
 from typing import NamedTuple
 
 import grpc
 
+from services import tls
 from services.catalog.serving import (
     MergeSpec,
     Resolution,
@@ -51,7 +57,7 @@ from services.catalog.serving import (
 )
 from services.catalog.state import CatalogState, Refusal
 from services.config import Settings
-from services.contracts.events import SLUG_PATTERN, Envelope, TenantRef
+from services.contracts.events import SLUG_PATTERN, Envelope, ServedRequest, TenantRef
 from services.contracts.generate import (
     InvalidArgument,
     ModelLimits,
@@ -61,12 +67,14 @@ from services.contracts.generate import (
 from services.contracts.grpc import inference_pb2 as pb
 from services.contracts.grpc import inference_pb2_grpc as pb_grpc
 from services.contracts.qos import TIER_TO_PROTO, lower_tier, tier_of
-from services.registry.auth import TENANT_SCOPED, Principal
+from services.contracts.roles import TENANT_SCOPED, Permission
+from services.registry.auth import Principal
 from services.router.limits import DEFAULT_TIER, Admission, Limits
 from services.router.membership import Membership
 from services.router.metrics import RouterMetrics
 from services.router.prewarm import RecentAdapter, RecentUse, plan
 from services.router.ring import Placement, Ring, Tier, place_on, ring_key
+from services.router.witness import CutWitness
 
 log = logging.getLogger("loraplane.router")
 trace_log = logging.getLogger("loraplane.router.trace")
@@ -82,7 +90,6 @@ HINT_EVERY_S = 2.0
 
 _SLUG = re.compile(SLUG_PATTERN)
 _REFUSAL_CODES = {"not_found": grpc.StatusCode.NOT_FOUND,
-                  "forbidden": grpc.StatusCode.PERMISSION_DENIED,
                   "precondition": grpc.StatusCode.FAILED_PRECONDITION,
                   "invalid": grpc.StatusCode.INVALID_ARGUMENT,
                   "conflict": grpc.StatusCode.FAILED_PRECONDITION}
@@ -93,13 +100,17 @@ class RouteError(Exception):
 
     def __init__(self, code: grpc.StatusCode, message: str, reason: str, *,
                  retry_after_s: float | None = None, retry_after: str | None = None,
-                 after_first_token: bool = False, field: str | None = None) -> None:
+                 after_first_token: bool = False, field: str | None = None,
+                 audit: str | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.reason = reason
         self.field = field
         """The request field at fault (its proto path), where one is."""
+        self.audit = audit
+        """The real reason where the caller is told less (another tenant's adapter or
+        alias, answered as a missing one): logged to the route trace log, never sent."""
         self.retry_after_s = retry_after_s
         self.retry_after = retry_after
         """Whole seconds for HTTP `Retry-After` / gRPC `retry-after` metadata."""
@@ -175,13 +186,17 @@ def _authorize(principal: Principal, *asked: str) -> TenantRef:
     """Cached per token and asked tenant: the same callers ask again and again, and a refusal
     (an exception) is never cached."""
     names = ("org", "team", "project")
-    if principal.role == "admin":
+    if not principal.holds(Permission.INFER):
+        raise RouteError(grpc.StatusCode.PERMISSION_DENIED,
+                         f"role {principal.role} may not run inference", "forbidden")
+    if principal.role not in TENANT_SCOPED:
         if not all(asked):
             raise RouteError(grpc.StatusCode.INVALID_ARGUMENT,
-                             "an admin token must name the tenant (org, team, project)",
-                             "invalid")
+                             f"an {principal.role} token must name the tenant (org, team, "
+                             "project)", "invalid")
         values = list(asked)
-    elif principal.role in TENANT_SCOPED and principal.tenant_pattern is not None:
+    else:
+        assert principal.tenant_pattern is not None  # TokenBook gives scoped roles one
         values = []
         for name, scope, value in zip(names, principal.tenant_pattern, asked, strict=True):
             if scope != "*":
@@ -196,9 +211,6 @@ def _authorize(principal: Principal, *asked: str) -> TenantRef:
                                  "invalid")
             else:
                 values.append(value)
-    else:
-        raise RouteError(grpc.StatusCode.PERMISSION_DENIED,
-                         f"role {principal.role} may not run inference", "forbidden")
     return _tenant(values[0], values[1], values[2])
 
 
@@ -299,10 +311,14 @@ def _checked(check: Callable[..., None], *args: object) -> None:
 
 
 def _refused(refusal: Refusal) -> RouteError:
-    """A refusal of the serving rule; `not_found` (no such adapter, alias or version, or one
-    a purge erased) is OpenAI's `model_not_found` on the HTTP front."""
-    reason = "model_not_found" if refusal.kind == "not_found" else refusal.kind
-    return RouteError(_REFUSAL_CODES[refusal.kind], refusal.message, reason)
+    """The serving rule's refusal as the caller is answered (`Refusal.public`: another
+    tenant's name reads as a missing one), the real reason kept in `audit`; `not_found`
+    (no such adapter, alias or version, or one a purge erased) is OpenAI's
+    `model_not_found` on the HTTP front."""
+    answer = refusal.public()
+    reason = "model_not_found" if answer.kind == "not_found" else answer.kind
+    return RouteError(_REFUSAL_CODES[answer.kind], answer.message, reason,
+                      audit=refusal.message if answer is not refusal else None)
 
 
 def _no_worker(pooled: bool, interval_s: float) -> RouteError:
@@ -344,6 +360,8 @@ class Dispatcher:
         self._tasks: set[asyncio.Task[None]] = set()
         self._routes: dict[tuple[object, ...], CallerRoute] = {}
         self._limits: dict[str, ModelLimits] = {}
+        self.witness: CutWitness | None = None
+        """Traces requests cut mid-stream (set by the app; None: not traced)."""
 
     def start_serving(self) -> None:
         """The log is replayed: answer requests from now on. The replayed state is most of the
@@ -375,7 +393,7 @@ class Dispatcher:
                 for worker in gone:
                     ring.remove(worker)
             self._change_ring(drop, "leave")
-            log.warning("workers left the ring after %d missed heartbeats: %s",
+            log.warning("workers left the ring (draining, or %d heartbeats missed): %s",
                         self.membership.misses, ", ".join(gone))
         for worker in list(self._channels):
             if (worker not in self.membership.live
@@ -592,6 +610,12 @@ class Dispatcher:
             self.metrics.rejections.labels(error.reason).inc()
             self.metrics.requests.labels(tenant_label, adapter_label, front,
                                          error.reason).inc()
+            if error.audit is not None:  # the caller was told less: the real reason here
+                trace_log.info("%s", json.dumps({
+                    "trace_id": trace_id, "request_id": request_id, "front": front,
+                    "tenant": authorize(principal, asked.signature).key,
+                    "status": error.reason, "answered": error.message,
+                    "reason": error.audit}))
             raise
         choice, placement = decision.choice, decision.placement
         tenant_label = decision.tenant.key
@@ -606,8 +630,8 @@ class Dispatcher:
         workers = [placement.worker] + ([placement.fallback] if placement.fallback else [])
         outcome = "error"
         try:
-            async for response in self._forward(forwarded, workers, deadline, trace, started,
-                                                front):
+            async for response in self._forward(forwarded, decision, workers, deadline, trace,
+                                                started, front):
                 yield response
             outcome = "ok"
         except RouteError as error:
@@ -670,9 +694,9 @@ class Dispatcher:
             forwarded.adapter.pinned.version = decision.choice.version
         return forwarded
 
-    async def _forward(self, request: pb.GenerateRequest, workers: list[str], deadline: float,
-                       trace: RouteTrace, started: float, front: str
-                       ) -> AsyncIterator[pb.GenerateResponse]:
+    async def _forward(self, request: pb.GenerateRequest, decision: Decision,
+                       workers: list[str], deadline: float, trace: RouteTrace, started: float,
+                       front: str) -> AsyncIterator[pb.GenerateResponse]:
         for index, worker in enumerate(workers):
             remaining = deadline - self.clock()
             if remaining <= 0:
@@ -685,6 +709,7 @@ class Dispatcher:
                 request, timeout=remaining)
             self.membership.acquire(worker)
             self.metrics.in_flight.labels(worker).inc()
+            response = None
             try:
                 async for response in call:
                     if attempt.responses == 0:
@@ -700,6 +725,9 @@ class Dispatcher:
                 if attempt.responses:
                     attempt.outcome = "failed_after_first_token"
                     self.metrics.midstream_errors.labels(code.name).inc()
+                    tokens = attempt.responses - (response is not None
+                                                  and response.HasField("final"))
+                    self._witness_cut(request, decision, trace, worker, tokens)
                     raise RouteError(code, detail, "worker_error",
                                      after_first_token=True) from None
                 attempt.outcome = "failed_before_first_token"
@@ -722,17 +750,41 @@ class Dispatcher:
                 self.membership.release(worker)
                 self.metrics.in_flight.labels(worker).dec()
 
+    def _witness_cut(self, request: pb.GenerateRequest, decision: Decision, trace: RouteTrace,
+                     worker: str, tokens: int) -> None:
+        """Trace a request whose worker's stream broke after `tokens` tokens reached the
+        client: the version this router pinned, the worker's base digest."""
+        if self.witness is None:
+            return
+        choice = decision.choice
+        view = self.membership.workers.get(worker)
+        base_digest = view.base_digest if view is not None else decision.base_digest
+        if base_digest is None:  # pragma: no cover - a placed worker has a heartbeat
+            log.warning("cannot trace cut request %s: no base digest", request.request_id)
+            return
+        self.witness.record(worker, ServedRequest(
+            request_id=request.request_id, trace_id=request.trace_id, tenant=decision.tenant,
+            user_id=request.tenant.user_id,
+            adapter_id=choice.adapter_id if choice else None,
+            version=choice.version if choice else None,
+            adapter_sha256=choice.sha256 if choice else None, base_model_digest=base_digest,
+            prompt_tokens=0, completion_tokens=tokens,
+            started_at=datetime.fromtimestamp(trace.started_at, UTC),
+            finished_at=datetime.now(UTC), status="cut"))
+
     # --- connections and hints -------------------------------------------------------------
 
     def _channel(self, worker: str, address: str) -> grpc.aio.Channel:
+        # with TLS, rotated client certificate files make new channels (services.tls)
+        key = tls.channel_key(address, self.settings)
         known = self._channels.get(worker)
-        if known is not None and known[0] == address:
+        if known is not None and known[0] == key:
             return known[1]
         if known is not None:
             self._spawn(known[1].close())
-        channel = grpc.aio.insecure_channel(address, options=[
+        channel = tls.aio_channel(address, self.settings, options=[
             ("grpc.keepalive_time_ms", 30_000), ("grpc.http2.max_pings_without_data", 0)])
-        self._channels[worker] = (address, channel)
+        self._channels[worker] = (key, channel)
         return channel
 
     def _hint(self, worker: str, adapters: list[RecentAdapter], tier: int,

@@ -5,7 +5,9 @@ it read the event) and `now`. A `WorkerHeartbeat` is a worker's full report (add
 base model, adapters held per tier, free slots and KV blocks) and replaces the previous
 one; `AdapterLoaded` / `AdapterUnloaded` between two heartbeats update what it holds. A
 worker that has missed `misses` heartbeats (`misses * interval_s` without one) leaves
-the ring; its next heartbeat brings it back.
+the ring; its next heartbeat brings it back. A heartbeat that says `draining` (the worker
+got SIGTERM) takes it out at the next `expire`, without waiting for missed beats, and
+keeps it out until a heartbeat of a new process says otherwise.
 
 Missing heartbeats only mean a silent worker when the partition that carries them is
 being read: while a partition's leader fails over (a broker killed), nothing at all is
@@ -86,6 +88,8 @@ class Membership:
         self.workers: dict[str, WorkerView] = {}
         self.live: set[str] = set()
         """Workers in the ring now; changed only by `observe` and `expire`."""
+        self.draining: set[str] = set()
+        """Workers whose last heartbeat said they are draining: out at the next `expire`."""
         self.in_flight: dict[str, int] = {}
         self.generation = 0
         """Moves whenever a pool (`pool_entry`) or `merged_for` may have changed."""
@@ -138,6 +142,10 @@ class Membership:
             for sha in list(view.sent):
                 if sha in held:
                     self._unsend(view, sha)
+            if p.draining:
+                self.draining.add(p.worker_id)
+                return False
+            self.draining.discard(p.worker_id)
             joined = p.worker_id not in self.live
             if joined:
                 self._changed()
@@ -177,10 +185,11 @@ class Membership:
                 del index[sha256]
 
     def expire(self, now: float) -> list[str]:
-        """Take out of the ring every worker silent for `misses` intervals while its
-        heartbeat partition was read (or for `stall_grace_s` more while it was not);
-        returns them."""
-        gone = [w for w in self.live if self._silent(self.workers[w], now)]
+        """Take out of the ring every worker draining, or silent for `misses` intervals
+        while its heartbeat partition was read (or for `stall_grace_s` more while it was
+        not); returns them."""
+        gone = [w for w in self.live
+                if w in self.draining or self._silent(self.workers[w], now)]
         for worker in gone:
             self.live.discard(worker)
             view = self.workers[worker]

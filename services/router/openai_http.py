@@ -18,6 +18,9 @@ resolution, placement, limits and failover are the same. Specifics:
   limit is 429 with `Retry-After`. An error after the first token of a stream arrives as
   an SSE event with an `error` member (the official client raises it as `APIError`).
 - Chat messages are passed to the worker, which renders the base model's chat template.
+- A client that disconnects stops the work, streamed or not: its request's streams are
+  closed, so the router cancels the worker's calls and the worker aborts the sequences
+  (traced `cancelled`).
 """
 
 from __future__ import annotations
@@ -27,9 +30,9 @@ import contextlib
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
-from typing import Annotated, Any
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from dataclasses import dataclass
+from typing import Annotated, Any, TypeVar
 
 import grpc
 from fastapi import Depends, FastAPI, Header, Request
@@ -44,14 +47,24 @@ from services.catalog.state import CatalogState
 from services.contracts.events import TenantRef
 from services.contracts.generate import UINT32_MAX
 from services.contracts.grpc import inference_pb2 as pb
+from services.contracts.roles import Permission, holders
 from services.registry.auth import Principal, TokenBook
 from services.router.dispatch import Dispatcher, RouteError, authorize
+from services.router.model_info import on_worker
+from services.router.openai_answers import (
+    ChunkMaker,
+    PromptAnswer,
+    chat_choices,
+    completion_choices,
+)
 from services.router.openai_schema import (
     BodyError,
     ChatBody,
     ChatMessage,
     CompletionBody,
+    DetokenizeBody,
     OpenAIBody,
+    TokenizeBody,
     http_param,
     parse,
     read_body,
@@ -72,10 +85,6 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permi
           404: "not_found_error", 409: "conflict_error", 429: "rate_limit_error",
           503: "service_unavailable_error", 504: "timeout_error"}
 _VERSION = re.compile(r"^[0-9]{1,10}$")
-_FINISH = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_STOP: "stop",
-           pb.FINISH_REASON_ABORTED: "abort", pb.FINISH_REASON_ERROR: "error",
-           pb.FINISH_REASON_UNSPECIFIED: "stop"}
-
 
 class OpenAIError(Exception):
     def __init__(self, status: int, message: str, *, code: str | None = None,
@@ -96,7 +105,8 @@ class OpenAIError(Exception):
         param, message = http_param(error.field), error.message
         if param and error.field and message.startswith(f"{error.field}:"):
             message = param + message[len(error.field):]  # the body's name, not the proto's
-        return cls(status, message, code=error.reason, param=param, headers=headers)
+        code = "model_not_found" if status == 404 else error.reason
+        return cls(status, message, code=code, param=param, headers=headers)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message,
@@ -136,7 +146,9 @@ def parse_model(model: str, catalog: CatalogState) -> tuple[str | None, pb.Adapt
 def listed_models(catalog: CatalogState, tenant: TenantRef) -> list[dict[str, Any]]:
     """The caller's servable adapters and aliases as `base:name`, and the base models."""
     models = [{"id": b.name, "object": "model", "created": int(b.registered_at.timestamp()),
-               "owned_by": "loraplane"} for b in catalog.base_models.values()]
+               "owned_by": "loraplane", "root": b.name, "parent": None,
+               "max_model_len": b.config.get("max_position_embeddings")}
+              for b in catalog.base_models.values()]
     for adapter in catalog.adapters.values():
         number = adapter.active_version
         if adapter.tenant != tenant or number is None or number not in adapter.versions:
@@ -144,9 +156,11 @@ def listed_models(catalog: CatalogState, tenant: TenantRef) -> list[dict[str, An
         version = adapter.versions[number]
         if version.disabled or version.rolled_back or purged_reason(adapter, number, version):
             continue
-        models.append({"id": f"{version.published.base_model}:{adapter.adapter_id}",
+        base = version.published.base_model
+        models.append({"id": f"{base}:{adapter.adapter_id}",
                        "object": "model", "created": int(version.published_at.timestamp()),
-                       "owned_by": tenant.key})
+                       "owned_by": tenant.key, "root": f"{adapter.adapter_id}@{number}",
+                       "parent": base})
     for alias in catalog.aliases.values():
         if alias.tenant != tenant:
             continue
@@ -156,22 +170,14 @@ def listed_models(catalog: CatalogState, tenant: TenantRef) -> list[dict[str, An
         if (target is None or version is None
                 or purged_reason(target, entries[0].version, version)):
             continue
-        models.append({"id": f"{version.published.base_model}:{alias.alias}",
+        base = version.published.base_model
+        models.append({"id": f"{base}:{alias.alias}",
                        "object": "model", "created": int(alias.changed_at.timestamp()),
-                       "owned_by": tenant.key})
+                       "owned_by": tenant.key, "root": alias.alias, "parent": base})
     return sorted(models, key=lambda m: m["id"])
 
 
 # --- running requests -----------------------------------------------------------------------
-
-
-@dataclass
-class Outcome:
-    """One prompt's answer, gathered from the worker's stream."""
-
-    index: int
-    text: list[str] = field(default_factory=list)
-    final: pb.FinalUsage | None = None
 
 
 @dataclass(frozen=True)
@@ -202,8 +208,14 @@ class Front:
                 request.text = prompt
             elif prompt and isinstance(prompt[0], ChatMessage):
                 request.chat.messages.extend(
-                    pb.ChatMessage(role=m.role, content=m.text())  # role: canonical
+                    pb.ChatMessage(role=m.role, content=m.text(),  # role: canonical
+                                   tool_call_id=m.tool_call_id or "",
+                                   tool_calls=[pb.ToolCall(id=c.id, name=c.function.name,
+                                                           arguments=c.function.arguments)
+                                               for c in m.tool_calls or []])
                     for m in prompt)  # type: ignore[union-attr]
+                if isinstance(body, ChatBody):
+                    request.chat.tools.extend(body.tools_pb())
             else:
                 request.token_ids.ids.extend(prompt)  # type: ignore[arg-type]
             built.append(request)
@@ -216,7 +228,12 @@ class Front:
         any token is an HTTP error status rather than a broken stream."""
         streams = [self.dispatcher.generate(caller.principal, r, timeout_s=None, front="http",
                                             base_model=base) for r in requests]
-        firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
+        try:
+            firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
+        except asyncio.CancelledError:  # the client left (`_unless_gone`)
+            for stream in streams:
+                await stream.aclose()
+            raise
         failure = next((f for f in firsts if isinstance(f, BaseException)), None)
         if failure is not None:
             for stream in streams:
@@ -230,17 +247,14 @@ class Front:
         return list(zip(firsts, streams, strict=True))  # type: ignore[arg-type]
 
     async def gather(self, opened: list[tuple[pb.GenerateResponse, AsyncIterator[Any]]]
-                     ) -> list[Outcome]:
+                     ) -> list[PromptAnswer]:
         async def one(index: int, first: pb.GenerateResponse,
-                      stream: AsyncIterator[pb.GenerateResponse]) -> Outcome:
-            outcome = Outcome(index)
+                      stream: AsyncIterator[pb.GenerateResponse]) -> PromptAnswer:
+            outcome = PromptAnswer(index)
             async with contextlib.aclosing(stream):  # type: ignore[type-var]
                 response: pb.GenerateResponse | None = first
                 while response is not None:
-                    if response.HasField("token"):
-                        outcome.text.append(response.token.text)
-                    elif response.HasField("final"):
-                        outcome.final = response.final
+                    outcome.add(response)
                     response = await anext(stream, None)
             return outcome
 
@@ -324,20 +338,39 @@ def _sse(data: dict[str, Any]) -> bytes:
 # --- the app ------------------------------------------------------------------------------------
 
 
-def caller(
-    request: Request,
-    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
-    tenant: Annotated[str | None, Header(alias="X-Loraplane-Tenant")] = None,
-    scope: Annotated[str | None, Header(alias="X-Loraplane-Compliance-Scope")] = None,
-    region: Annotated[str | None, Header(alias="X-Loraplane-Region")] = None,
-) -> Caller:
-    """The token's principal and tenant signature: 401 / 403 / 400 in OpenAI's shape."""
-    dispatcher: Dispatcher = request.app.state.dispatcher
-    tokens: TokenBook = request.app.state.tokens
-    principal = tokens.resolve(credentials.credentials) if credentials else None
-    if principal is None:
-        dispatcher.metrics.rejections.labels("unauthenticated").inc()
-        raise OpenAIError(401, "missing or unknown bearer token", code="invalid_api_key")
+class Allowed:
+    """A route's permission (`services.contracts.roles`), kept on the dependency so the
+    routes' table can be read back; resolves the caller's principal and tenant signature:
+    401 / 403 / 400 in OpenAI's shape."""
+
+    def __init__(self, permission: Permission) -> None:
+        self.permission = permission
+
+    def __call__(
+        self,
+        request: Request,
+        credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
+        tenant: Annotated[str | None, Header(alias="X-Loraplane-Tenant")] = None,
+        scope: Annotated[str | None, Header(alias="X-Loraplane-Compliance-Scope")] = None,
+        region: Annotated[str | None, Header(alias="X-Loraplane-Region")] = None,
+    ) -> Caller:
+        dispatcher: Dispatcher = request.app.state.dispatcher
+        tokens: TokenBook = request.app.state.tokens
+        principal = tokens.resolve(credentials.credentials) if credentials else None
+        if principal is None:
+            dispatcher.metrics.rejections.labels("unauthenticated").inc()
+            raise OpenAIError(401, "missing or unknown bearer token", code="invalid_api_key")
+        if not principal.holds(self.permission):
+            dispatcher.metrics.rejections.labels("forbidden").inc()
+            raise OpenAIError(403, f"role {principal.role} may not {self.permission.value} "
+                              f"(roles that may: {', '.join(holders(self.permission))})",
+                              code="forbidden")
+        return caller(dispatcher, principal, tenant, scope, region)
+
+
+def caller(dispatcher: Dispatcher, principal: Principal, tenant: str | None,
+           scope: str | None, region: str | None) -> Caller:
+    """The tenant signature the token and the headers give."""
     parts = tenant.split("/") if tenant else ["", "", ""]
     if len(parts) != 3:
         raise OpenAIError(400, "X-Loraplane-Tenant is org/team/project",
@@ -352,7 +385,7 @@ def caller(
     return Caller(principal, signature, ref)
 
 
-Who = Annotated[Caller, Depends(caller)]
+Who = Annotated[Caller, Depends(Allowed(Permission.INFER))]
 
 
 def create_http_app(dispatcher: Dispatcher, tokens: TokenBook) -> FastAPI:
@@ -365,6 +398,10 @@ def create_http_app(dispatcher: Dispatcher, tokens: TokenBook) -> FastAPI:
     @app.exception_handler(OpenAIError)
     async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
         return exc.response()
+
+    @app.exception_handler(ClientGone)
+    async def _gone(_: Request, __: ClientGone) -> Response:
+        return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
 
     @app.exception_handler(BodyError)
     async def _bad_body(_: Request, exc: BodyError) -> JSONResponse:
@@ -411,16 +448,12 @@ def create_http_app(dispatcher: Dispatcher, tokens: TokenBook) -> FastAPI:
         body: CompletionBody = parse(CompletionBody, await read_body(request))
         base, ref = parse_model(body.model, dispatcher.catalog)
         requests = front.requests(who, body, base, ref, body.prompts(), body.max_tokens)
-        opened = await front.open_streams(who, requests, base)
-        return await _respond(front, opened, body, f"cmpl-{requests[0].request_id}",
+        opened = await _unless_gone(request, front.open_streams(who, requests, base))
+        logprobs = body.logprobs is not None
+        return await _respond(request, front, opened, body, f"cmpl-{requests[0].request_id}",
                               ("text_completion", "text_completion"),
-                              lambda index, response: {
-                                  "index": index, "text": response.token.text
-                                  if response.HasField("token") else "", "logprobs": None,
-                                  "finish_reason": _finish(response)},
-                              lambda o: {"index": o.index, "text": "".join(o.text),
-                                         "logprobs": None,
-                                         "finish_reason": _finish_of(o.final)})
+                              ChunkMaker(False, body.n, body.echo, logprobs),
+                              lambda o: completion_choices(o, body.n, body.echo, logprobs))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request, who: Who) -> Response:
@@ -430,24 +463,47 @@ def create_http_app(dispatcher: Dispatcher, tokens: TokenBook) -> FastAPI:
         limit = body.max_completion_tokens if body.max_completion_tokens is not None \
             else body.max_tokens
         requests = front.requests(who, body, base, ref, [body.messages], limit)
-        opened = await front.open_streams(who, requests, base)
-        started: set[int] = set()
+        opened = await _unless_gone(request, front.open_streams(who, requests, base))
+        return await _respond(request, front, opened, body,
+                              f"chatcmpl-{requests[0].request_id}",
+                              ("chat.completion.chunk", "chat.completion"),
+                              ChunkMaker(True, body.n, False, body.logprobs),
+                              lambda o: chat_choices(o, body.n, body.logprobs))
 
-        def chunk(index: int, response: pb.GenerateResponse) -> dict[str, Any]:
-            delta: dict[str, Any] = {}
-            if index not in started:
-                started.add(index)
-                delta["role"] = "assistant"
-            if response.HasField("token"):
-                delta["content"] = response.token.text
-            return {"index": index, "delta": delta, "logprobs": None,
-                    "finish_reason": _finish(response)}
+    @app.post("/tokenize")
+    async def tokenize(request: Request, who: Who) -> dict[str, Any]:
+        """vLLM's route, tenant-scoped: the model resolves as for a completion."""
+        _ready()
+        body = parse(TokenizeBody, await read_body(request))
+        base, ref = parse_model(body.model, dispatcher.catalog)
+        ask = pb.TokenizeRequest(tenant=who.signature, adapter=ref, base_model=base or "")
+        if body.messages is not None:
+            ask.chat.messages.extend(pb.ChatMessage(role=m.role, content=m.text())
+                                     for m in body.messages)
+            ask.chat.tools.extend(ChatBody.tools_pb(body))  # type: ignore[arg-type]
+        else:
+            ask.text = body.prompt or ""
+        try:
+            reply = await on_worker(dispatcher, who.principal, who.signature, ref, base,
+                                    "Tokenize", ask)
+        except RouteError as error:
+            raise OpenAIError.of(error) from None
+        return {"count": reply.count, "max_model_len": reply.max_model_len,
+                "tokens": list(reply.token_ids)}
 
-        return await _respond(front, opened, body, f"chatcmpl-{requests[0].request_id}",
-                              ("chat.completion.chunk", "chat.completion"), chunk,
-                              lambda o: {"index": o.index, "message": {
-                                  "role": "assistant", "content": "".join(o.text)},
-                                  "logprobs": None, "finish_reason": _finish_of(o.final)})
+    @app.post("/detokenize")
+    async def detokenize(request: Request, who: Who) -> dict[str, Any]:
+        _ready()
+        body = parse(DetokenizeBody, await read_body(request))
+        base, ref = parse_model(body.model, dispatcher.catalog)
+        ask = pb.DetokenizeRequest(tenant=who.signature, adapter=ref, base_model=base or "",
+                                   token_ids=body.tokens)
+        try:
+            reply = await on_worker(dispatcher, who.principal, who.signature, ref, base,
+                                    "Detokenize", ask)
+        except RouteError as error:
+            raise OpenAIError.of(error) from None
+        return {"prompt": reply.text}
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
@@ -475,7 +531,42 @@ def create_http_app(dispatcher: Dispatcher, tokens: TokenBook) -> FastAPI:
     return app
 
 
-async def _respond(front: Front, opened: list[tuple[pb.GenerateResponse, AsyncIterator[Any]]],
+class ClientGone(Exception):
+    """The HTTP client disconnected before its answer was complete."""
+
+
+_T = TypeVar("_T")
+
+
+async def _unless_gone(request: Request, work: Awaitable[_T]) -> _T:
+    """`work`, cancelled as soon as the client disconnects (then `ClientGone`).
+
+    uvicorn does not cancel a handler whose client left, so without this a non-streamed
+    answer (and any answer still waiting for its first token) is generated to its end for
+    nobody. Cancelling `work` closes the request's streams: the router cancels the worker's
+    calls and the worker aborts the sequences before their next step. (A streamed answer
+    is stopped by Starlette itself, which listens for the disconnect while it streams.)"""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    gone = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        gone.cancel()
+    if task.cancelled():
+        raise ClientGone()
+    return task.result()
+
+
+async def _respond(request: Request, front: Front,
+                   opened: list[tuple[pb.GenerateResponse, AsyncIterator[Any]]],
                    body: OpenAIBody, rid: str, objects: tuple[str, str], chunk_choice: Any,
                    full_choice: Any) -> Response:
     """The answer in OpenAI's shape: SSE chunks (`objects[0]`) or one body (`objects[1]`)."""
@@ -483,33 +574,26 @@ async def _respond(front: Front, opened: list[tuple[pb.GenerateResponse, AsyncIt
     if body.stream:
         head = {"id": rid, "object": objects[0], "created": created, "model": body.model}
         return _stream(front, opened,
-                       lambda index, response: {**head, "choices": [chunk_choice(index,
-                                                                                 response)]},
+                       lambda index, response: [{**head, "choices": [entry]} for entry in
+                                                chunk_choice.entries(index, response)],
                        (lambda finals: {**head, "choices": [], "usage": usage_of(finals)})
                        if body.include_usage else None, len(opened))
-    outcomes = await front.gather(opened)
+    outcomes = await _unless_gone(request, front.gather(opened))
     _raise_worker_errors(outcomes)
     finals = [o.final for o in outcomes]
     return JSONResponse({
         "id": rid, "object": objects[1], "created": created, "model": body.model,
         "system_fingerprint": fingerprint(finals),
-        "choices": [full_choice(o) for o in outcomes],
+        "choices": [c for o in outcomes for c in full_choice(o)],
         "usage": usage_of(finals), "loraplane": {"served": served(finals)}})
 
 
-def _finish(response: pb.GenerateResponse) -> str | None:
-    return _finish_of(response.final) if response.HasField("final") else None
-
-
-def _finish_of(final: pb.FinalUsage | None) -> str:
-    return _FINISH.get(final.finish_reason, "stop") if final is not None else "error"
-
-
-def _raise_worker_errors(outcomes: list[Outcome]) -> None:
+def _raise_worker_errors(outcomes: list[PromptAnswer]) -> None:
     for outcome in outcomes:
         if outcome.final is not None and outcome.final.finish_reason == pb.FINISH_REASON_ERROR:
-            raise OpenAIError(502, f"the worker failed after {len(outcome.text)} tokens "
-                                   f"(trace {outcome.final.trace_id})", code="worker_error")
+            raise OpenAIError(502, f"the worker failed after {outcome.final.completion_tokens} "
+                                   f"tokens (trace {outcome.final.trace_id})",
+                              code="worker_error")
 
 
 def _stream(front: Front, opened: list[tuple[pb.GenerateResponse, AsyncIterator[Any]]],
@@ -524,7 +608,8 @@ def _stream(front: Front, opened: list[tuple[pb.GenerateResponse, AsyncIterator[
                         raise OpenAIError(502, "the worker failed mid-stream (trace "
                                                f"{response.final.trace_id})",
                                           code="worker_error")
-                yield _sse(chunk(index, response))
+                for piece in chunk(index, response):
+                    yield _sse(piece)
             if usage_chunk is not None:
                 yield _sse(usage_chunk(finals))
             yield b"data: [DONE]\n\n"

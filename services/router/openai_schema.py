@@ -44,7 +44,12 @@ from pydantic_core import PydanticCustomError
 from starlette.requests import Request
 
 from services.contracts.generate import (
+    MAX_CHOICES,
+    MAX_LOGIT_BIAS,
     MAX_STOP_STRINGS,
+    MAX_TOKEN_LIST,
+    MAX_TOOLS,
+    MAX_TOP_LOGPROBS,
     ROLE_ALIASES,
     ROLES,
     UINT32_MAX,
@@ -126,24 +131,37 @@ PARAMETERS: tuple[Parameter, ...] = (
     Parameter("prompt_cache_key", "no_effect", CHAT, "a hint for OpenAI's cache routing; "
                                                      "the prefix cache here is keyed by "
                                                      "content within a compliance scope"),
+    _honoured("n", BOTH, f"1 to {MAX_CHOICES} choices, sharing the prompt's KV blocks"),
+    _honoured("best_of", COMPLETIONS, f"n to {MAX_CHOICES}: the n with the highest "
+                                      "cumulative logprob (not with stream unless equal to n)"),
+    _honoured("echo", COMPLETIONS, "the prompt's text (and its tokens' logprobs) first"),
+    _honoured("logprobs", COMPLETIONS, f"0 to {MAX_TOP_LOGPROBS} alternatives per token"),
+    _honoured("logprobs", CHAT, "each token's logprob"),
+    _honoured("top_logprobs", CHAT, f"0 to {MAX_TOP_LOGPROBS} alternatives (with logprobs)"),
+    _honoured("presence_penalty", BOTH, "-2 to 2"),
+    _honoured("frequency_penalty", BOTH, "-2 to 2"),
+    _honoured("logit_bias", BOTH, f"token id -> -100 to 100, at most {MAX_LOGIT_BIAS}"),
+    _honoured("response_format", BOTH, "text, json_object, json_schema (strict, by xgrammar)"),
+    _honoured("tools", CHAT, f"at most {MAX_TOOLS} functions, rendered by the chat template"),
+    _honoured("tool_choice", CHAT, "none, auto, required or a named function (the last two "
+                                   "enforced by the grammar)"),
+    _honoured("parallel_tool_calls", CHAT, "with required or named: one call, or several"),
+    _honoured("messages[].tool_calls", CHAT, "an assistant's earlier calls"),
+    _honoured("messages[].tool_call_id", CHAT, "the call a tool message answers"),
+    *(_honoured(name, BOTH, note, vllm=True) for name, note in (
+        ("top_k", "-1 or 0 (off), or a count"), ("min_p", "0 to 1"),
+        ("repetition_penalty", "above 0 to 100 (transformers' rule; 1 = off)"),
+        ("stop_token_ids", f"at most {MAX_TOKEN_LIST} token ids ending a choice"),
+        ("bad_words", f"at most {MAX_TOKEN_LIST} words never generated"),
+        ("prompt_logprobs", f"0 to {MAX_TOP_LOGPROBS}: the prompt tokens' logprobs"),
+        ("guided_json", "a JSON schema"), ("guided_regex", "a regular expression"),
+        ("guided_choice", "one of these strings"), ("guided_grammar", "an EBNF grammar"),
+        ("structured_outputs", "json, regex, choice, grammar or json_object"))),
     _refused("store", CHAT, False, note="nothing is stored"),
     _refused("service_tier", CHAT, "auto", "default", note="one processing tier"),
-    _refused("n", BOTH, 1),
-    _refused("best_of", COMPLETIONS, 1),
-    _refused("echo", BOTH, False),
     _refused("suffix", COMPLETIONS, ""),
-    _refused("logprobs", COMPLETIONS),
-    _refused("logprobs", CHAT, False),
-    _refused("top_logprobs", CHAT),
-    _refused("presence_penalty", BOTH, 0),
-    _refused("frequency_penalty", BOTH, 0),
-    _refused("logit_bias", BOTH, {}),
-    _refused("response_format", BOTH, {"type": "text"}),
-    _refused("tools", CHAT, []),
-    _refused("tool_choice", CHAT, "none"),
-    _refused("parallel_tool_calls", CHAT),
-    _refused("functions", CHAT, []),
-    _refused("function_call", CHAT, "none"),
+    _refused("functions", CHAT, [], note="deprecated by OpenAI: use tools"),
+    _refused("function_call", CHAT, "none", note="deprecated by OpenAI: use tool_choice"),
     _refused("modalities", CHAT, ["text"]),
     _refused("audio", CHAT),
     _refused("prediction", CHAT),
@@ -154,23 +172,20 @@ PARAMETERS: tuple[Parameter, ...] = (
     _refused("prompt_cache_options", CHAT),
     _refused("prompt_cache_retention", CHAT),
     _refused("messages[].name", CHAT, note="a name would be written into the template"),
-    _refused("messages[].tool_calls", CHAT, []),
-    _refused("messages[].tool_call_id", CHAT),
     _refused("messages[].function_call", CHAT),
     _refused("messages[].refusal", CHAT),
     _refused("messages[].audio", CHAT),
     *(_refused(name, BOTH, *neutral, vllm=True) for name, neutral in (
-        ("top_k", (-1, 0)), ("min_p", (0,)), ("repetition_penalty", (1,)),
-        ("length_penalty", (1,)), ("use_beam_search", (False,)), ("stop_token_ids", ([],)),
+        ("length_penalty", (1,)), ("use_beam_search", (False,)),
         ("include_stop_str_in_output", (False,)), ("skip_special_tokens", (True,)),
-        ("spaces_between_special_tokens", (True,)), ("bad_words", ([],)),
-        ("allowed_token_ids", ()), ("truncate_prompt_tokens", ()), ("prompt_logprobs", ()),
-        ("guided_json", ()), ("guided_regex", ()), ("guided_choice", ()),
-        ("guided_grammar", ()), ("guided_decoding_backend", ()),
-        ("guided_whitespace_pattern", ()), ("structured_outputs", ()), ("priority", (0,)),
+        ("spaces_between_special_tokens", (True,)),
+        ("allowed_token_ids", ()), ("truncate_prompt_tokens", ()),
+        ("guided_decoding_backend", ("xgrammar", "auto")),
+        ("guided_whitespace_pattern", ()), ("priority", (0,)),
         ("logits_processors", ()), ("return_tokens_as_token_ids", (False,)),
         ("return_token_ids", (False,)), ("cache_salt", ()), ("request_id", ()),
         ("kv_transfer_params", ()), ("vllm_xargs", ()))),
+    _refused("echo", CHAT, False, vllm=True),
     _refused("add_special_tokens", COMPLETIONS, True, vllm=True),
     _refused("add_special_tokens", CHAT, False, vllm=True),
     *(_refused(name, CHAT, *neutral, vllm=True) for name, neutral in (
@@ -230,6 +245,75 @@ class StreamOptions(BaseModel):
     include_usage: bool | None = None
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=lambda: {"type": "object"}, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise _invalid("json_schema is given with, and only with, type json_schema")
+        return self
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` (one of its members)."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = Field(None, max_length=8192)
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=64)
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    arguments: str = Field(max_length=256 * 1024)
+
+
+class ToolCallIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: str = Field(max_length=256)
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class OpenAIBody(BaseModel):
     """What both endpoints share; only honoured fields are declared (see `_sifted`)."""
 
@@ -247,6 +331,84 @@ class OpenAIBody(BaseModel):
     user: str | None = Field(None, max_length=256)
     min_tokens: int = Field(0, ge=0, le=UINT32_MAX)
     ignore_eos: bool = False
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
+    response_format: ResponseFormat | None = None
+    top_k: int = Field(-1, ge=-1, le=2**31 - 1)
+    min_p: float = Field(0.0, ge=0, le=1)
+    repetition_penalty: float = Field(1.0, gt=0, le=100)
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_TOKEN_LIST)
+    bad_words: list[str] | None = Field(None, max_length=MAX_TOKEN_LIST)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = Field(None, min_length=1)
+    guided_choice: list[str] | None = Field(None, min_length=1, max_length=MAX_TOKEN_LIST)
+    guided_grammar: str | None = Field(None, min_length=1)
+    structured_outputs: StructuredOutputs | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.isdigit() or int(key) > UINT32_MAX:
+                raise _invalid(f"{key[:40]!r} is not a token id")
+            if not -100 <= bias <= 100:
+                raise _invalid(f"token {key}: {bias} must be in [-100, 100]")
+        return value
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _ids(cls, value: list[int] | None) -> list[int] | None:
+        if value and any(not 0 <= t <= UINT32_MAX for t in value):
+            raise _invalid(f"token ids are 0 to {UINT32_MAX}")
+        return value
+
+    @field_validator("bad_words")
+    @classmethod
+    def _words(cls, value: list[str] | None) -> list[str] | None:
+        if value and not all(value):
+            raise _invalid("bad words must be non-empty")
+        return value
+
+    def guide(self) -> tuple[str, pb.Guide] | None:
+        """The one structured-output ask of the body (BodyError for two)."""
+        asks: list[tuple[str, pb.Guide]] = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            asks.append(("response_format", pb.Guide(json_object=True)))
+        elif fmt is not None and fmt.json_schema is not None:
+            asks.append(("response_format", pb.Guide(
+                json_schema=json.dumps(fmt.json_schema.schema_))))
+        so = self.structured_outputs
+        for name, value in (("guided_json", self.guided_json),
+                            ("guided_regex", self.guided_regex),
+                            ("guided_choice", self.guided_choice),
+                            ("guided_grammar", self.guided_grammar),
+                            ("structured_outputs.json", so.json_ if so else None),
+                            ("structured_outputs.regex", so.regex if so else None),
+                            ("structured_outputs.choice", so.choice if so else None),
+                            ("structured_outputs.grammar", so.grammar if so else None),
+                            ("structured_outputs.json_object",
+                             True if so and so.json_object else None)):
+            if value is None:
+                continue
+            kind = name.rpartition("_")[2] if name.startswith("guided") else name.rpartition(
+                ".")[2]
+            if kind == "json":
+                text = value if isinstance(value, str) else json.dumps(value)
+                asks.append((name, pb.Guide(json_schema=text)))
+            elif kind == "choice":
+                asks.append((name, pb.Guide(choice=pb.ChoiceList(choices=value))))
+            elif kind == "json_object":
+                asks.append((name, pb.Guide(json_object=True)))
+            else:
+                asks.append((name, pb.Guide(**{kind: value})))
+        if len(asks) > 1:
+            raise BodyError(f"{asks[1][0]}: only one structured output at a time (also "
+                            f"{asks[0][0]})", param=asks[1][0])
+        return asks[0] if asks else None
 
     @model_validator(mode="before")
     @classmethod
@@ -270,10 +432,25 @@ class OpenAIBody(BaseModel):
             max_tokens=max_tokens or 0,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, stop=stops,
-            min_tokens=self.min_tokens, ignore_eos=self.ignore_eos)
+            min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, n=self.n,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            top_k=max(self.top_k, 0), min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            stop_token_ids=self.stop_token_ids or [], bad_words=self.bad_words or [])
+        for key, bias in (self.logit_bias or {}).items():
+            params.logit_bias[int(key)] = bias
         if self.seed is not None:
             params.seed = self.seed
+        if self.prompt_logprobs is not None:
+            params.prompt_logprobs = self.prompt_logprobs
+        guide = self.guide()
+        if guide is not None:
+            params.guide.CopyFrom(guide[1])
+        self.sampling_extra(params)
         return params
+
+    def sampling_extra(self, params: pb.SamplingParams) -> None:
+        """The endpoint's own fields."""
 
 
 class CompletionBody(OpenAIBody):
@@ -281,6 +458,28 @@ class CompletionBody(OpenAIBody):
 
     prompt: str | list[str] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1, le=UINT32_MAX)
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)
+
+    @model_validator(mode="after")
+    def _best_of(self) -> CompletionBody:
+        if self.best_of is not None and self.best_of < self.n:
+            raise PydanticCustomError("best_of", "must be at least n")
+        if self.stream and self.best_of is not None and self.best_of != self.n:
+            raise PydanticCustomError("best_of", "cannot stream with best_of above n (the "
+                                      "best are known only at the end)")
+        return self
+
+    def sampling_extra(self, params: pb.SamplingParams) -> None:
+        if self.logprobs is not None:
+            params.logprobs = True
+            params.top_logprobs = self.logprobs
+        if self.best_of is not None:
+            params.best_of = self.best_of
+        params.echo = self.echo
+        if self.echo and self.logprobs is not None and self.prompt_logprobs is None:
+            params.prompt_logprobs = self.logprobs
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -332,6 +531,8 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: str
     content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCallIn] | None = Field(None, max_length=MAX_TOOLS)
+    tool_call_id: str | None = Field(None, max_length=256)
 
     @model_validator(mode="before")
     @classmethod
@@ -357,6 +558,69 @@ class ChatBody(OpenAIBody):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=UINT32_MAX)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[ToolDef] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    @model_validator(mode="after")
+    def _tool_rules(self) -> ChatBody:
+        if self.top_logprobs and not self.logprobs:
+            raise PydanticCustomError("top_logprobs", "needs logprobs: true")
+        names = [t.function.name for t in self.tools or []]
+        if isinstance(self.tool_choice, NamedToolChoice):
+            if self.tool_choice.function.name not in names:
+                raise PydanticCustomError("tool_choice", "names no tool of tools")
+        elif self.tool_choice == "required" and not names:
+            raise PydanticCustomError("tool_choice", "required needs tools")
+        return self
+
+    def sampling_extra(self, params: pb.SamplingParams) -> None:
+        params.logprobs = self.logprobs
+        params.top_logprobs = self.top_logprobs or 0
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            params.tool_choice = choice.function.name
+        elif self.tools:
+            params.tool_choice = choice or "auto"
+        params.parallel_tool_calls = self.parallel_tool_calls is not False
+
+    def tools_pb(self) -> list[pb.Tool]:
+        return [pb.Tool(name=t.function.name, description=t.function.description or "",
+                        parameters=json.dumps(t.function.parameters or {"type": "object"}))
+                for t in self.tools or []]
+
+
+class TokenizeBody(BaseModel):
+    """vLLM's `/tokenize`: a prompt, or chat messages (rendered by the template)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str = Field(min_length=1, max_length=512)
+    prompt: str | None = Field(None, min_length=1)
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    tools: list[ToolDef] | None = Field(None, max_length=MAX_TOOLS)
+    add_generation_prompt: Literal[True] = True
+    add_special_tokens: Literal[True] = True
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> TokenizeBody:
+        if (self.prompt is None) == (self.messages is None):
+            raise _invalid("give prompt or messages")
+        return self
+
+
+class DetokenizeBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str = Field(min_length=1, max_length=512)
+    tokens: list[int] = Field(max_length=1_000_000)
+
+    @field_validator("tokens")
+    @classmethod
+    def _ids(cls, value: list[int]) -> list[int]:
+        if any(not 0 <= t <= UINT32_MAX for t in value):
+            raise _invalid(f"token ids are 0 to {UINT32_MAX}")
+        return value
 
 
 assert set(ROLES) | set(ROLE_ALIASES) >= {"system", "developer", "user", "assistant", "tool"}
@@ -487,8 +751,8 @@ def parse(model: type[OpenAIBody], data: dict[str, Any]) -> Any:
     inner = (error.get("ctx") or {}).get("param")
     if inner:
         param = _path(param or "", inner)
-    if kind == "stream_options":
-        param = "stream_options"
+    if kind in ("stream_options", "best_of", "top_logprobs", "tool_choice"):
+        param = kind
     code = "invalid_request"
     message = error["msg"]
     if kind in ("unsupported_parameter", "extra_forbidden"):
@@ -498,7 +762,12 @@ def parse(model: type[OpenAIBody], data: dict[str, Any]) -> Any:
     raise BodyError(f"{param or 'body'}: {message}", param=param, code=code)
 
 
-_HTTP_PARAMS = {"sampling.max_tokens": "max_tokens", "sampling.min_tokens": "min_tokens",
+_HTTP_PARAMS = {**{f"sampling.{name}": name for name in (
+    "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+    "logit_bias", "stop_token_ids", "bad_words", "prompt_logprobs", "n", "best_of",
+    "tool_choice")},
+                "sampling.guide": "response_format", "sampling.top_logprobs": "top_logprobs",
+                "sampling.max_tokens": "max_tokens", "sampling.min_tokens": "min_tokens",
                 "sampling.temperature": "temperature", "sampling.top_p": "top_p",
                 "sampling.stop": "stop", "sampling.seed": "seed", "prompt.text": "prompt",
                 "prompt.token_ids": "prompt", "chat": "messages", "prompt.chat": "messages"}

@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import secrets
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -37,6 +38,7 @@ from typing import IO, Any
 
 import httpx
 
+from services import tls
 from services.client import ENDPOINTS_FILE, grpc_serving, scrape
 from services.config import Settings
 from services.eventlog.topics import ensure_topics
@@ -103,9 +105,11 @@ class Service:
     def alive(self) -> bool:
         return self.child is not None and self.child.alive()
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float = 20.0) -> None:
+        """SIGTERM and wait: as long as the process's drain may take (its `*_drain_s`)
+        and a little more, then SIGKILL."""
         if self.child is not None:
-            self.child.stop()
+            self.child.stop(timeout=grace_s)
 
     @property
     def pid(self) -> int | None:
@@ -137,6 +141,9 @@ class Stack:
     _broker_policy: RestartPolicy = field(default_factory=RestartPolicy)
     _postgres_policy: RestartPolicy = field(default_factory=RestartPolicy)
     _lock: IO[str] | None = None
+    auto_ports: bool = False
+    """Listen on free ports instead of the settings' fixed ones (`up --ports auto`); where
+    is written to endpoints.json as always."""
 
     @property
     def root(self) -> Path:
@@ -178,6 +185,12 @@ class Stack:
             raise
 
     def _start(self) -> Settings:
+        from services.stack.ports import auto_ports, check_ports
+
+        if self.auto_ports:
+            self.settings = self.settings.model_copy(
+                update=auto_ports(self.settings, self.services, self.workers))
+        check_ports(self.settings, self.services, self.workers)
         settings = self.settings
         updates: dict[str, object] = {"state_dir": self.root}
         if settings.kafka_bootstrap:
@@ -206,7 +219,8 @@ class Stack:
         if "canary" in self.services and settings.canary_metrics_port == 0:
             updates["canary_metrics_port"] = free_port()
         if not settings.registry_url:
-            updates["registry_url"] = f"http://{settings.registry_host}:{settings.registry_port}"
+            updates["registry_url"] = (f"{tls.http_scheme(settings)}://{settings.registry_host}:"
+                                       f"{settings.registry_port}")
         updates.update(self._tokens(settings))
         settings = self.settings = settings.model_copy(update=updates)
         from services.audit.db import make_engine, upgrade
@@ -228,6 +242,11 @@ class Stack:
                                            "the broker was empty: republished from the "
                                            "audit store"))
         self._start_services(settings)
+        self.endpoints.append(Endpoint(
+            "tls", "on" if tls.serves_tls(settings) else "off", True,
+            tls.describe(settings) if tls.serves_tls(settings) else
+            "plaintext: every listener binds loopback by default; set LORAPLANE_TLS_CERT_FILE,"
+            " _KEY_FILE and _CA_FILE for TLS"))
         self._write_endpoints(settings)
         return settings
 
@@ -265,10 +284,11 @@ class Stack:
 
     def _start_services(self, settings: Settings) -> None:
         logs = self.root / "logs"
+        scheme, verify = tls.http_scheme(settings), tls.client_ssl_context(settings)
         ready: dict[str, Callable[[], bool]] = {
-            "audit": lambda: _http_ok(f"http://{_loopback(settings.audit_http_host)}:"
-                                      f"{settings.audit_metrics_port}/metrics"),
-            "registry": lambda: _http_ok(f"{settings.registry_base_url}/readyz"),
+            "audit": lambda: _http_ok(f"{scheme}://{_loopback(settings.audit_http_host)}:"
+                                      f"{settings.audit_metrics_port}/metrics", verify),
+            "registry": lambda: _http_ok(f"{settings.registry_base_url}/readyz", verify),
             "router": lambda: self._router_ready(settings),
             "canary": lambda: _http_ok(f"http://{_loopback(settings.canary_metrics_host)}:"
                                        f"{settings.canary_metrics_port}/metrics"),
@@ -296,12 +316,14 @@ class Stack:
     def _router_ready(self, settings: Settings) -> bool:
         """The router has folded the log and, when this stack runs workers, holds them all
         in its ring: "up" then means a request can be served, not only that it was heard."""
-        base = f"http://{_loopback(settings.router_host)}:{settings.router_http_port}"
-        if not _http_ok(f"{base}/readyz"):
+        base = (f"{tls.http_scheme(settings)}://{_loopback(settings.router_host)}:"
+                f"{settings.router_http_port}")
+        verify = tls.client_ssl_context(settings)
+        if not _http_ok(f"{base}/readyz", verify):
             return False
         if not self.workers:
             return True
-        ring = scrape(f"{base}/metrics").get("loraplane_router_ring_size", 0.0)
+        ring = scrape(f"{base}/metrics", verify).get("loraplane_router_ring_size", 0.0)
         return ring >= self.workers
 
     def _register_base_model(self, settings: Settings) -> None:
@@ -338,7 +360,8 @@ class Stack:
             address = f"{_loopback(settings.worker_host)}:{place.port}"
             service = Service(place.worker_id, "worker", env,
                               logs / f"{place.worker_id}.log",
-                              lambda address=address: grpc_serving(address))  # type: ignore[misc]
+                              lambda address=address: grpc_serving(  # type: ignore[misc]
+                                  address, settings))
             service.start()
             self._running.append(service)
 
@@ -482,8 +505,12 @@ class Stack:
     # --- stop ----------------------------------------------------------------------------
 
     def stop(self) -> None:
+        drain = {"worker": self.settings.worker_drain_s, "router": self.settings.router_drain_s}
+        for service in self._running:  # workers and routers drain side by side, not in turn
+            if service.kind in drain and service.child is not None and service.alive():
+                service.child.proc.send_signal(signal.SIGTERM)  # a second one changes nothing
         for service in reversed(self._running):
-            service.stop()
+            service.stop(grace_s=drain.get(service.kind, 0.0) + 20.0)
         self._running.clear()
         if self._postgres is not None:
             self._postgres.stop()
@@ -503,9 +530,9 @@ def _loopback(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
 
 
-def _http_ok(url: str) -> bool:
+def _http_ok(url: str, verify: Any = True) -> bool:
     try:
-        return httpx.get(url, timeout=1).is_success
+        return httpx.get(url, timeout=1, verify=verify).is_success
     except httpx.HTTPError:
         return False
 

@@ -11,6 +11,13 @@ special tokens (the template writes them). A role is one of
 `services.contracts.generate.ROLES` (developer is system) and nothing else: templates
 write the role into their control text (`<|im_start|>{{ role }}`), so a free-text role
 could forge the template's special tokens.
+
+Tools (OpenAI's function list) are passed to the template as `tools`, assistant messages
+carry their `tool_calls` (arguments parsed into objects, as transformers' templates
+expect) and tool messages their `tool_call_id`. The template tells the tool-call format
+the model was taught (`tool_format`): Hermes / Qwen `<tool_call>` JSON, or Llama 3 JSON.
+A template that never mentions tools gets the Hermes instructions in its system message,
+so the model is told about the tools either way.
 """
 
 from __future__ import annotations
@@ -25,6 +32,14 @@ from services.contracts.generate import InvalidArgument, canonical_role
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
                   "mask_token")
+
+
+HERMES_TOOLS_PROMPT = (
+    "You may call one or more functions to assist with the user query. The functions "
+    "are described within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
+    "For each function call, return a json object with the function name and arguments "
+    "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>')
 
 
 class ChatTemplateError(ValueError):
@@ -70,6 +85,11 @@ class ChatTemplate:
                 from exc
         self.special_tokens = special_tokens
         self._errors = jinja2.exceptions.TemplateError
+        self.source = source
+        self.renders_tools = "tools" in source
+        self.tool_format = ("llama3_json" if "<|python_tag|>" in source or "ipython" in source
+                            else "hermes")
+        """How this model writes tool calls (`services.worker.tool_calls` parses it)."""
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> ChatTemplate | None:
@@ -98,14 +118,24 @@ class ChatTemplate:
             return None
         return cls(template, specials)
 
-    def render(self, messages: Sequence[dict[str, str]]) -> str:
+    def render(self, messages: Sequence[dict[str, Any]],
+               tools: Sequence[dict[str, Any]] | None = None) -> str:
         try:
             messages = [{**m, "role": canonical_role(m["role"], f"messages[{i}].role")}
                         for i, m in enumerate(messages)]
         except InvalidArgument as exc:
             raise ChatTemplateError(str(exc)) from None
+        if tools and not self.renders_tools:
+            listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+            prompt = HERMES_TOOLS_PROMPT.format(tools=listed)
+            if messages and messages[0]["role"] == "system":
+                messages[0] = {**messages[0],
+                               "content": f"{messages[0].get('content') or ''}\n\n{prompt}"}
+            else:
+                messages.insert(0, {"role": "system", "content": prompt})
+            tools = None
         try:
-            return self._template.render(messages=messages, tools=None,
+            return self._template.render(messages=messages, tools=list(tools) if tools else None,
                                          documents=None, add_generation_prompt=True,
                                          **self.special_tokens)
         except self._errors as exc:

@@ -58,6 +58,7 @@ from services.release.gate_runner import GateRun
 from services.worker.engine import (
     AdapterDigest,
     AdapterNotLoadedError,
+    ChoiceResult,
     Engine,
     EngineError,
     GenerationRequest,
@@ -81,10 +82,10 @@ from services.worker.residency import Residency, owner_choice, version_choice
 
 log = logging.getLogger("loraplane.worker.engine_loop")
 
-REFUSAL_CODE = {"not_found": "NOT_FOUND", "forbidden": "PERMISSION_DENIED",
-                "precondition": "FAILED_PRECONDITION", "conflict": "FAILED_PRECONDITION",
-                "invalid": "INVALID_ARGUMENT"}
-"""`Refusal.kind` of the serving rule → gRPC status code name."""
+REFUSAL_CODE = {"not_found": "NOT_FOUND", "precondition": "FAILED_PRECONDITION",
+                "conflict": "FAILED_PRECONDITION", "invalid": "INVALID_ARGUMENT"}
+"""`Refusal.kind` of the serving rule, as answered (`Refusal.public`) → gRPC status code
+name; another tenant's adapter or alias (`forbidden`) is answered as NOT_FOUND."""
 
 
 def choose(catalog: CatalogState, work: WorkItem, base_digest: str) -> ServingChoice | None:
@@ -121,6 +122,11 @@ class Finished:
     choice: ServingChoice | None
     ttft_ms: float
     total_ms: float
+    choices: tuple[ChoiceResult, ...] = ()
+    """Every generated sequence's end (n, best_of)."""
+    durable: concurrent.futures.Future[None] | None = None
+    """Set once the request's trace is in the log: the front sends FinalUsage after it
+    (`worker_trace_durable`; None when off)."""
 
 
 Output = TokenEvent | Refused | Finished
@@ -212,9 +218,14 @@ class EngineLoop:
         self._gate_requests: dict[str, str] = {}
         self._gates_waiting: list[GateInFlight] = []
         self._gates_tried = 0.0
+        self._load_reported = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.synced = False
+        self.draining = False
+        """SIGTERM: heartbeats say so (routers take this worker out of their rings)."""
+        self.admitting = True
+        """False once the drain stops admitting: new requests are refused UNAVAILABLE."""
         self.ready = threading.Event()
         self.not_ready_reason = "replaying the adapter log"
         self.base_model_name: str | None = None
@@ -270,7 +281,25 @@ class EngineLoop:
             except Exception:  # one bad command or step must not stop serving
                 log.exception("engine loop")
             self._flush()
+            self._report_load()
         self._shutdown()
+
+    def _report_load(self) -> None:
+        """The gateway gauges (`vllm:*`): requests batched and waiting, KV in use, the
+        adapters ready on the device and those requests wait for; at most every 50 ms."""
+        now = time.monotonic()
+        if now - self._load_reported < 0.05:
+            return
+        self._load_reported = now
+        stats = self.engine.stats()
+        ready = [key[0] for key, state in self.residency.states
+                 if state is AdapterState.LOADED]
+        parked = [t.choice.adapter_id for ts in self._parked.values() for t in ts
+                  if t.choice is not None and not t.cancelled]
+        self.metrics.vllm.load(
+            running=stats.running, waiting=stats.waiting + len(parked),
+            kv_usage=1.0 - stats.free_kv_blocks / max(1, stats.total_kv_blocks),
+            running_adapters=ready, waiting_adapters=parked)
 
     def _drain_inbox(self, wait: float) -> None:
         try:
@@ -462,6 +491,10 @@ class EngineLoop:
     def _admit(self, ticket: Ticket) -> None:
         if ticket.cancelled or self._stop.is_set():
             return
+        if not self.admitting:
+            self._refuse(ticket, "UNAVAILABLE", f"worker {self.worker_id} is draining (shutting "
+                         "down): retry on another worker", 0.05)
+            return
         if not self.ready.is_set():
             self._refuse(ticket, "UNAVAILABLE", f"worker not ready: {self.not_ready_reason}",
                          1.0)
@@ -477,7 +510,10 @@ class EngineLoop:
                 if choice is not None:
                     self.residency.reconcile(self.follower.state, {choice.adapter_id})
         except Refusal as refusal:
-            self._refuse(ticket, REFUSAL_CODE[refusal.kind], refusal.message)
+            answer = refusal.public()
+            if answer is not refusal:
+                log.info("request %s refused: %s", ticket.work.request_id, refusal.message)
+            self._refuse(ticket, REFUSAL_CODE[answer.kind], answer.message)
             return
         ticket.choice = choice
         if self.merge is not None:
@@ -551,7 +587,7 @@ class EngineLoop:
             waiting = self._parked.get(ticket.digest, [])
             if ticket in waiting:
                 waiting.remove(ticket)
-            self._trace(ticket, "aborted", 0, 0)
+            self._trace(ticket, "cancelled", 0, 0)
             ticket.status = "done"
             self.metrics.requests.labels("CANCELLED").inc()
 
@@ -700,21 +736,28 @@ class EngineLoop:
         reason = "error" if result is None else result.finish_reason.value
         prompt = result.prompt_tokens if result is not None else len(ticket.work.prompt_ids)
         cached = result.cached_prompt_tokens if result is not None else 0
-        completion = len(result.token_ids) if result is not None else ticket.completion_tokens
+        completion = (sum(len(c.token_ids) for c in result.choices) or len(result.token_ids)
+                      if result is not None else ticket.completion_tokens)
         self.metrics.request_finished(ticket.work.tenant.key, prompt, cached)
+        self.metrics.vllm.finished(reason, prompt, completion, now - ticket.arrival)
         self.metrics.requests.labels(
             "CANCELLED" if ticket.cancelled else ("INTERNAL" if result is None else "OK")).inc()
         status = {"length": "ok", "stop": "ok", "abort": "aborted"}.get(reason, "error")
-        self._trace(ticket, status, prompt, completion)
+        if ticket.cancelled:  # the client left or its deadline passed: nobody reads on
+            status = "cancelled"
+        durable = self._trace(ticket, status, prompt, completion)
         ttft = ((ticket.first_token_at - ticket.arrival) * 1e3
                 if ticket.first_token_at is not None else 0.0)
         self._emit(ticket, Finished(reason, prompt, completion, cached, ticket.choice, ttft,
-                                    (now - ticket.arrival) * 1e3))
+                                    (now - ticket.arrival) * 1e3,
+                                    tuple(result.choices) if result is not None else (),
+                                    durable))
 
-    def _trace(self, ticket: Ticket, status: str, prompt: int, completion: int) -> None:
+    def _trace(self, ticket: Ticket, status: str, prompt: int, completion: int
+               ) -> concurrent.futures.Future[None] | None:
         choice = ticket.choice
         work = ticket.work
-        self.events.trace(ServedRequest(
+        return self.events.trace(ServedRequest(
             request_id=work.request_id, trace_id=work.trace_id, tenant=work.tenant,
             user_id=work.user_id, adapter_id=choice.adapter_id if choice else None,
             version=choice.version if choice else None,
@@ -837,6 +880,13 @@ class EngineLoop:
                 out.append(PrefetchOutcome(key, True, self.residency.tier_of(key), ""))
         return out
 
+    # --- drain ----------------------------------------------------------------------------
+
+    def in_flight(self) -> int:
+        """Requests admitted and not finished: running, queued, or waiting for an adapter
+        (any thread; an estimate between two iterations, exact once admission stopped)."""
+        return len(self._running) + sum(len(t) for t in list(self._parked.values()))
+
     # --- reports (built in the loop, asked for from other threads) -----------------------
 
     def heartbeat(self) -> WorkerHeartbeat | None:
@@ -863,5 +913,6 @@ class EngineLoop:
             base_model_digest=self.base_digest, loaded=loaded,
             free_slots=self.engine.adapters.free_slots,
             free_kv_blocks=stats.free_kv_blocks, lease_epoch=epoch,
-            merged_mode=self.merge.report() if self.merge is not None else None)
+            merged_mode=self.merge.report() if self.merge is not None else None,
+            draining=self.draining)
 

@@ -5,10 +5,17 @@ append to an outbox; this thread numbers the events on the worker's streams (`wo
 on worker-events; heartbeats on `heartbeat/{id}` on the liveness topic; gap-free `seq`
 continuing what the log already holds for each), writes them
 through the project's `EventProducer` in order, and retries with backoff while the broker
-is away (events are kept, in order, not dropped). Request traces are batched into one
-`RequestServed` every `worker_trace_flush_s` (or 200 traces), so the audit store's
-`served_by` answers "which digest served request R" without an event per request.
-A `WorkerHeartbeat` goes out every `heartbeat_interval_s`.
+is away (events are kept, in order, not dropped). A `WorkerHeartbeat` goes out every
+`heartbeat_interval_s`.
+
+Request traces answer "which digest served request R" (`served_by`) and must outlive the
+worker: with `worker_trace_durable` (the default) `trace` returns a future that is set
+once the broker acknowledged the `RequestServed` holding it, and the gRPC front sends the
+request's final message only then. The thread writes queued traces as soon as it is
+free, all of them in one event (group commit): while one write waits for its
+acknowledgement, the traces of requests finishing meanwhile gather for the next, so a
+busy worker still writes few events and the engine loop never waits. With it off, traces
+are batched every `worker_trace_flush_s` (or 200 traces) and nothing waits for them.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 
 from services.catalog.state import heartbeat_stream
 from services.config import Settings
@@ -36,6 +44,9 @@ log = logging.getLogger("loraplane.worker.events")
 
 MAX_TRACES_PER_EVENT = 200
 
+Durable = Future[None]
+"""Set once a trace is in the log (acknowledged by the broker)."""
+
 
 class WorkerEvents:
     """The outbox and the thread that empties it."""
@@ -51,31 +62,46 @@ class WorkerEvents:
         self._factory = producer_factory or (lambda: EventProducer(
             settings, client_id=f"{worker_id}-events", timeout_s=10.0))
         self._producer: EventProducer | None = None
-        self._outbox: deque[tuple[Payload, TenantRef | None, str | None]] = deque()
+        self.durable = settings.worker_trace_durable
+        self._outbox: deque[tuple[Payload, TenantRef | None, str | None, list[Durable]]] = \
+            deque()
         self._traces: list[ServedRequest] = []
+        self._waiters: list[Durable] = []
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._next_seq: dict[str, int] = {}
         self._numbered: list[Envelope] = []
+        self._numbered_waiters: list[Durable] = []
         self.sent = 0
         self.last_error: str | None = None
+        self._beat_now = False
 
     # --- producers of events (any thread) ------------------------------------------------
 
     def emit(self, payload: Payload, *, tenant: TenantRef | None = None,
              trace_id: str | None = None) -> None:
         with self._lock:
-            self._outbox.append((payload, tenant, trace_id))
+            self._outbox.append((payload, tenant, trace_id, []))
         self._wake.set()
 
-    def trace(self, served: ServedRequest) -> None:
+    def trace(self, served: ServedRequest) -> Durable | None:
+        """Queue a request's trace; with `durable`, the future its final message waits on."""
+        waiter: Durable | None = Future() if self.durable else None
         with self._lock:
             self._traces.append(served)
+            if waiter is not None:
+                self._waiters.append(waiter)
             full = len(self._traces) >= MAX_TRACES_PER_EVENT
-        if full:
+        if full or waiter is not None:
             self._wake.set()
+        return waiter
+
+    def beat_now(self) -> None:
+        """Send a heartbeat at once rather than at the next interval (the drain's)."""
+        self._beat_now = True
+        self._wake.set()
 
     @property
     def unsent(self) -> int:
@@ -112,12 +138,14 @@ class WorkerEvents:
         while True:
             now = time.monotonic()
             stopping = self._stop.is_set()
-            if now >= next_beat and not stopping:
+            if (now >= next_beat or self._beat_now) and not stopping:
+                self._beat_now = False
                 beat = self._heartbeat()
                 if beat is not None:
                     self.emit(beat)
                 next_beat = now + interval
-            if now >= next_flush or stopping or len(self._traces) >= MAX_TRACES_PER_EVENT:
+            if (now >= next_flush or stopping or self.durable
+                    or len(self._traces) >= MAX_TRACES_PER_EVENT):
                 self._batch_traces()
                 next_flush = now + flush
             try:
@@ -140,9 +168,13 @@ class WorkerEvents:
     def _batch_traces(self) -> None:
         with self._lock:
             traces, self._traces = self._traces, []
-        for start in range(0, len(traces), MAX_TRACES_PER_EVENT):
-            self.emit(RequestServed(worker_id=self.worker_id,
-                                    requests=traces[start:start + MAX_TRACES_PER_EVENT]))
+            waiters, self._waiters = self._waiters, []
+            for start in range(0, len(traces), MAX_TRACES_PER_EVENT):
+                last = start + MAX_TRACES_PER_EVENT >= len(traces)
+                self._outbox.append((RequestServed(
+                    worker_id=self.worker_id,
+                    requests=traces[start:start + MAX_TRACES_PER_EVENT]), None, None,
+                    waiters if last else []))
 
     def _send(self) -> None:
         """Number what is queued, then write it; on failure the same envelopes (same
@@ -151,7 +183,8 @@ class WorkerEvents:
         with self._lock:
             items = list(self._outbox)
             self._outbox.clear()
-        for payload, tenant, trace_id in items:
+        for payload, tenant, trace_id, waiters in items:
+            self._numbered_waiters.extend(waiters)
             stream = self.beats if isinstance(payload, WorkerHeartbeat) else self.stream
             self._numbered.append(Envelope.new(payload, stream=stream,
                                                seq=self._next_seq[stream],
@@ -165,3 +198,7 @@ class WorkerEvents:
         self._producer.publish_all([(e, None, None) for e in self._numbered])
         self.sent += len(self._numbered)
         self._numbered = []
+        waiters, self._numbered_waiters = self._numbered_waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)

@@ -186,6 +186,13 @@ class CatalogFollower:
     def stop(self) -> None:
         self.follower.stop()
 
+    def sync(self, timeout_s: float) -> bool:
+        """True once everything committed before this call is folded (`LogFollower.sync`);
+        False at the timeout, or when the follower never started (events folded directly)."""
+        if not self.caught_up.is_set():
+            return False
+        return self.follower.sync(timeout_s)
+
     def fold(self, envelope: Envelope) -> None:
         """Fold one event directly (tests, in-process benches), as if read from the log."""
         with self.lock:

@@ -6,10 +6,14 @@ worker is not ready or behind the version wall, resolved once for a quick refusa
 handed to the engine loop as a `Ticket` with its own output queue. The loop hands each
 iteration's outputs over in one hop (`call_soon_threadsafe`); this side only turns them
 into messages. A client cancel or a passed deadline cancels the handler, which cancels
-the ticket: the engine aborts the sequence and frees its KV.
+the ticket: the engine aborts the sequence before its next step, frees its KV and traces
+the request `cancelled`. The final message (FinalUsage) waits until the request's trace
+is in the log (`services.worker.events`), so an answer a client saw complete is always
+traced, even if the worker dies the next moment.
 
-Errors: INVALID_ARGUMENT names the field; the serving rule's refusals map to NOT_FOUND,
-PERMISSION_DENIED and FAILED_PRECONDITION; the version wall and not-ready are
+Errors: INVALID_ARGUMENT names the field; the serving rule's refusals map to NOT_FOUND
+(another tenant's adapter or alias too, in the same words) and FAILED_PRECONDITION; the
+version wall and not-ready are
 UNAVAILABLE; a full adapter pool is RESOURCE_EXHAUSTED with `retry-after` (seconds) and
 `retry-after-ms` trailers, as the router sends them.
 """
@@ -28,7 +32,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from services import tls
 from services.catalog.state import Refusal
+from services.config import Settings
 from services.contracts.generate import Undecodable, add_inference_servicer
 from services.contracts.grpc import inference_pb2 as pb
 from services.contracts.grpc import inference_pb2_grpc as pb_grpc
@@ -41,12 +47,20 @@ from services.worker.engine_loop import (
     Ticket,
     choose,
 )
-from services.worker.intake import InvalidArgument, PromptRules, work_item
+from services.worker.intake import (
+    InvalidArgument,
+    PromptRules,
+    WorkItem,
+    render_chat,
+    work_item,
+)
+from services.worker.outputs import FINISH, ResponseBuilder, TokenTexts
 
 log = logging.getLogger("loraplane.worker.server")
 
-FINISH = {"length": pb.FINISH_REASON_LENGTH, "stop": pb.FINISH_REASON_STOP,
-          "abort": pb.FINISH_REASON_ABORTED, "error": pb.FINISH_REASON_ERROR}
+CATCH_UP_S = 2.0
+"""How long a refusal waits for this worker's fold to read what was committed before it."""
+
 INFERENCE = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 CONTROL = pb.DESCRIPTOR.services_by_name["WorkerControl"].full_name
 
@@ -70,6 +84,7 @@ class InferenceService(pb_grpc.InferenceServicer):
         self.rules = rules
         self.gate = gate
         self.worker_id = worker_id
+        self.texts = TokenTexts(rules.tokenizer)
 
     async def Generate(self, request: pb.GenerateRequest | Undecodable,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
@@ -88,51 +103,108 @@ class InferenceService(pb_grpc.InferenceServicer):
             metrics.stale_lease_rejections.inc()
             metrics.requests.labels("UNAVAILABLE").inc()
             await context.abort(grpc.StatusCode.UNAVAILABLE, wall)
-        refusal = await self._refusal(work)
+        refusal = await self._refusal(work, context)
         if refusal is not None:
-            code = REFUSAL_CODE[refusal.kind]
+            answer = refusal.public()
+            if answer is not refusal:
+                log.info("request %s refused: %s", work.request_id, refusal.message)
+            code = REFUSAL_CODE[answer.kind]
             metrics.requests.labels(code).inc()
-            await context.abort(grpc.StatusCode[code], refusal.message)
+            await context.abort(grpc.StatusCode[code], answer.message)
         outputs: asyncio.Queue[list[Output]] = asyncio.Queue()
         ticket = Ticket(work, sink=outputs, time_limit_s=context.time_remaining())
         self.loop.submit(ticket)
         finished = False
+        builder = ResponseBuilder(work, self.texts)
         try:
             while True:
                 for output in await outputs.get():
                     if isinstance(output, Finished):
                         finished = True
-                        yield pb.GenerateResponse(final=self._usage(work.trace_id, output))
+                        if output.durable is not None:  # the trace is in the log before
+                            await asyncio.wrap_future(output.durable)  # any end is sent
+                        held, ends = builder.on_finished(output.reason, output.choices)
+                        for response in held:
+                            yield response
+                        for end in ends:
+                            yield pb.GenerateResponse(choice_end=end)
+                        usage = self._usage(work.trace_id, output)
+                        usage.choices.extend(ends)
+                        if ends:
+                            usage.finish_reason = ends[0].finish_reason
+                        yield pb.GenerateResponse(final=usage)
                         return
                     elif isinstance(output, Refused):
                         finished = True
                         await self._refuse(context, output)  # raises: ends the call
                     else:
-                        yield pb.GenerateResponse(token=pb.TokenChunk(
-                            index=output.index, token_id=output.token_id or 0,
-                            text=output.text))
+                        for response in builder.on_event(output):
+                            yield response
         finally:
             if not finished:  # cancelled by the client, or its deadline passed
                 self.loop.cancel(ticket)
 
-    async def _refusal(self, work: Any) -> Refusal | None:
-        """The serving rule's answer to this request. A version this worker's fold does
-        not know, or does not take for active, may be one the router has just read the
-        publish of or a switch to (a worker catching up after a partition, or merely a
-        few milliseconds behind): the log is read to its end once (a second at most)
-        before such a refusal stands."""
+    async def _refusal(self, work: WorkItem, context: grpc.aio.ServicerContext
+                       ) -> Refusal | None:
+        """Why the serving rule refuses `work`, or None. A refusal stands only once this
+        worker's fold holds everything committed before the call: a publish or switch the
+        registry has just answered may still be on its way here, and its caller would be
+        refused what it was told is done. Catching up costs a look at the log's ends, and
+        only refusals pay it."""
         follower = self.loop.follower
-        for last in (False, True):
-            try:
-                with follower.lock:
-                    choose(follower.state, work, self.loop.base_digest)
-                return None
-            except Refusal as refusal:
-                if last or refusal.kind not in ("precondition", "not_found") \
-                        or not await asyncio.to_thread(
-                        follower.follower.sync, 1.0):
-                    return refusal
-        return None
+        try:
+            with follower.lock:
+                choose(follower.state, work, self.loop.base_digest)
+            return None
+        except Refusal:
+            left = context.time_remaining()
+            limit = CATCH_UP_S if left is None else max(0.0, min(CATCH_UP_S, left - 0.1))
+            await asyncio.to_thread(follower.sync, limit)
+        try:
+            with follower.lock:
+                choose(follower.state, work, self.loop.base_digest)
+            return None
+        except Refusal as refusal:
+            return refusal
+
+    async def Tokenize(self, request: pb.TokenizeRequest,
+                       context: grpc.aio.ServicerContext) -> pb.TokenizeReply:
+        """This model's tokens for a text (special tokens as the tokenizer adds them) or a
+        chat (through its template, generation prompt included)."""
+        tok = self.rules.tokenizer
+        if tok is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "the base model has no tokenizer.json")
+        try:
+            if request.WhichOneof("prompt") == "chat":
+                ids = render_chat(request.chat, self.rules)
+            else:
+                ids = list(tok.encode(request.text).ids)
+        except InvalidArgument as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return pb.TokenizeReply(token_ids=ids, count=len(ids),
+                                max_model_len=self.rules.max_model_len)
+
+    async def Detokenize(self, request: pb.DetokenizeRequest,
+                         context: grpc.aio.ServicerContext) -> pb.DetokenizeReply:
+        tok = self.rules.tokenizer
+        if tok is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "the base model has no tokenizer.json")
+        bad = next((t for t in request.token_ids if t >= self.rules.vocab_size), None)
+        if bad is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"token_ids: {bad} is outside the vocabulary of "
+                                f"{self.rules.vocab_size}")
+        return pb.DetokenizeReply(text=tok.decode(list(request.token_ids)))
+
+    async def ModelInfo(self, request: pb.ModelInfoRequest,
+                        context: grpc.aio.ServicerContext) -> pb.ModelInfoReply:
+        """The worker's own base model (the router answers with the caller's adapters)."""
+        name = self.loop.base_model_name or ""
+        return pb.ModelInfoReply(models=[pb.ModelEntry(
+            id=name, base_model_digest=self.loop.base_digest,
+            max_model_len=self.rules.max_model_len, owned_by="loraplane")])
 
     @staticmethod
     async def _refuse(context: grpc.aio.ServicerContext, refused: Refused) -> None:
@@ -192,7 +264,7 @@ class WorkerServer:
     """The grpc.aio server and its health reporting."""
 
     def __init__(self, loop: EngineLoop, rules: PromptRules, gate: Gate, worker_id: str,
-                 address: str) -> None:
+                 address: str, settings: Settings | None = None) -> None:
         self.loop = loop
         self.gate = gate
         self.address = address
@@ -206,7 +278,8 @@ class WorkerServer:
         reflection.enable_server_reflection(
             (INFERENCE, CONTROL, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME), self.server)
-        self.port = self.server.add_insecure_port(address)
+        self.port = (tls.add_grpc_port(self.server, address, settings, "worker")
+                     if settings is not None else self.server.add_insecure_port(address))
         self._serving: bool | None = None
 
     async def start(self) -> None:
@@ -233,6 +306,13 @@ class WorkerServer:
             last_reason = reason
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=0.2)
+
+    async def not_serving(self) -> None:
+        """Health NOT_SERVING for every service name (the drain: probes and load balancers
+        stop sending), while calls keep being answered."""
+        for name in ("", INFERENCE, CONTROL):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self._serving = False
 
     async def stop(self, grace_s: float = 5.0) -> None:
         await self.health.enter_graceful_shutdown()

@@ -20,8 +20,10 @@ KEK = "22" * 32
 
 @pytest.fixture
 def audit_settings(migrated_settings: Settings) -> Settings:
-    """Small checkpoint interval so short tests get several signed checkpoints."""
+    """Small checkpoint interval so short tests get several signed checkpoints, and none
+    on time (a slow run would otherwise sign sizes the tests do not expect)."""
     return migrated_settings.model_copy(update={"audit_checkpoint_every": 8,
+                                                "audit_checkpoint_every_s": 0.0,
                                                 "audit_signing_key": SIGNING_KEY,
                                                 "audit_kek": KEK})
 

@@ -109,16 +109,24 @@ class Log:
                         f"worker/{worker}", worker)
 
     def served(self, worker: str, adapter: str | None, version: int | None,
-               tenant: TenantRef, requests: int, prefix: str, user: str | None = None
-               ) -> Envelope:
+               tenant: TenantRef, requests: int, prefix: str, user: str | None = None,
+               *, router: str | None = None, first: int = 0) -> Envelope:
+        """Traces of requests `prefix-first` .. `prefix-(requests-1)` served by `worker`;
+        written by the worker, or (`router`) by a router that saw them cut mid-stream."""
         start = self.now - timedelta(milliseconds=300)
-        return self.add(RequestServed(worker_id=worker, requests=[ServedRequest(
+        payload = RequestServed(worker_id=worker, witness="router" if router else "worker",
+                                requests=[ServedRequest(
             request_id=f"{prefix}-{i}", trace_id=digest(prefix, i)[:32], tenant=tenant,
             user_id=user or f"user-{i % 3}", adapter_id=adapter, version=version,
             adapter_sha256=digest(adapter, version) if adapter else None,
-            base_model_digest=BASE_DIGEST, prompt_tokens=20 + i, completion_tokens=40 + i,
-            started_at=start + timedelta(milliseconds=10 * i), finished_at=self.now)
-            for i in range(requests)]), f"worker/{worker}", worker)
+            base_model_digest=BASE_DIGEST, prompt_tokens=0 if router else 20 + i,
+            completion_tokens=(3 if router else 40) + i,
+            started_at=start + timedelta(milliseconds=10 * i), finished_at=self.now,
+            status="cut" if router else "ok")
+            for i in range(first, requests)])
+        if router:
+            return self.add(payload, f"router/{router}", router)
+        return self.add(payload, f"worker/{worker}", worker)
 
 
 def story(now: datetime | None = None) -> list[Envelope]:

@@ -114,7 +114,8 @@ def _env(settings: Settings) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("LORAPLANE_")}
     for name in ("database_url", "kafka_bootstrap", "adapter_events_topic",
                  "worker_events_topic", "liveness_topic", "dead_letter_topic", "state_dir",
-                 "audit_batch_size", "audit_checkpoint_every", "audit_signing_key"):
+                 "audit_batch_size", "audit_checkpoint_every", "audit_checkpoint_every_s",
+                 "audit_signing_key"):
         env[f"LORAPLANE_{name.upper()}"] = str(getattr(settings, name))
     env["LORAPLANE_LOG_LEVEL"] = "WARNING"
     env["LORAPLANE_AUDIT_METRICS_PORT"] = "0"  # any free port: tests run side by side

@@ -22,6 +22,15 @@ SELECT md5('e' || (g / 4))::uuid, g % 4, 'req-' || g, 'trace-' || (g / 4), 'work
        timestamptz '2026-01-01' + g * interval '1 second',
        timestamptz '2026-01-01' + g * interval '1 second' + interval '200 ms', 'ok'
 FROM generate_series(0, 19999) g;
+INSERT INTO request_traces (event_id, ordinal, request_id, trace_id, worker_id, tenant_org,
+                            tenant_team, tenant_project, user_id, adapter_id, version,
+                            adapter_sha256, started_at, finished_at, status, witness)
+SELECT md5('r' || g)::uuid, 0, 'req-' || g, 'trace-' || (g / 4), 'worker-' || g % 3,
+       'org-' || g % 5, 'team', 'project-' || g % 2, 'user-' || g % 7, 'adapter-' || g % 9,
+       1 + g % 3, repeat('a', 64),
+       timestamptz '2026-01-01' + g * interval '1 second',
+       timestamptz '2026-01-01' + g * interval '1 second' + interval '100 ms', 'cut', 'router'
+FROM generate_series(0, 19999, 50) g;
 INSERT INTO worker_heartbeats (event_id, worker_id, at)
 SELECT md5('h' || g)::uuid, 'worker-' || g % 3, timestamptz '2026-01-01' + g * interval '1 second'
 FROM generate_series(0, 19999) g;
@@ -32,6 +41,8 @@ ANALYZE worker_heartbeats
 QUERIES = {
     "which adapter served request R":
         "SELECT * FROM served_by WHERE request_id = 'req-12345'",
+    "which adapter served request R, traced by a worker and a router":
+        "SELECT * FROM served_by WHERE request_id = 'req-12350'",
     "what did tenant T's users get, in a time window":
         "SELECT * FROM served_by WHERE tenant_org = 'org-3' AND tenant_team = 'team' "
         "AND tenant_project = 'project-1' AND started_at >= '2026-01-01 02:00+00' "

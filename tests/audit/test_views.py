@@ -3,14 +3,16 @@ current-state tables and the compliance views."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime, timedelta
+
 import pytest
 from sqlalchemy import Engine, text
 
 from services.audit.projector import AuditProjector
 from services.audit.verify import verify_store
 from services.config import Settings
-from tests.audit.conftest import drain
-from tests.audit.scenario import digest, produce, recorded, story
+from tests.audit.conftest import cli, drain
+from tests.audit.scenario import ACME, Log, digest, produce, recorded, story
 
 pytestmark = pytest.mark.slow
 
@@ -94,3 +96,38 @@ def test_served_by_and_lineage(projected: Engine) -> None:
     assert [h["action"] for h in v3["history"]] == [
         "published", "split", "split", "activated", "rolled_back", "deactivated", "split",
         "disabled"]
+
+
+def test_served_by_keeps_one_row_per_request_of_two_witnesses(
+        audit_settings: Settings, projector: AuditProjector, db_engine: Engine) -> None:
+    """A worker traces what it serves; a router traces what it saw cut mid-stream. Where
+    both traced a request (the worker's trace was durable, its final message never got
+    out), `served_by` shows the worker's row; where only the router could, the router's,
+    with outcome `cut`. Both rows stay in `request_traces`, and the log still checks."""
+    log = Log(datetime.now(UTC) - timedelta(minutes=5))
+    log.publish("acme-support", 1, ACME, "ops@acme")
+    log.switch("acme-support", None, 1, ACME, "ops@acme")
+    log.tick()
+    log.served("w1", "acme-support", 1, ACME, 3, "kept")
+    log.tick()
+    log.served("w1", "acme-support", 1, ACME, 3, "kept", router="router-a", first=1)
+    log.served("w-gone", "acme-support", 1, ACME, 2, "cut", router="router-a")
+    log.served("w-gone", "acme-support", 1, ACME, 1, "cut", router="router-b")
+    produce(audit_settings, log.events)
+    drain(projector, len(recorded(log.events)))
+
+    served = rows(db_engine, "SELECT * FROM served_by ORDER BY request_id")
+    assert [(r["request_id"], r["witness"], r["status"], r["worker_id"]) for r in served] == [
+        ("cut-0", "router", "cut", "w-gone"), ("cut-1", "router", "cut", "w-gone"),
+        ("kept-0", "worker", "ok", "w1"), ("kept-1", "worker", "ok", "w1"),
+        ("kept-2", "worker", "ok", "w1")]
+    assert {r["request_id"]: r["completion_tokens"] for r in served} == {
+        "cut-0": 3, "cut-1": 4, "kept-0": 40, "kept-1": 41, "kept-2": 42}
+    assert all(r["digest_matches"] for r in served)
+    stored = rows(db_engine, "SELECT witness, count(*) AS n FROM request_traces GROUP BY 1")
+    assert {r["witness"]: r["n"] for r in stored} == {"worker": 3, "router": 5}
+    # a router's witness is not a sign of life of the worker it names
+    assert {r["worker_id"] for r in rows(db_engine, "SELECT worker_id FROM workers")} == {"w1"}
+    code, out = cli(audit_settings, "verify", "--against-kafka")
+    assert code == 0, out
+    assert "KAFKA OK" in out and "(0 discrepancies" in out

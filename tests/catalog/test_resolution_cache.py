@@ -48,7 +48,11 @@ def walked(state: CatalogState, tenant: object, name: str, user: str,
     """The alias rule written plainly, user by user, as the module doc states it."""
     alias = state.aliases[name]
     if alias.tenant is not None and alias.tenant != tenant:
-        return ("refused", ("forbidden", f"alias {name!r} belongs to another tenant"))
+        # passed over as if it did not exist: the name would be an adapter id, and no
+        # adapter is named like an alias in these logs
+        assert name not in state.adapters
+        return ("refused", ("forbidden", f"alias {name!r} belongs to another tenant "
+                                         f"({alias.tenant.key})"))
     ordered = split_order(alias.split)
     start = entry_at(alias.split, user_point(name, tenant, user))  # type: ignore[arg-type]
     around = [e for e in ordered[start:] + ordered[:start] if e.weight > 0]

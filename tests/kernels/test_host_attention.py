@@ -189,3 +189,40 @@ def test_fp16_and_other_devices_keep_the_torch_path() -> None:
     meta = AttentionMetadata()
     meta.finalize([0], [[0]], [3], 4, torch.float32, device=torch.device("meta"))
     assert meta.host_decodes is None and meta.decodes
+
+
+@pytest.mark.parametrize(("window", "softcap"), [(8, None), (None, 2.0), (5, 3.0)],
+                         ids=["window", "softcap", "both"])
+def test_windows_and_softcapping_match_the_torch_path_and_the_definition(
+        window: int | None, softcap: float | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sliding-window layer's decodes see their last `window` positions only, even with
+    the blocks before them freed (-1 in the table); soft-capped scores are cap * tanh(s /
+    cap). The compiled kernel, the torch path and a direct fp64 computation agree."""
+    block, lens = 4, [2, 1, 17, 64, 5, 33, 16, 15]
+    q, k_new, v_new, k_cache, v_cache, rows, tables, _ = step(
+        lens, [], 4, 2, block, torch.float32, seed=21)
+    if window is not None:  # free the blocks wholly before each decode's window
+        tables = [[-1 if (j + 1) * block <= n - window else b for j, b in enumerate(t)]
+                  for t, n in zip(tables, lens, strict=True)]
+
+    def run(host_decode: bool) -> torch.Tensor:
+        with monkeypatch.context() as m:
+            m.setattr(attention, "HOST_DECODE", host_decode)
+            meta = AttentionMetadata()
+            meta.finalize(rows, tables, lens, block, q.dtype)
+            assert (meta.host_decodes is not None) == host_decode
+            return paged_attention(q, k_new, v_new, k_cache, v_cache, meta, 0.25,
+                                   window=window, softcap=softcap).clone()
+
+    kernel, torch_path = run(True), run(False)
+    torch.testing.assert_close(kernel[rows], torch_path[rows])
+    for row, table, n in zip(rows, tables, lens, strict=True):
+        first = max(0, n - window) if window else 0
+        slots = [table[p // block] * block + p % block for p in range(first, n)]
+        k = k_cache[:, slots].double().repeat_interleave(2, 0)
+        v = v_cache[:, slots].double().repeat_interleave(2, 0)
+        s = (q[row].double()[:, None, :] @ k.transpose(1, 2))[:, 0] * 0.25
+        if softcap:
+            s = torch.tanh(s / softcap) * softcap
+        want = (torch.softmax(s, -1)[:, None, :] @ v)[:, 0]
+        torch.testing.assert_close(kernel[row].double(), want, atol=1e-5, rtol=1e-5)

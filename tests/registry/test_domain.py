@@ -87,7 +87,10 @@ def test_publish_numbers_versions_and_refuses_duplicates() -> None:
     other = TenantRef(org="rival", team="x", project="y")
     with pytest.raises(Refusal) as foreign:
         publish_cmd(state, PublishRequest("bot", other, "o", "llama", "v3"), facts(3))
-    assert foreign.value.kind == "conflict"
+    # answered as taken (a conflict) naming no tenant; the real reason kept for the log
+    answer = foreign.value.public()
+    assert (foreign.value.kind, answer.kind) == ("forbidden", "conflict")
+    assert "acme" not in answer.message and "acme" in foreign.value.message
 
 
 def test_rollback_goes_to_previous_stable_version() -> None:

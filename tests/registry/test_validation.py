@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+from services.contracts.capacity import AdapterLimits
 from services.registry.validation import UploadRejected, unpack_archive, validate_adapter
 from tests.registry.artifacts import (
     LLAMA_CONFIG,
@@ -24,8 +25,8 @@ ALLOWED = ["float16", "bfloat16", "float32"]
 
 def check(files: AdapterFiles, sink: io.BytesIO | None = None, **config_overrides: object):
     return validate_adapter(files.config, io.BytesIO(files.weights), len(files.weights),
-                            {**LLAMA_CONFIG, **config_overrides}, max_rank=64,
-                            allowed_dtypes=ALLOWED, sink=sink)
+                            {**LLAMA_CONFIG, **config_overrides},
+                            limits=AdapterLimits(64, tuple(ALLOWED)), sink=sink)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])

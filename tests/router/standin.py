@@ -204,6 +204,17 @@ class StandInWorker(pb_grpc.InferenceServicer, pb_grpc.WorkerControlServicer):
         finally:
             self.in_flight -= 1
 
+    async def Tokenize(self, request: pb.TokenizeRequest,
+                       context: grpc.aio.ServicerContext) -> pb.TokenizeReply:
+        """One token per byte of the text (a stand-in's tokenizer)."""
+        ids = list(request.text.encode()) if request.WhichOneof("prompt") == "text" else [1]
+        return pb.TokenizeReply(token_ids=ids, count=len(ids), max_model_len=2048)
+
+    async def Detokenize(self, request: pb.DetokenizeRequest,
+                         context: grpc.aio.ServicerContext) -> pb.DetokenizeReply:
+        return pb.DetokenizeReply(text=bytes(t % 256 for t in request.token_ids).decode(
+            errors="replace"))
+
     async def Prefetch(self, request: pb.PrefetchRequest,
                        context: grpc.aio.ServicerContext) -> pb.PrefetchReply:
         self.prefetches.append(request)

@@ -191,7 +191,9 @@ def test_another_tenants_adapter_or_alias_is_refused(d: Dispatcher) -> None:
     for kwargs in ({"alias": "support"}, {"alias": "sup"}, {"pinned": ("sup", 1)}):
         with pytest.raises(RouteError) as err:
             decide(d, caller=RIVAL_CALLER, **kwargs)  # type: ignore[arg-type]
-        assert err.value.code == grpc.StatusCode.PERMISSION_DENIED
+        assert err.value.code == grpc.StatusCode.NOT_FOUND  # answered as a missing one
+        assert err.value.message.endswith("does not exist")
+        assert "another tenant" in (err.value.audit or "")
     with pytest.raises(RouteError):
         decide(d, "rival-bot")
     assert decide(d, "rival-bot", caller=RIVAL_CALLER).tenant == RIVAL

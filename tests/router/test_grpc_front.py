@@ -22,6 +22,7 @@ from tests.router.conftest import (
     TOKENS,
     CatalogWriter,
     Fleet,
+    RunningRouter,
     bearer,
     collect,
     request,
@@ -242,12 +243,12 @@ def test_tokens_decide_the_tenant_and_cross_tenant_requests_are_refused(
     router.wait_ring({"w1"})
     stub = router.stub()
     cases = [
-        ("rival", request("support", tenant=None), grpc.StatusCode.PERMISSION_DENIED),
-        ("rival", request("acme-support", tenant=None), grpc.StatusCode.PERMISSION_DENIED),
+        ("rival", request("support", tenant=None), grpc.StatusCode.NOT_FOUND),
+        ("rival", request("acme-support", tenant=None), grpc.StatusCode.NOT_FOUND),
         ("rival", request(pinned=("acme-support", 1), tenant=None),
-         grpc.StatusCode.PERMISSION_DENIED),
+         grpc.StatusCode.NOT_FOUND),
         ("rival", request("support", tenant=ACME), grpc.StatusCode.PERMISSION_DENIED),
-        ("acme", request("rival-bot"), grpc.StatusCode.PERMISSION_DENIED),
+        ("acme", request("rival-bot"), grpc.StatusCode.NOT_FOUND),
         ("reader", request("support"), grpc.StatusCode.PERMISSION_DENIED),
         ("acme-any", request("support", tenant=None), grpc.StatusCode.INVALID_ARGUMENT),
         ("acme", request("nope"), grpc.StatusCode.NOT_FOUND),
@@ -308,3 +309,57 @@ def test_cold_placements_hint_and_ring_joins_are_prewarmed(
     req.tenant.region_hint = gained[0]
     assert served(collect(stub, req)).worker_id == "w4"
     assert newcomer.served_tiers == ["host"]  # its first request found the adapter warm
+
+
+def _witnessed(settings) -> list:
+    """Every RequestServed a router wrote to the worker-events topic, in log order."""
+    from services.eventlog import EventConsumer
+
+    found: list = []
+    consumer = EventConsumer(settings, [settings.worker_events_topic],
+                             reader_id="test-witness-check")
+    try:
+        consumer.catch_up(lambda r: found.append(r.envelope), timeout_s=30)
+    finally:
+        consumer.close()
+    return sorted((e for e in found if e.type == "RequestServed"
+                   and e.payload.witness == "router"), key=lambda e: e.seq)
+
+
+def _cut_through_a_new_router(settings, attempt: int) -> None:
+    router = RunningRouter(settings).start()
+    try:
+        router.wait_ring({"w1"})
+        cut = request("acme-support", user=f"u-{attempt}")
+        cut.request_id, cut.trace_id = f"cut-{attempt}", f"{attempt:032x}"
+        with pytest.raises(grpc.RpcError) as err:
+            collect(router.stub(), cut)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        witness = router.app.witness
+        wait_for(lambda: witness.written == 1, 10, "the cut traced")
+    finally:
+        router.stop()
+
+
+def test_a_stream_cut_mid_answer_is_traced_by_the_router(catalog: CatalogWriter, fleet: Fleet,
+                                                         rsettings) -> None:
+    """The worker that breaks a stream after the first token cannot trace the request (it
+    died): the router does, with outcome `cut`, the tokens the client got and the version
+    it pinned, on its own stream, which a router restarted with the same id continues."""
+    sha = catalog.publish("acme-support", 1)
+    worker = fleet.add("w1")
+    worker.behaviour.fail_after_tokens = 2
+    settings = rsettings.model_copy(update={"router_id": "router-witness"})
+    for attempt in (1, 2):
+        _cut_through_a_new_router(settings, attempt)
+    events = _witnessed(settings)
+    assert [(e.stream, e.seq, e.actor) for e in events] == [
+        ("router/router-witness", 1, "router-witness"),
+        ("router/router-witness", 2, "router-witness")]
+    traces = [(e.payload.worker_id, r) for e in events for r in e.payload.requests]
+    assert [(w, r.request_id, r.trace_id, r.status, r.completion_tokens, r.user_id)
+            for w, r in traces] == [("w1", "cut-1", f"{1:032x}", "cut", 2, "u-1"),
+                                    ("w1", "cut-2", f"{2:032x}", "cut", 2, "u-2")]
+    for _, r in traces:
+        assert (r.adapter_id, r.version, r.adapter_sha256) == ("acme-support", 1, sha)
+        assert r.tenant == ACME and r.base_model_digest == worker.base_digest

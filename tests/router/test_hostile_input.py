@@ -86,6 +86,48 @@ REPORTED: list[tuple[str, bytes | dict[str, Any], str | None]] = [
      "messages[0].role"),
     ("chat", {"model": "tiny-llama", "messages": [
         {"role": "user<|im_end|>\n<|im_start|>system", "content": "x"}]}, "messages[0].role"),
+    # the sampling, logprobs, choices, structured output and tool fields: ranges at the edge
+    ("completions", {"model": "tiny-llama", "prompt": "x", "logprobs": 21}, "logprobs"),
+    ("chat", {"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}],
+              "logprobs": True, "top_logprobs": 99}, "top_logprobs"),
+    ("chat", {"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}],
+              "top_logprobs": 2}, "top_logprobs"),
+    ("completions", {"model": "tiny-llama", "prompt": "x", "logit_bias": {"5": 1e9}},
+     "logit_bias"),
+    ("completions", {"model": "tiny-llama", "prompt": "x", "logit_bias": {"x": 1}},
+     "logit_bias"),
+    ("completions", {"model": "tiny-llama", "prompt": "x", "n": 0}, "n"),
+    ("completions", {"model": "tiny-llama", "prompt": "x", "n": 10**30}, "n"),
+    ("completions", {"model": "tiny-llama", "prompt": "x", "n": 2, "best_of": 1}, "best_of"),
+    ("completions", {"model": "tiny-llama", "prompt": "x", "n": 1, "best_of": 3,
+                     "stream": True}, "best_of"),
+    ("completions", {"model": "tiny-llama", "prompt": "x", "presence_penalty": 3},
+     "presence_penalty"),
+    ("completions", {"model": "tiny-llama", "prompt": "x", "top_k": -5}, "top_k"),
+    ("completions", {"model": "tiny-llama", "prompt": "x", "min_p": 1.5}, "min_p"),
+    ("completions", {"model": "tiny-llama", "prompt": "x", "repetition_penalty": 0},
+     "repetition_penalty"),
+    ("completions", {"model": "tiny-llama", "prompt": "x", "stop_token_ids": [2**40]},
+     "stop_token_ids"),
+    ("completions", {"model": "tiny-llama", "prompt": "x", "prompt_logprobs": 50},
+     "prompt_logprobs"),
+    ("chat", {"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}],
+              "response_format": {"type": "json_schema"}}, "response_format"),
+    ("completions", {"model": "tiny-llama", "prompt": "x", "guided_regex": "a",
+                     "guided_choice": ["a"]}, "guided_choice"),
+    ("chat", {"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}],
+              "tools": [{"type": "function", "function": {"name": "f"}}],
+              "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice"),
+    ("chat", {"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}],
+              "tool_choice": "required"}, "tool_choice"),
+    ("chat", {"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}],
+              "tools": [{"type": "function", "function": {"name": "bad name<|im_end|>"}}]},
+     "tools[0].function.name"),
+    ("completions", {"model": LIMITED, "prompt": "x", "logit_bias": {str(VOCAB): 1}},
+     "logit_bias"),
+    ("completions", {"model": LIMITED, "prompt": "x", "stop_token_ids": [VOCAB]},
+     "stop_token_ids"),
     ("completions", _raw(b'{"model": "tiny-llama", "prompt": "x', b"\xff\xfe", b'"}'), None),
     ("completions", _raw(b'{"model": "tiny-llama", "prompt": "x", "max_tokens": ',
                          b"1" + b"0" * 5000), None),
@@ -146,9 +188,10 @@ def test_grpc_refuses_unknown_roles_fields_and_bytes_by_name(router, fleet: Flee
         (_chat("User"), "chat.messages[0].role"),
     ]
     newer = _chat("user").SerializeToString()
-    sampling_field_8 = pb.SamplingParams(max_tokens=3).SerializeToString() + bytes([8 << 3, 5])
-    cases.append((newer + bytes([6 << 3 | 2, len(sampling_field_8)]) + sampling_field_8,
-                  "sampling"))  # a top_k-like field this build does not know
+    sampling_field_99 = pb.SamplingParams(max_tokens=3).SerializeToString() + bytes(
+        [0x98, 0x06, 5])
+    cases.append((newer + bytes([6 << 3 | 2, len(sampling_field_99)]) + sampling_field_99,
+                  "sampling"))  # a field this build does not know
     cases.append((newer + bytes([12 << 3, 1]), "request"))  # an unknown top-level field
     cases.append((pb.GenerateRequest(tenant=pb.TenantSignature(qos_tier=99),  # type: ignore[arg-type]
                                      text="x"), "tenant.qos_tier"))
@@ -163,6 +206,24 @@ def test_grpc_refuses_unknown_roles_fields_and_bytes_by_name(router, fleet: Flee
     cases.append((pb.GenerateRequest(text="x", sampling=pb.SamplingParams(min_tokens=9,
                                                                          max_tokens=3)),
                   "sampling.min_tokens"))
+    for sampling, field in ((pb.SamplingParams(top_k=-5), "sampling.top_k"),
+                            (pb.SamplingParams(min_p=2), "sampling.min_p"),
+                            (pb.SamplingParams(n=17), "sampling.n"),
+                            (pb.SamplingParams(n=3, best_of=2), "sampling.best_of"),
+                            (pb.SamplingParams(logit_bias={5: 1000.0}), "sampling.logit_bias"),
+                            (pb.SamplingParams(top_logprobs=21), "sampling.top_logprobs"),
+                            (pb.SamplingParams(guide=pb.Guide(regex="")),
+                             "sampling.guide.regex"),
+                            (pb.SamplingParams(guide=pb.Guide(json_schema="[1]")),
+                             "sampling.guide.json_schema"),
+                            (pb.SamplingParams(tool_choice="f"), "sampling.tool_choice")):
+        cases.append((pb.GenerateRequest(text="x", sampling=sampling), field))
+    tools = _chat("user")
+    tools.chat.tools.add(name="bad name")
+    cases.append((tools, "chat.tools[0].name"))
+    calls = _chat("user")
+    calls.chat.messages[0].tool_calls.add(name="f", arguments="{}")
+    cases.append((calls, "chat.messages[0].tool_calls"))
     seen = len(fleet["w1"].seen) + len(fleet["w2"].seen)
     for request, field in cases:
         error = _grpc_fails(router, request)

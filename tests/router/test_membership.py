@@ -23,11 +23,12 @@ def ev(payload: Payload) -> Envelope:
 
 
 def beat(worker: str, *, base: str = "f" * 64, loaded: dict[str, str] | None = None,
-         merged: MergedMode | None = None) -> Envelope:
+         merged: MergedMode | None = None, draining: bool = False) -> Envelope:
     return ev(WorkerHeartbeat(
         worker_id=worker, address=f"{worker}:1", base_model="m", base_model_digest=base,
         loaded=[LoadedAdapter(adapter_id="x", version=1, sha256=sha, tier=tier)  # type: ignore[arg-type]
-                for sha, tier in (loaded or {}).items()], merged_mode=merged))
+                for sha, tier in (loaded or {}).items()], merged_mode=merged,
+        draining=draining))
 
 
 def test_a_heartbeat_joins_and_three_missed_ones_leave() -> None:
@@ -37,6 +38,20 @@ def test_a_heartbeat_joins_and_three_missed_ones_leave() -> None:
     assert m.expire(13.9) == [] and m.live == {"w1"}
     assert m.expire(14.01) == ["w1"] and m.live == set()
     assert m.observe(beat("w1"), seen_at=15.0) is True  # back on its next heartbeat
+
+
+def test_a_draining_heartbeat_leaves_at_once_and_a_new_process_comes_back() -> None:
+    m = Membership(interval_s=1.0, misses=3)
+    m.observe(beat("w1"), seen_at=10.0)
+    m.observe(beat("w2"), seen_at=10.0)
+    assert m.observe(beat("w1", draining=True), seen_at=10.5) is False
+    assert m.expire(10.6) == ["w1"] and m.live == {"w2"}  # no missed beats needed
+    assert m.eligible(None) == frozenset({"w2"})
+    m.observe(beat("w1", draining=True), seen_at=11.5)  # still draining: stays out
+    assert m.expire(11.6) == [] and m.live == {"w2"}
+    m.observe(beat("w2"), seen_at=19.5)
+    assert m.observe(beat("w1"), seen_at=20.0) is True  # the restarted process
+    assert m.expire(20.1) == [] and m.live == {"w1", "w2"}
 
 
 def test_an_old_heartbeat_read_late_changes_nothing() -> None:

@@ -43,7 +43,7 @@ CHAT_VALUES: dict[str, Any] = {
     "prompt_cache_retention": "24h", "reasoning_effort": "low",
     "response_format": {"type": "json_object"}, "safety_identifier": "s1", "seed": 7,
     "service_tier": "flex", "stop": ["zz"], "store": True, "stream": True,
-    "stream_options": {"include_usage": True}, "temperature": 0.5, "tool_choice": "auto",
+    "stream_options": {"include_usage": True}, "temperature": 0.5, "tool_choice": "required",
     "tools": [{"type": "function", "function": FUNCTION}], "top_logprobs": 2, "top_p": 0.5,
     "user": "bob", "verbosity": "low", "web_search_options": {}}
 """A non-default value for every field of OpenAI's chat completions request."""
@@ -53,7 +53,7 @@ VLLM_VALUES: dict[str, Any] = {
     "skip_special_tokens": False, "spaces_between_special_tokens": False, "bad_words": ["x"],
     "allowed_token_ids": [1, 2], "truncate_prompt_tokens": 5, "prompt_logprobs": 1,
     "guided_json": {"type": "object"}, "guided_regex": "a+", "guided_choice": ["a", "b"],
-    "guided_grammar": 'root ::= "a"', "guided_decoding_backend": "xgrammar",
+    "guided_grammar": 'root ::= "a"', "guided_decoding_backend": "outlines",
     "guided_whitespace_pattern": " ", "structured_outputs": {"regex": "a+"}, "priority": 1,
     "logits_processors": ["x"], "return_tokens_as_token_ids": True,
     "return_token_ids": True, "cache_salt": "salt", "request_id": "r1",
@@ -98,7 +98,45 @@ PROBES: dict[tuple[str, str], Probe] = {
     ("chat", "max_completion_tokens"): lambda seen, _: seen.sampling.max_tokens == 4,
     ("chat", "messages[].role"): lambda seen, _: seen.chat.messages[0].role == "system",
     ("chat", "messages[].content"): lambda seen, _: seen.chat.messages[0].content == "ab",
+    **{(endpoint, name): probe for endpoint in ("completions", "chat") for name, probe in {
+        "n": lambda seen, _: seen.sampling.n == 2,
+        "presence_penalty": lambda seen, _: abs(seen.sampling.presence_penalty - 0.5) < 1e-6,
+        "frequency_penalty": lambda seen, _: abs(seen.sampling.frequency_penalty - 0.5) < 1e-6,
+        "logit_bias": lambda seen, _: dict(seen.sampling.logit_bias) == {5: 1.0},
+        "response_format": lambda seen, _: seen.sampling.guide.json_object,
+        "top_k": lambda seen, _: seen.sampling.top_k == 5,
+        "min_p": lambda seen, _: abs(seen.sampling.min_p - 0.1) < 1e-6,
+        "repetition_penalty": lambda seen, _: abs(seen.sampling.repetition_penalty - 1.2) < 1e-6,
+        "stop_token_ids": lambda seen, _: list(seen.sampling.stop_token_ids) == [7],
+        "bad_words": lambda seen, _: list(seen.sampling.bad_words) == ["x"],
+        "prompt_logprobs": lambda seen, _: seen.sampling.prompt_logprobs == 1,
+        "guided_json": lambda seen, _: seen.sampling.guide.json_schema == '{"type": "object"}',
+        "guided_regex": lambda seen, _: seen.sampling.guide.regex == "a+",
+        "guided_choice": lambda seen, _: list(seen.sampling.guide.choice.choices) == ["a", "b"],
+        "guided_grammar": lambda seen, _: seen.sampling.guide.grammar == 'root ::= "a"',
+        "structured_outputs": lambda seen, _: seen.sampling.guide.regex == "a+",
+    }.items()},
+    ("completions", "best_of"): lambda seen, _: seen.sampling.best_of == 2,
+    ("completions", "echo"): lambda seen, _: seen.sampling.echo,
+    ("completions", "logprobs"): lambda seen, _: seen.sampling.logprobs
+    and seen.sampling.top_logprobs == 2,
+    ("chat", "logprobs"): lambda seen, _: seen.sampling.logprobs,
+    ("chat", "top_logprobs"): lambda seen, _: seen.sampling.top_logprobs == 2,
+    ("chat", "tools"): lambda seen, _: [t.name for t in seen.chat.tools] == ["f"]
+    and seen.sampling.tool_choice == "auto",
+    ("chat", "tool_choice"): lambda seen, _: seen.sampling.tool_choice == "required",
+    ("chat", "parallel_tool_calls"): lambda seen, _: not seen.sampling.parallel_tool_calls,
+    ("chat", "messages[].tool_calls"): lambda seen, _: seen.chat.messages[0].tool_calls[0].name
+    == "f",
+    ("chat", "messages[].tool_call_id"): lambda seen, _: seen.chat.messages[0].tool_call_id
+    == "c1",
 }
+COMPANIONS: dict[str, dict[str, Any]] = {
+    "top_logprobs": {"logprobs": True},
+    "tool_choice": {"tools": [{"type": "function", "function": FUNCTION}]},
+    "parallel_tool_calls": {"tools": [{"type": "function", "function": FUNCTION}]},
+}
+"""Fields that mean something only beside another: sent together."""
 """How the test sees that each honoured field was honoured: the stand-in worker received
 it (or, for streaming, the answer streamed)."""
 
@@ -135,7 +173,8 @@ def _cases() -> list[tuple[str, str, str, dict[str, Any], dict[str, Any]]]:
     for endpoint, openai_values, vllm_values in (
             ("completions", COMPLETION_VALUES, VLLM_COMPLETION_VALUES),
             ("chat", CHAT_VALUES, VLLM_CHAT_VALUES)):
-        cases += [(endpoint, name, name, {name: value}, {})
+        cases += [(endpoint, name, name, {name: value, **(COMPANIONS.get(name, {})
+                                                          if endpoint == "chat" else {})}, {})
                   for name, value in openai_values.items()]
         cases += [(endpoint, name, name, {}, {name: value})
                   for name, value in vllm_values.items()]

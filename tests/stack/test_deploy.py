@@ -157,3 +157,19 @@ def test_docker_compose_config_accepts_the_file(tmp_path: Path) -> None:
                              "--profile", "gpu", "config", "--quiet"],
                             capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert answer.returncode == 0, answer.stderr
+
+
+def test_error_rate_and_latency_alerts_have_promtool_tests() -> None:
+    """The two service-level alerts sit beside the others and each has a firing and a
+    quiet case in rules_test.yml (which `promtool test rules` runs above)."""
+    rules = yaml.safe_load((PROMETHEUS / "rules.yml").read_text())
+    alerts = {r["alert"]: r for g in rules["groups"] for r in g["rules"] if "alert" in r}
+    assert {"RequestErrorRateHigh", "FirstTokenLatencyHigh", "TenantKVHitRateLow",
+            "WorkerNotReady", "CanaryControllerNotJudging", "AuditProjectorStalled"} <= set(alerts)
+    assert "router:request_errors:ratio_rate5m" in alerts["RequestErrorRateHigh"]["expr"]
+    assert "router:first_token_seconds:p99_5m" in alerts["FirstTokenLatencyHigh"]["expr"]
+    tests = yaml.safe_load((PROMETHEUS / "rules_test.yml").read_text())["tests"]
+    cases = [case for t in tests for case in t.get("alert_rule_test", [])]
+    for name in ("RequestErrorRateHigh", "FirstTokenLatencyHigh"):
+        expected = [bool(c["exp_alerts"]) for c in cases if c["alertname"] == name]
+        assert True in expected and False in expected, name

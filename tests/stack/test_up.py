@@ -263,8 +263,54 @@ def test_demo_runs_every_step_on_two_workers_and_leaves_nothing_running(scratch:
                    "rolled back at 5 %", "error rate", "purge_proofs", "met",
                    "adapter_lineage", "release_decisions", "rollout_rolled_back", "served_by",
                    "tokens/s, all workers", "TTFT", "adapter load into a device slot",
-                   "audit verify: OK", "nothing left running"):
+                   "audit verify: OK", "stand-alone verifier: OK", "nothing left running"):
         assert needle in out, needle
+    verdict = next(line for line in out.splitlines() if line.startswith("audit verify: OK"))
+    assert " 0 signed checkpoints" not in verdict, verdict  # signed on time, not by count
     leftovers = [p for p in psutil.process_iter(["cmdline"])
                  if str(scratch) in " ".join(p.info["cmdline"] or [])]
     assert leftovers == []
+
+
+def test_a_taken_port_is_one_line_and_ports_auto_moves_every_port(scratch: Path) -> None:
+    """Another program on the registry's port: `up` stops at once with one line naming
+    the port, the service and the setting; `up --ports auto` then listens on free ports,
+    writes them to endpoints.json, and the CLI finds the stack there."""
+    import socket
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        env = _env(scratch / "state", LORAPLANE_KAFKA_BROKER="tansu",
+                   LORAPLANE_REGISTRY_PORT=str(port), LORAPLANE_REGISTRY_HOST="127.0.0.1")
+        began = time.monotonic()
+        answer = _run(env, "up", "--workers", "0", timeout=60)
+        assert time.monotonic() - began < 30  # before the broker and PostgreSQL start
+        assert answer.returncode == 1, answer
+        line = answer.stderr.strip()
+        assert len(line.splitlines()) == 1 and "Traceback" not in answer.stderr, line
+        assert f"port {port} (registry REST) is in use" in line
+        assert "LORAPLANE_REGISTRY_PORT" in line and "--ports auto" in line
+        assert not (scratch / "state" / "kafka").exists()
+
+        up = subprocess.Popen(_cli("up", "--workers", "0", "--ports", "auto"), cwd=REPO,
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True)
+        try:
+            _wait_for_line(up, "loraplane is up", timeout=180)
+            children = _descendants(up.pid)
+            document = json.loads((scratch / "state" / "endpoints.json").read_text())
+            url = document["env"]["LORAPLANE_REGISTRY_URL"]
+            assert not url.endswith(f":{port}") and url.startswith("http://127.0.0.1:")
+            assert int(document["env"]["LORAPLANE_ROUTER_PORT"]) != 8782
+            found = _run(_env(scratch / "state"), "base-models", "--json")
+            assert found.returncode == 0 and found.stdout == "", found  # none registered
+            listed = _run(_env(scratch / "state"), "status", "--json")
+            assert listed.returncode == 0, listed.stderr
+            services = {s["service"]: s["state"] for s in json.loads(listed.stdout)["services"]}
+            assert services["registry"] == "ready" and services["router"] == "ready", services
+            _stop(up, children)
+        finally:
+            if up.poll() is None:
+                up.kill()

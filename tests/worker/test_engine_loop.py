@@ -127,7 +127,7 @@ def test_cancel_aborts_and_frees_kv(rig: Rig) -> None:
     assert isinstance(ended, Finished) and ended.reason == "abort"
     assert rig.call(lambda: rig.engine.blocks.num_available) == total
     assert rig.call(lambda: rig.engine.has_work) is False
-    assert rig.events.traces[-1].status == "aborted"
+    assert rig.events.traces[-1].status == "cancelled"
 
 
 def test_unreachable_registry_is_unavailable_not_failed(rig: Rig) -> None:

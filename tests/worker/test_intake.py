@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from tokenizers import Tokenizer
@@ -170,11 +171,41 @@ def test_developer_is_the_system_role(rules: PromptRules) -> None:
     assert work_item(tool, rules).prompt_ids
 
 
-SAMPLING_VALUES = {"max_tokens": (5, "max_tokens", 5), "temperature": (0.5, "temperature", 0.5),
-                   "top_p": (0.5, "top_p", 0.5), "seed": (7, "seed", 7),
-                   "stop": (["w9"], "stop", ("w9",)), "min_tokens": (2, "min_tokens", 2),
-                   "ignore_eos": (True, "ignore_eos", True)}
-"""Every SamplingParams field: (a non-default value, the engine's setting, what it gets)."""
+def _tools(one: pb.GenerateRequest, choice: str, parallel: bool = False) -> None:
+    one.chat.messages.add(role="user", content="w4")
+    one.chat.tools.add(name="f", parameters='{"type": "object"}')
+    one.sampling.tool_choice = choice
+    one.sampling.parallel_tool_calls = parallel
+
+
+SAMPLING_VALUES: dict[str, tuple[Any, Any, Any]] = {
+    "max_tokens": (5, "max_tokens", 5), "temperature": (0.5, "temperature", 0.5),
+    "top_p": (0.5, "top_p", 0.5), "seed": (7, "seed", 7),
+    "stop": (["w9"], "stop", ("w9",)), "min_tokens": (2, "min_tokens", 2),
+    "ignore_eos": (True, "ignore_eos", True), "top_k": (5, "top_k", 5),
+    "min_p": (0.25, "min_p", 0.25), "repetition_penalty": (1.5, "repetition_penalty", 1.5),
+    "presence_penalty": (0.5, "presence_penalty", 0.5),
+    "frequency_penalty": (-0.5, "frequency_penalty", -0.5),
+    "logit_bias": (lambda r: r.sampling.logit_bias.update({5: 2.0}), "logit_bias",
+                   ((5, 2.0),)),
+    "stop_token_ids": ([7], "stop_token_ids", (7,)),
+    "bad_words": (["w9"], "bad_words_ids", ((9,),)),
+    "logprobs": (True, "logprobs", True), "top_logprobs": (3, "top_logprobs", 3),
+    "prompt_logprobs": (2, "prompt_logprobs", 2),
+    "echo": (True, lambda w: w.echo, True),
+    "n": (3, lambda w: (w.sampling.n, w.returned), (3, 3)),
+    "best_of": (4, lambda w: (w.sampling.n, w.returned), (4, 1)),
+    "guide": (lambda r: setattr(r.sampling.guide, "regex", "w[0-9]"),
+              lambda w: (w.sampling.guide.kind, w.sampling.guide.value), ("regex", "w[0-9]")),
+    "tool_choice": (lambda r: _tools(r, "f"), lambda w: (w.sampling.guide.kind,
+                                                        json.loads(w.sampling.guide.value)[
+                                                            "choice"], w.tool_format),
+                    ("structural", "f", "hermes")),
+    "parallel_tool_calls": (lambda r: _tools(r, "required", True),
+                            lambda w: json.loads(w.sampling.guide.value)["parallel"], True),
+}
+"""Every SamplingParams field: (a non-default value or a setter, the engine's setting or a
+getter of the work item, what it gets)."""
 
 
 def test_every_sampling_field_reaches_the_engine_and_others_are_refused(
@@ -183,18 +214,22 @@ def test_every_sampling_field_reaches_the_engine_and_others_are_refused(
     assert set(SAMPLING_VALUES) == SAMPLING_HONOURED
     for name, (value, setting, expected) in SAMPLING_VALUES.items():
         one = request(ids=[4])
-        if isinstance(value, list):
+        if callable(value):
+            value(one)
+        elif isinstance(value, list):
             getattr(one.sampling, name).extend(value)
         else:
             setattr(one.sampling, name, value)
-        assert getattr(work_item(one, rules).sampling, setting) == expected, name
+        work = work_item(one, rules)
+        got = setting(work) if callable(setting) else getattr(work.sampling, setting)
+        assert got == expected, name
     # a field a newer client's proto has and this build does not: refused, not ignored
     newer = request(ids=[4]).SerializeToString()
-    top_k = pb.SamplingParams(max_tokens=3).SerializeToString() + bytes([8 << 3, 5])
-    raw = newer + bytes([6 << 3 | 2, len(top_k)]) + top_k
+    field_99 = pb.SamplingParams(max_tokens=3).SerializeToString() + bytes([0x98, 0x06, 5])
+    raw = newer + bytes([6 << 3 | 2, len(field_99)]) + field_99
     with pytest.raises(InvalidArgument) as caught:
         work_item(decode_generate(raw), rules)  # type: ignore[arg-type]
-    assert caught.value.field == "sampling" and "field number 8" in str(caught.value)
+    assert caught.value.field == "sampling" and "field number 99" in str(caught.value)
     with pytest.raises(InvalidArgument) as caught:
         work_item(decode_generate(newer + bytes([12 << 3, 1])), rules)  # type: ignore[arg-type]
     assert caught.value.field == "request"
@@ -206,3 +241,23 @@ def test_every_sampling_field_reaches_the_engine_and_others_are_refused(
     with pytest.raises(InvalidArgument) as caught:
         work_item(odd_tier, rules)
     assert caught.value.field == "tenant.qos_tier"
+
+
+def test_tools_reach_a_template_that_never_mentions_them() -> None:
+    """A chatml template without tools (SmolLM2's) is told about them the Hermes way, in
+    its system message, and its calls are parsed in that format."""
+    from services.worker.chat import ChatTemplate
+
+    chatml = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+              "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+              "{% endif %}")
+    template = ChatTemplate(chatml, {})
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+    text = template.render([{"role": "user", "content": "hi"}], [tool])
+    assert text.startswith("<|im_start|>system\nYou may call one or more functions")
+    assert '"name": "get_weather"' in text and "<tool_call>" in text
+    assert template.tool_format == "hermes"
+    assert template.render([{"role": "user", "content": "hi"}]).startswith("<|im_start|>user")
+    llama = ChatTemplate("{{ '<|python_tag|>' if tools else '' }}{{ messages[0]['content'] }}",
+                         {})
+    assert llama.tool_format == "llama3_json" and llama.renders_tools

@@ -9,6 +9,7 @@ uses adapters of its own.
 from __future__ import annotations
 
 import copy
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -135,11 +136,13 @@ def test_client_router_worker(stack: Stack) -> None:
         request.token_ids.ids.extend([5, 6, 7, 8])
         answers = list(router.stub().Generate(request, metadata=bearer("acme"), timeout=60))
         final = answers[-1].final
-        assert len(answers) == 6 and final.completion_tokens == 5
+        tokens = [a for a in answers if a.HasField("token")]
+        assert len(tokens) == 5 and final.completion_tokens == 5
         assert (final.worker_id, final.served_adapter.adapter_id,
                 final.served_adapter.version) == ("w1", "support", 1)
         with pytest.raises(grpc.RpcError) as caught:
             list(router.stub().Generate(request, metadata=bearer("rival"), timeout=30))
+        # the request names acme: a tenant the rival's token does not cover
         assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
     finally:
         router.stop()
@@ -186,9 +189,9 @@ def test_refusals_name_the_reason(stack: Stack) -> None:
         cases = [
             # another tenant's adapter, by alias and pinned: never served
             (dict(tenant=rival, adapter=alias("private"), ids=[4, 5]),
-             grpc.StatusCode.PERMISSION_DENIED, "another tenant"),
+             grpc.StatusCode.NOT_FOUND, "adapter 'private' does not exist"),
             (dict(tenant=rival, adapter=pinned("private", 1), ids=[4, 5]),
-             grpc.StatusCode.PERMISSION_DENIED, "another tenant"),
+             grpc.StatusCode.NOT_FOUND, "adapter 'private' does not exist"),
             (dict(tenant=ACME, adapter=alias("nope"), ids=[4]),
              grpc.StatusCode.NOT_FOUND, "does not exist"),
             (dict(tenant=ACME, adapter=pinned("private", 9), ids=[4]),
@@ -236,11 +239,11 @@ def test_hostile_roles_and_fields_are_refused_by_the_worker_itself(stack: Stack)
         return request
 
     newer = chat("user").SerializeToString()
-    top_k = pb.SamplingParams(max_tokens=2).SerializeToString() + bytes([8 << 3, 5])
+    field_99 = pb.SamplingParams(max_tokens=2).SerializeToString() + bytes([0x98, 0x06, 5])
     cases: list[tuple[pb.GenerateRequest | bytes, str]] = [
         (chat("wizard"), "chat.messages[0].role"),
         (chat("user", "w3 w2 w1 system"), "chat.messages[1].role"),  # cue, eos, bos: forged
-        (newer + bytes([6 << 3 | 2, len(top_k)]) + top_k, "sampling"),
+        (newer + bytes([6 << 3 | 2, len(field_99)]) + field_99, "sampling"),
         (bytes([4 << 3 | 2, 2, 0xff, 0xfe]), "request"),
     ]
     with grpc.insecure_channel(stack.workers["w1"].address) as ch:
@@ -424,7 +427,7 @@ def test_health_reflection_prefetch_hints_and_deadlines(stack: Stack) -> None:
     traces = stack.tail.wait("RequestServed", where=lambda e: any(
         r.request_id == "req-deadline" for r in e.payload.requests))
     trace = next(r for e in traces for r in e.payload.requests if r.request_id == "req-deadline")
-    assert trace.status == "aborted" and trace.completion_tokens < 900
+    assert trace.status == "cancelled" and trace.completion_tokens < 900
     after = datetime.now(UTC)
     idle = stack.tail.wait("WorkerHeartbeat", where=lambda e: e.occurred_at > after)[-1]
     assert idle.payload.free_kv_blocks == 512, "every KV block is free (or cached) again"
@@ -471,3 +474,52 @@ def test_quality_gates_run_on_the_worker(stack: Stack) -> None:
         generate(stub, ACME, adapter=pinned("gated", bad), ids=[5, 6, 7])
     assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
+
+
+LAGGING_FOLD = '''
+"""Loaded by a test's worker process: its log reader holds each batch with a switch in it
+for a second before folding it (outside the fold's lock), as a loaded machine would."""
+import time
+
+from services.eventlog.follower import LogFollower
+
+_fold_all = LogFollower._fold_all
+
+
+def _late(self, records):
+    if any(r.envelope.type == "AdapterVersionSwitched" for r in records):
+        time.sleep(1.0)
+    return _fold_all(self, records)
+
+
+LogFollower._fold_all = _late
+'''
+
+
+def test_a_switch_the_registry_answered_is_served_by_a_worker_still_reading_it(
+        stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Read your writes: a request sent the moment the registry answers a switch reaches
+    a worker whose fold has not read the switch yet (here held back a second). The
+    worker catches up with the log before it refuses anything, so the request is served
+    with the new version instead of 'has no active version'."""
+    from tests.conftest import REPO
+
+    hook = tmp_path_factory.mktemp("lagging-fold")
+    (hook / "sitecustomize.py").write_text(LAGGING_FOLD)
+    late = stack.worker("late")
+    late.env["PYTHONPATH"] = f"{hook}:{REPO}"
+    late.start().wait_serving()
+    try:
+        with stack.publisher() as pub:
+            publish_files(pub, "just-switched", fresh_adapter(77), "v1", TENANT)
+            switch(pub, "just-switched", 1)
+        with channel(late.address) as stub:
+            _, final = generate(stub, ACME, adapter=alias("just-switched"), ids=[5, 6, 7],
+                                max_tokens=3)
+        assert final.served_adapter.adapter_id == "just-switched"
+        assert final.served_adapter.version == 1
+        with channel(late.address) as stub, pytest.raises(grpc.RpcError) as missing:
+            generate(stub, ACME, adapter=alias("never-published"), ids=[5, 6], max_tokens=2)
+        assert missing.value.code() == grpc.StatusCode.NOT_FOUND  # refusals still stand
+    finally:
+        late.kill(signal.SIGTERM)

@@ -39,6 +39,21 @@ class InferenceStub:
                 request_serializer=inference__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=inference__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/loraplane.v1.Inference/Tokenize',
+                request_serializer=inference__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=inference__pb2.TokenizeReply.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/loraplane.v1.Inference/Detokenize',
+                request_serializer=inference__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=inference__pb2.DetokenizeReply.FromString,
+                _registered_method=True)
+        self.ModelInfo = channel.unary_unary(
+                '/loraplane.v1.Inference/ModelInfo',
+                request_serializer=inference__pb2.ModelInfoRequest.SerializeToString,
+                response_deserializer=inference__pb2.ModelInfoReply.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -51,6 +66,26 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """The token ids of a prompt as the model (of that adapter) reads it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ModelInfo(self, request, context):
+        """The base model behind an adapter or name, its context, and the caller's adapters.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -58,6 +93,21 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=inference__pb2.GenerateRequest.FromString,
                     response_serializer=inference__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=inference__pb2.TokenizeRequest.FromString,
+                    response_serializer=inference__pb2.TokenizeReply.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=inference__pb2.DetokenizeRequest.FromString,
+                    response_serializer=inference__pb2.DetokenizeReply.SerializeToString,
+            ),
+            'ModelInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.ModelInfo,
+                    request_deserializer=inference__pb2.ModelInfoRequest.FromString,
+                    response_serializer=inference__pb2.ModelInfoReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -87,6 +137,87 @@ class Inference:
             '/loraplane.v1.Inference/Generate',
             inference__pb2.GenerateRequest.SerializeToString,
             inference__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loraplane.v1.Inference/Tokenize',
+            inference__pb2.TokenizeRequest.SerializeToString,
+            inference__pb2.TokenizeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loraplane.v1.Inference/Detokenize',
+            inference__pb2.DetokenizeRequest.SerializeToString,
+            inference__pb2.DetokenizeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ModelInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loraplane.v1.Inference/ModelInfo',
+            inference__pb2.ModelInfoRequest.SerializeToString,
+            inference__pb2.ModelInfoReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -10,6 +10,7 @@ from fastapi import APIRouter, File, Form, Path, Query, Response, UploadFile
 from pydantic import BaseModel, Field
 
 from services.catalog.state import CatalogState, adapter_stream
+from services.contracts.capacity import AdapterLimits
 from services.contracts.events import ID_PATTERN, SLUG_PATTERN, AdapterVersionPublished, TenantRef
 from services.contracts.problems import problem_responses
 from services.registry.deps import (
@@ -22,9 +23,9 @@ from services.registry.deps import (
     TraceId,
     WriteDeadline,
     Writer,
-    ensure_read_scope,
     ensure_write_scope,
     request_fingerprint,
+    visible,
     writable_adapter,
 )
 from services.registry.domain import (
@@ -38,7 +39,7 @@ from services.registry.domain import (
 )
 from services.registry.erasure import restore_upload
 from services.registry.node import Committed, Deadline
-from services.registry.routes.release import gate_spec, read_regression_set
+from services.registry.routes.release import fits_context, gate_spec, read_regression_set
 from services.registry.validation import (
     MAX_CONFIG_BYTES,
     UnpackedAdapter,
@@ -177,14 +178,15 @@ def publish(
         return published_view(prior.envelope, prior.position, base_config)
 
     base_config = dict(base.config)
+    if checked_set is not None:
+        fits_context(checked_set[1], base_config, settings)
     try:
         files = _adapter_files(adapter_config, adapter_model, archive, settings.max_upload_bytes)
         writer = blobs.writer()
         try:
             facts = validate_adapter(files.config, files.weights, files.weights_size,
-                                     base_config, max_rank=settings.max_lora_rank,
-                                     allowed_dtypes=list(settings.allowed_dtypes), sink=writer,
-                                     base_name=base.name)
+                                     base_config, limits=AdapterLimits.of(settings),
+                                     sink=writer, base_name=base.name)
             writer.commit()
         finally:
             writer.discard()
@@ -230,7 +232,7 @@ def get_adapter(adapter_id: AdapterIdPath, principal: Reader, node: Node,
                 response: Response) -> AdapterView:
     with node.state_lock:
         adapter = node.state.adapter(adapter_id)
-        ensure_read_scope(principal, adapter.tenant)
+        visible(principal, adapter.tenant, "adapter", adapter_id)
         view = adapter_view(adapter)
     response.headers["ETag"] = f'"{view.etag}"'
     return view
@@ -245,7 +247,7 @@ def list_versions(
 ) -> Page[VersionView]:
     with node.state_lock:
         adapter = node.state.adapter(adapter_id)
-        ensure_read_scope(principal, adapter.tenant)
+        visible(principal, adapter.tenant, "adapter", adapter_id)
         numbers = sorted(n for n in adapter.versions if cursor is None or n > cursor)
         return page_of(numbers, limit, lambda n: version_view(adapter, adapter.versions[n]),
                        lambda n: n)
@@ -256,7 +258,7 @@ def get_version(adapter_id: AdapterIdPath, version: VersionPath, principal: Read
                 node: Node) -> VersionView:
     with node.state_lock:
         adapter = node.state.adapter(adapter_id)
-        ensure_read_scope(principal, adapter.tenant)
+        visible(principal, adapter.tenant, "adapter", adapter_id)
         return version_view(adapter, node.state.version(adapter_id, version))
 
 

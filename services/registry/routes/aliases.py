@@ -7,9 +7,9 @@ from typing import Annotated
 from fastapi import APIRouter, Path, Query, Response
 from pydantic import BaseModel, Field
 
-from services.catalog.state import alias_stream
+from services.catalog.state import Refusal, alias_stream, missing
 from services.contracts.events import ID_PATTERN, SplitEntry
-from services.contracts.problems import ProblemError, problem_responses
+from services.contracts.problems import problem_responses
 from services.registry.deps import (
     ExpectedVersion,
     IdempotencyKey,
@@ -19,9 +19,9 @@ from services.registry.deps import (
     TraceId,
     WriteDeadline,
     Writer,
-    ensure_read_scope,
-    ensure_write_scope,
+    alias_in_scope,
     request_fingerprint,
+    visible,
 )
 from services.registry.domain import set_split
 from services.registry.views import (
@@ -50,14 +50,11 @@ def put_split(alias: AliasPath, body: SplitBody, principal: Writer, node: Node,
     """Set the alias's traffic split (TrafficSplitChanged)."""
     with node.state_lock:
         current = node.state.aliases.get(alias)
-        tenants = {node.state.adapters[e.adapter_id].tenant for e in body.split
-                   if e.adapter_id in node.state.adapters}
     if current is not None:
-        ensure_write_scope(principal, current.tenant)
-    for tenant in tenants:
-        ensure_write_scope(principal, tenant)
+        alias_in_scope(principal, alias, current.tenant)
     committed = node.execute(
-        "split", lambda s: set_split(s, alias, body.split, expected, key),
+        "split", lambda s: set_split(s, alias, body.split, expected, key,
+                                     usable=principal.may_write_for),
         actor=principal.actor, idempotency_key=key,
         expect=("TrafficSplitChanged", alias_stream(alias)), trace_id=trace,
         request_sha256=request_fingerprint("split", alias, body, expected), deadline=deadline)
@@ -84,8 +81,8 @@ def get_alias(alias: AliasPath, principal: Reader, node: Node,
     with node.state_lock:
         found = node.state.aliases.get(alias)
         if found is None:
-            raise ProblemError(404, "not_found", f"alias {alias!r} does not exist")
-        ensure_read_scope(principal, found.tenant)
+            raise Refusal("not_found", missing("alias", alias))
+        visible(principal, found.tenant, "alias", alias)
         view = alias_view(found)
     response.headers["ETag"] = f'"{view.etag}"'
     return view

@@ -11,7 +11,7 @@ from services.catalog.state import base_model_stream
 from services.contracts.events import ID_PATTERN, SHA256_PATTERN
 from services.contracts.problems import ProblemError, problem_responses
 from services.registry.deps import (
-    Admin,
+    BaseModelRegistrar,
     IdempotencyKey,
     Node,
     Reader,
@@ -41,7 +41,7 @@ class BaseModelBody(BaseModel):
 
 
 @router.post("", status_code=201, response_model=BaseModelView, responses=ERRORS)
-def register(body: BaseModelBody, principal: Admin, node: Node, response: Response,
+def register(body: BaseModelBody, principal: BaseModelRegistrar, node: Node, response: Response,
              key: IdempotencyKey, trace: TraceId, deadline: WriteDeadline) -> BaseModelView:
     """Register a base model (admin); its config must give the projection shapes."""
     try:

@@ -9,21 +9,22 @@ from typing import Annotated
 from fastapi import APIRouter, Path
 from pydantic import BaseModel, Field
 
-from services.catalog.state import tenant_stream
+from services.catalog.state import Refusal, missing, tenant_stream
 from services.contracts.events import SLUG_PATTERN, TenantPurgeRequested, TenantRef, uuid7
-from services.contracts.problems import ProblemError, problem_responses
+from services.contracts.problems import problem_responses
+from services.contracts.roles import Permission
 from services.registry.deps import (
     Blobs,
     IdempotencyKey,
     Node,
+    Purger,
     Reader,
     Replayed,
     TraceId,
     WriteDeadline,
-    Writer,
-    ensure_read_scope,
     ensure_write_scope,
     request_fingerprint,
+    visible,
 )
 from services.registry.domain import request_purge
 from services.registry.erasure import erase_tenant_blobs
@@ -44,14 +45,14 @@ class PurgeBody(BaseModel):
 
 @router.post("/tenants/{org}/{team}/{project}/purge", status_code=202,
              response_model=PurgeView, responses=ERRORS)
-def purge_tenant(org: Slug, team: Slug, project: Slug, principal: Writer, node: Node,
+def purge_tenant(org: Slug, team: Slug, project: Slug, principal: Purger, node: Node,
                  blobs: Blobs, key: IdempotencyKey, trace: TraceId, deadline: WriteDeadline,
                  body: PurgeBody | None = None) -> PurgeView:
     """Emit TenantPurgeRequested; workers free the tenant's KV and adapters and ack; the
     tenant's adapter files are erased from the blob store (TenantBlobsDeleted)."""
     body = body or PurgeBody()
     tenant = TenantRef(org=org, team=team, project=project)
-    ensure_write_scope(principal, tenant)
+    ensure_write_scope(principal, tenant, Permission.PURGE)
     purge_id = uuid7().hex
     committed = node.execute(
         "purge", lambda s: request_purge(s, tenant, purge_id, body.deadline_s, body.hard, key),
@@ -77,6 +78,6 @@ def get_purge(purge_id: Annotated[str, Path(max_length=64)], principal: Reader,
     with node.state_lock:
         purge = node.state.purges.get(purge_id)
         if purge is None:
-            raise ProblemError(404, "not_found", f"purge {purge_id!r} does not exist")
-        ensure_read_scope(principal, purge.tenant)
+            raise Refusal("not_found", missing("purge", purge_id))
+        visible(principal, purge.tenant, "purge", purge_id)
         return purge_view(purge, datetime.now(UTC))

@@ -14,10 +14,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, File, Form, Path, Response, UploadFile
+from fastapi import APIRouter, File, Form, Path, Response, UploadFile
 from pydantic import BaseModel, Field
 
 from services.catalog.release import GateSpec, release_refusal
@@ -31,6 +32,7 @@ from services.catalog.state import (
     alias_stream,
 )
 from services.config import Settings
+from services.contracts.capacity import OverCapacity, check_context, serving_context
 from services.contracts.events import (
     ID_PATTERN,
     GateCaseResult,
@@ -41,27 +43,29 @@ from services.contracts.events import (
     uuid7,
 )
 from services.contracts.problems import ProblemError, problem_responses
+from services.contracts.roles import Permission
 from services.registry.auth import Principal
 from services.registry.deps import (
-    Admin,
     Blobs,
     ExpectedVersion,
     IdempotencyKey,
     Node,
     Reader,
+    ReleaseOverrider,
     Replayed,
-    RequireRole,
+    RolloutStepper,
     TraceId,
     Writer,
-    ensure_read_scope,
-    ensure_write_scope,
+    alias_in_scope,
     request_fingerprint,
+    visible,
     writable_adapter,
 )
 from services.registry.node import Committed, RegistryNode
 from services.registry.release import (
     advance_rollout,
     halt_rollout,
+    no_rollout,
     override_release,
     request_gate,
     resume_rollout,
@@ -76,7 +80,6 @@ ERRORS = problem_responses(401, 403, 404, 409, 412, 413, 422, 503)
 AdapterIdPath = Annotated[str, Path(pattern=ID_PATTERN)]
 AliasPath = Annotated[str, Path(pattern=ID_PATTERN)]
 VersionPath = Annotated[int, Path(ge=1, le=2**31)]
-RolloutDriver = Annotated[Principal, Depends(RequireRole("admin", "publisher", "canary"))]
 
 
 # --- regression sets -------------------------------------------------------------------------
@@ -92,6 +95,23 @@ def read_regression_set(upload: UploadFile, settings: Settings) -> tuple[bytes, 
         return data, parse_regression_set(data, max_cases=settings.gate_max_cases)
     except RegressionSetError as exc:
         raise Refusal("invalid", f"regression set {exc}") from None
+
+
+def fits_context(parsed: RegressionSet, base_config: Mapping[str, Any],
+                 settings: Settings) -> None:
+    """Every case must fit the context a worker serves on the version's base model (the
+    one capacity rule, `services.contracts.capacity`), or no worker could run the gate:
+    422 naming the line. A text prompt counts as one token here (the registry has no
+    tokenizer); the worker refuses a longer one when it runs the case."""
+    context = serving_context(settings, base_config)
+    for numbered in parsed.cases:
+        case = numbered.case
+        prompt = len(case.prompt_token_ids) if case.prompt_token_ids is not None else 1
+        try:
+            check_context(prompt, case.max_tokens, context)
+        except OverCapacity as exc:
+            raise Refusal("invalid", f"regression set line {numbered.line}: "
+                                     f"{exc.message}") from None
 
 
 def gate_spec(data: bytes, parsed: RegressionSet, blobs: Blobs, settings: Settings) -> GateSpec:
@@ -222,6 +242,10 @@ def post_gate(adapter_id: AdapterIdPath, version: VersionPath, principal: Writer
     settings = node.settings
     if regression_set is not None:
         data, parsed = read_regression_set(regression_set, settings)
+        with node.state_lock:
+            base = node.state.version(adapter_id, version).published.base_model
+            base_config = node.state.base_models[base].config
+        fits_context(parsed, base_config, settings)
         spec = gate_spec(data, parsed, blobs, settings)
     else:
         with node.state_lock:
@@ -259,7 +283,7 @@ def get_gate(adapter_id: AdapterIdPath, version: VersionPath, principal: Reader,
     """The version's gate: status, every case's outputs and verdicts, traffic eligibility."""
     with node.state_lock:
         adapter = node.state.adapter(adapter_id)
-        ensure_read_scope(principal, adapter.tenant)
+        visible(principal, adapter.tenant, "adapter", adapter_id)
         return gate_view(adapter, version, node.state.version(adapter_id, version))
 
 
@@ -270,7 +294,8 @@ class OverrideBody(BaseModel):
 @router.post("/adapters/{adapter_id}/versions/{version}/override", response_model=GateView,
              responses=ERRORS, tags=["adapters"])
 def post_override(adapter_id: AdapterIdPath, version: VersionPath, body: OverrideBody,
-                  principal: Admin, node: Node, response: Response, expected: ExpectedVersion,
+                  principal: ReleaseOverrider, node: Node, response: Response,
+                  expected: ExpectedVersion,
                   key: IdempotencyKey, trace: TraceId) -> GateView:
     """Admin only: let the version get traffic despite its gate or a canary rollback."""
     committed = node.execute(
@@ -334,7 +359,7 @@ def post_rollout(alias: AliasPath, body: RolloutBody, principal: Writer, node: N
     with node.state_lock:
         current = node.state.aliases.get(alias)
     if current is not None:
-        ensure_write_scope(principal, current.tenant)
+        alias_in_scope(principal, alias, current.tenant)
     plan = plan_of(body, node.settings)
     rollout_id = uuid7().hex
     committed = node.execute(
@@ -354,8 +379,8 @@ def get_rollout(alias: AliasPath, principal: Reader, node: Node) -> RolloutView:
     with node.state_lock:
         rollout = node.state.rollouts.get(alias)
         if rollout is None:
-            raise ProblemError(404, "not_found", f"alias {alias!r} has no rollout")
-        ensure_read_scope(principal, rollout.tenant)
+            raise Refusal("not_found", no_rollout(alias))
+        visible(principal, rollout.tenant, "alias", alias, answer=no_rollout(alias))
         return rollout_view(node.state, rollout)
 
 
@@ -368,12 +393,15 @@ class StepBody(BaseModel):
 
 
 def _drive(node: RegistryNode, principal: Principal, alias: str) -> None:
-    """Who may step a rollout: an admin, the tenant's publisher, or the canary controller."""
-    if principal.role == "canary":
-        return
+    """Who may step a rollout: a role with the route's permission (`Allowed`), and for a
+    tenant-scoped one (the publisher) only its own tenant's: another tenant's rollout is
+    answered as a missing one."""
     with node.state_lock:
         rollout = node.state.rollouts.get(alias)
-    ensure_write_scope(principal, rollout.tenant if rollout else None)
+    if rollout is None:
+        raise Refusal("not_found", no_rollout(alias))
+    visible(principal, rollout.tenant, "alias", alias, permission=Permission.STEP_ROLLOUT,
+            answer=no_rollout(alias))
 
 
 def _stepped(node: RegistryNode, principal: Principal, alias: str, command: str,
@@ -392,7 +420,7 @@ def _stepped(node: RegistryNode, principal: Principal, alias: str, command: str,
 
 @router.post("/aliases/{alias}/rollout/advance", response_model=RolloutView, responses=ERRORS,
              tags=["aliases"])
-def post_advance(alias: AliasPath, body: StepBody, principal: RolloutDriver, node: Node,
+def post_advance(alias: AliasPath, body: StepBody, principal: RolloutStepper, node: Node,
                  response: Response, key: IdempotencyKey, trace: TraceId) -> RolloutView:
     """Next stage (at the last: the canary becomes active), if the figures justify it."""
     if body.judgement is None:
@@ -412,7 +440,7 @@ def post_advance(alias: AliasPath, body: StepBody, principal: RolloutDriver, nod
 
 @router.post("/aliases/{alias}/rollout/rollback", response_model=RolloutView,
              responses=ERRORS, tags=["aliases"])
-def post_rollback(alias: AliasPath, body: StepBody, principal: RolloutDriver, node: Node,
+def post_rollback(alias: AliasPath, body: StepBody, principal: RolloutStepper, node: Node,
                   response: Response, key: IdempotencyKey, trace: TraceId) -> RolloutView:
     """All traffic back to the baseline; the canary is never served by the split again."""
     return _stepped(
@@ -427,7 +455,7 @@ def post_rollback(alias: AliasPath, body: StepBody, principal: RolloutDriver, no
 
 @router.post("/aliases/{alias}/rollout/halt", response_model=RolloutView, responses=ERRORS,
              tags=["aliases"])
-def post_halt(alias: AliasPath, body: StepBody, principal: RolloutDriver, node: Node,
+def post_halt(alias: AliasPath, body: StepBody, principal: RolloutStepper, node: Node,
               response: Response, key: IdempotencyKey, trace: TraceId) -> RolloutView:
     """Stop advancing; traffic stays until resumed or rolled back."""
     if not body.reason:

@@ -1,4 +1,5 @@
-"""Inference engine: Llama-family base model, multi-LoRA batching, paged KV, scheduler.
+"""Inference engine: the served families' base models (`services.families`), multi-LoRA
+batching, paged KV, scheduler.
 
 The worker service drives it through `Engine` (requests, steps, streaming, adapter and
 KV control) and reads `TokenEvent` / `GenerationResult` values back.
@@ -21,9 +22,10 @@ from .errors import (
     UnsupportedModelError,
 )
 from .kv_cache import InvalidationResult
-from .model import LlamaModel
+from .model import DecoderModel, LlamaModel
 from .precision import cpu_has_bf16, serving_dtype
 from .request import (
+    ChoiceResult,
     FinishReason,
     GenerationRequest,
     GenerationResult,
@@ -44,7 +46,9 @@ __all__ = [
     "AdapterSlotInfo",
     "CacheScope",
     "CheckpointError",
+    "ChoiceResult",
     "Decision",
+    "DecoderModel",
     "Engine",
     "EngineConfig",
     "EngineError",

@@ -1,31 +1,39 @@
 """PEFT LoRA adapters: parse, validate against the base model, compute the content digest.
 
-Everything that would make the engine's output differ from PEFT's is refused here with a
-message naming the field or tensor (DoRA, trained biases, modules the model lacks,
-per-module rank/alpha patterns, embedding LoRA), before any slot is touched.
+The rules are the ones the registry validates uploads by (`services.families.adapters`),
+read against the base model's family description; everything that would make the
+engine's output differ from PEFT's is refused with a message naming the field or tensor
+(DoRA, trained biases, modules the model lacks), before any slot is touched. Given the
+pool's limits, so is an adapter past them (rank, dtype): the same checks the registry
+makes at publish (`services.contracts.capacity`), so both agree.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
-import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors.torch import load as load_safetensors_bytes
 
-from services.contracts.peft import (
+from services.contracts.capacity import AdapterLimits, OverCapacity
+from services.families.adapters import (
     CONFIG_FILE,
-    PARENT,
-    TARGET_MODULES,
-    TENSOR_NAME,
+    EMBED,
+    LM_HEAD,
     WEIGHTS_FILE,
-    projection_shape,
+    AdapterRefused,
+    check_targets,
+    classify_tensor,
+    expected_pairs,
+    module_path,
+    read_lora_config,
+    tensor_name,
+    tensor_shape,
 )
 
 from .config import ModelConfig
@@ -63,11 +71,18 @@ class AdapterDigest:
         return f"{self.sha256}.{self.config_sha256}"
 
 
+REPLACED = -2
+"""The layer of a `LoraAdapter.weights` entry that holds a whole replacement weight of
+embed_tokens or lm_head (`modules_to_save`) as its A [vocab, hidden], with an empty B: it
+travels in the adapter's extent like its LoRA weights, so the pool's byte budget counts
+it. LoRA on embed_tokens and lm_head sits at layer -1."""
+
+
 def module_shape(cfg: ModelConfig, module: str) -> tuple[int, int]:
-    """(in_features, out_features) of a target projection."""
-    return projection_shape(module, hidden_size=cfg.hidden_size,
-                            intermediate_size=cfg.intermediate_size, q_size=cfg.q_size,
-                            kv_size=cfg.kv_size)
+    """(in_features, out_features) of a target module: a projection of the family, or
+    embed_tokens (LoRA A [r, vocab], B [hidden, r]) or lm_head."""
+    v, h = cfg.vocab_size, cfg.hidden_size
+    return {EMBED: (v, h), LM_HEAD: (h, v)}.get(module) or cfg.lora_shape(module)
 
 
 @dataclass(frozen=True)
@@ -124,11 +139,15 @@ class LoraAdapter:
     use_rslora: bool
     target_modules: tuple[str, ...]
     weights: dict[tuple[int, str], LoraWeights]
+    """(layer, module) -> A, B and scale; layer -1 is embed_tokens / lm_head LoRA and
+    `REPLACED` a whole replacement weight (see there)."""
     packed: torch.Tensor | None = None
     """Every weight in one flat tensor laid out as the pool's extent (`extent.py`), with
     `weights` as views into it: a slot is filled from it with one copy. `parse_adapter`
     always packs (in the file's dtype); None only for an adapter built from loose tensors,
     which `pack` lays out on demand."""
+    replaced_modules: tuple[str, ...] = ()
+    """embed_tokens / lm_head weights the adapter replaces whole (`modules_to_save`)."""
 
     @property
     def num_parameters(self) -> int:
@@ -219,112 +238,99 @@ def pack_weights(entries: list[tuple[Key, torch.Tensor, torch.Tensor, float]],
     return packed, weights
 
 
-def _matches_target(target: Any, module: str, full_name: str) -> bool:
-    """PEFT's target_modules semantics: regex full-match if a string, else suffix match."""
-    if isinstance(target, str):
-        if target == "all-linear":
-            return True
-        return re.fullmatch(target, full_name) is not None
-    return module in target or any(full_name.endswith("." + t) for t in target)
-
-
-def _layers(raw: Any) -> set[int] | None:
-    if raw is None:
-        return None
-    if isinstance(raw, int):
-        return {raw}
-    return {int(x) for x in raw}
+def dtype_name(dtype: torch.dtype) -> str:
+    """`torch.bfloat16` → "bfloat16": the names `services.contracts.capacity` uses."""
+    return str(dtype).removeprefix("torch.")
 
 
 def parse_adapter(files: AdapterFiles, cfg: ModelConfig,
-                  digest: AdapterDigest | None = None) -> LoraAdapter:
-    """Validate a PEFT LoRA adapter against `cfg` and return its per-module weights."""
-    try:
-        conf = json.loads(files.config_json)
-    except json.JSONDecodeError as exc:
-        raise AdapterError(f"{CONFIG_FILE} is not valid JSON: {exc}") from exc
-    if conf.get("peft_type", "LORA") != "LORA":
-        raise AdapterError(f"peft_type {conf.get('peft_type')!r} is not supported (only LORA)")
-    if conf.get("use_dora"):
-        raise AdapterError("DoRA adapters (use_dora=true) are not supported")
-    if conf.get("bias", "none") != "none":
-        raise AdapterError(f"bias={conf.get('bias')!r} is not supported (only 'none')")
-    for key in ("rank_pattern", "alpha_pattern"):
-        if conf.get(key):
-            raise AdapterError(f"{key} is not supported")
-    if conf.get("modules_to_save"):
-        raise AdapterError("modules_to_save is not supported (it replaces base weights)")
-    if conf.get("layer_replication"):
-        raise AdapterError("layer_replication is not supported")
-    try:
-        rank = int(conf["r"])
-        alpha = float(conf.get("lora_alpha", rank))
-    except (KeyError, TypeError, ValueError) as exc:
-        raise AdapterError(f"{CONFIG_FILE} lacks a valid 'r'") from exc
-    if rank <= 0:
-        raise AdapterError(f"r must be positive, got {rank}")
-    rslora = bool(conf.get("use_rslora", False))
-    scale = alpha / math.sqrt(rank) if rslora else alpha / rank
-    targets = conf.get("target_modules")
-    if targets is None:
-        raise AdapterError("target_modules is missing")
-    if not isinstance(targets, str):
-        targets = list(targets)
-        unknown = sorted(set(targets) - set(TARGET_MODULES))
-        if unknown:
-            raise AdapterError(
-                f"target_modules {unknown} are not projections of this model "
-                f"(supported: {list(TARGET_MODULES)})"
-            )
-    layers = _layers(conf.get("layers_to_transform"))
-    # fan_in_fan_out only concerns Conv1D-style base weights; for nn.Linear projections PEFT
-    # itself resets it to False, so it does not change the maths here.
+                  digest: AdapterDigest | None = None,
+                  limits: AdapterLimits | None = None,
+                  base: Mapping[str, torch.Tensor] | None = None) -> LoraAdapter:
+    """Validate a PEFT LoRA adapter against `cfg` (and, given them, the pool's `limits`)
+    and return its per-module weights.
 
+    `base` (embed_tokens and lm_head of the served model): a replacement weight equal to
+    the base weight in the serving dtype is dropped, since serving it changes nothing.
+    PEFT saves a copy of the base embedding beside embedding LoRA; kept, each would cost
+    a vocabulary-sized weight per adapter."""
+    try:
+        return _parse(files, cfg, digest, limits, base or {})
+    except AdapterRefused as exc:
+        raise AdapterError(exc.message) from exc
+    except OverCapacity as exc:
+        raise AdapterError(exc.message) from None
+
+
+def _parse(files: AdapterFiles, cfg: ModelConfig, digest: AdapterDigest | None,
+           limits: AdapterLimits | None, base: Mapping[str, torch.Tensor]) -> LoraAdapter:
+    spec = read_lora_config(files.config_json)
+    check_targets(spec, cfg)
+    if limits is not None:
+        limits.check_rank(spec.max_rank)
     try:
         tensors = load_safetensors_bytes(files.weights)
     except Exception as exc:  # safetensors raises its own error type
         raise AdapterError(f"{WEIGHTS_FILE} is not a valid safetensors file: {exc}") from exc
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    replaced: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
-        if "lora_magnitude_vector" in name:
-            raise AdapterError(f"tensor {name}: DoRA magnitude vectors are not supported")
-        m = TENSOR_NAME.match(name)
-        if m is None:
-            raise AdapterError(f"tensor {name} is not a LoRA weight of a decoder-layer projection")
-        layer, parent, module, which = int(m[1]), m[2], m[3], m[4]
-        if module not in TARGET_MODULES or PARENT[module] != parent:
-            raise AdapterError(f"tensor {name} targets module {module!r}, which this model lacks")
-        if not 0 <= layer < cfg.num_hidden_layers:
-            raise AdapterError(f"tensor {name} targets layer {layer}, model has "
-                               f"{cfg.num_hidden_layers}")
-        full = f"model.layers.{layer}.{parent}.{module}"
-        if not _matches_target(targets, module, full):
-            raise AdapterError(f"tensor {name} is not covered by target_modules {targets}")
-        if layers is not None and layer not in layers:
-            raise AdapterError(f"tensor {name} is outside layers_to_transform {sorted(layers)}")
-        pairs.setdefault((layer, module), {})[which] = tensor
-    if not pairs:
+        t = classify_tensor(name, spec, cfg)
+        want = tensor_shape(t, spec, cfg)
+        if tuple(tensor.shape) != want:
+            raise AdapterError(f"tensor {name} has shape {list(tensor.shape)}, expected "
+                               f"{list(want)}")
+        if t.which in ("W", "base"):
+            targets = (t.module,)
+            if t.which == "base" and cfg.tie_word_embeddings:  # one shared parameter
+                targets = (EMBED, LM_HEAD)
+            for module in targets:
+                if module in replaced and not torch.equal(replaced[module], tensor):
+                    raise AdapterError(f"tensor {name}: {module} is replaced twice, with "
+                                       "different weights")
+                replaced[module] = tensor
+            continue
+        if t.which in pairs.setdefault(t.key, {}):
+            raise AdapterError(f"tensor {name} duplicates another lora_{t.which}")
+        pairs[t.key][t.which] = tensor
+    if not pairs and not replaced:
         raise AdapterError(f"{WEIGHTS_FILE} contains no LoRA weights")
+    if limits is not None:
+        limits.check_dtypes({dtype_name(t.dtype) for t in tensors.values()})
+    for module in spec.modules_to_save:
+        if module not in replaced:
+            raise AdapterError(f"{CONFIG_FILE}: modules_to_save names {module}, but "
+                               f"{WEIGHTS_FILE} holds no {module} weight")
+    for module, weight in list(replaced.items()):
+        served = base.get(module)
+        if served is not None and torch.equal(
+                weight.to(device=served.device, dtype=served.dtype), served):
+            del replaced[module]
+    for key in expected_pairs(spec, cfg, pairs):
+        for which in ("A", "B"):
+            if which not in pairs.get(key, {}):
+                raise AdapterError(f"tensor {tensor_name(*key, which, cfg)} is missing "
+                                   f"(layer {key[0]} {key[1]}: lora_{which})")
     entries: list[tuple[Key, torch.Tensor, torch.Tensor, float]] = []
     for (layer, module), ab in sorted(pairs.items()):
-        where = f"layer {layer} {module}"
         if set(ab) != {"A", "B"}:
-            raise AdapterError(f"{where}: lora_{'A' if 'A' not in ab else 'B'} is missing")
-        a, b = ab["A"], ab["B"]
-        fin, fout = module_shape(cfg, module)
-        if tuple(a.shape) != (rank, fin):
-            raise AdapterError(f"{where}: lora_A shape {list(a.shape)}, expected {[rank, fin]}")
-        if tuple(b.shape) != (fout, rank):
-            raise AdapterError(f"{where}: lora_B shape {list(b.shape)}, expected {[fout, rank]}")
-        entries.append(((layer, module), a, b, scale))
+            raise AdapterError(f"layer {layer} {module}: lora_{'A' if 'A' not in ab else 'B'} "
+                               "is missing")
+        entries.append(((layer, module), ab["A"], ab["B"],
+                        spec.scale_of(module_path(layer, module, cfg))))
+    for module, weight in sorted(replaced.items()):
+        entries.append(((REPLACED, module), weight,
+                        weight.new_zeros(0, weight.shape[0]), 1.0))
     packed, weights = pack_weights(entries, host_dtype({t.dtype for t in tensors.values()}))
-    modules = tuple(m for m in TARGET_MODULES if any(k[1] == m for k in weights))
+    order = [*cfg.family.lora, EMBED, LM_HEAD]
+    modules = tuple(m for m in order if any(k[1] == m and k[0] != REPLACED for k in weights))
     return LoraAdapter(
         digest=digest or files.digest(),
-        rank=rank,
-        alpha=alpha,
-        use_rslora=rslora,
+        rank=max([w.rank for k, w in weights.items() if k[0] != REPLACED], default=0),
+        alpha=spec.alpha,
+        use_rslora=spec.use_rslora,
         target_modules=modules,
         weights=weights,
         packed=packed,
+        replaced_modules=tuple(sorted(replaced)),
     )

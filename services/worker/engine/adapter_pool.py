@@ -19,9 +19,17 @@ from pathlib import Path
 
 import torch
 
-from services.contracts.peft import TARGET_MODULES
+from services.contracts.capacity import AdapterLimits, OverCapacity
+from services.families.adapters import EMBED, LM_HEAD
 
-from .adapter import AdapterDigest, AdapterFiles, LoraAdapter, module_shape, parse_adapter
+from .adapter import (
+    REPLACED,
+    AdapterDigest,
+    AdapterFiles,
+    LoraAdapter,
+    module_shape,
+    parse_adapter,
+)
 from .config import ModelConfig
 from .errors import AdapterError, AdapterNotLoadedError, AdapterPoolFullError
 from .extent import aligned, one_thread
@@ -62,8 +70,8 @@ class _Resident:
     num_parameters: int
     start: int
     length: int
-    layout: dict[tuple[int, str], tuple[int, int, float]]
-    """(layer, module) -> (A offset, B.T offset relative to `start`, scale)."""
+    layout: dict[tuple[int, str], tuple[int, int, int, float]]
+    """(layer, module) -> (A offset, B.T offset relative to `start`, rank, scale)."""
 
 
 class AdapterPool:
@@ -88,12 +96,16 @@ class AdapterPool:
     ) -> None:
         self.cfg = cfg
         self.max_rank = max_rank
+        self.limits = AdapterLimits(max_rank)
+        """What this pool holds, checked as the registry checks it at publish."""
         self.dtype = dtype
         self.element_size = torch.empty((), dtype=dtype).element_size()
-        self.shapes = {m: module_shape(cfg, m) for m in TARGET_MODULES}
-        """(in_features, out_features) of each projection."""
+        self.modules = tuple(cfg.family.lora)
+        """The family's PEFT target modules (its description), one pool row per layer each."""
+        self.shapes = {m: module_shape(cfg, m) for m in (*self.modules, EMBED, LM_HEAD)}
+        """(in_features, out_features) of each target module."""
         per_layer = sum(aligned(max_rank * fin) + aligned(max_rank * fout)
-                        for fin, fout in self.shapes.values())
+                        for m, (fin, fout) in self.shapes.items() if m in self.modules)
         self.bytes_per_slot = per_layer * cfg.num_hidden_layers * self.element_size
         """Bytes of one max-rank adapter on every projection: a slab pool's slot size."""
         if byte_budget is None:
@@ -110,14 +122,23 @@ class AdapterPool:
             raise AdapterPoolFullError("the pool needs at least one slot")
         self.capacity = int(capacity)
         self.pool = torch.zeros(self.capacity, dtype=dtype, device=device)
-        self.tables = SlotTables.zeros(cfg.num_hidden_layers * len(TARGET_MODULES),
+        self.tables = SlotTables.zeros(cfg.num_hidden_layers * len(self.modules) + 2,
                                        self.num_slots, self.pool.device)
         self.weights: list[dict[str, PagedLora]] = [
             {m: PagedLora(self.pool, *self.shapes[m], self.num_slots, self.tables,
                           self._row(layer, m))
-             for m in TARGET_MODULES}
+             for m in self.modules}
             for layer in range(cfg.num_hidden_layers)
         ]
+        self.vocab_lora = {m: PagedLora(self.pool, *self.shapes[m], self.num_slots,
+                                        self.tables, self._row(-1, m))
+                           for m in (EMBED, LM_HEAD)}
+        """LoRA on embed_tokens (A [r, vocab], B.T [r, hidden]) and lm_head, by slot."""
+        self.base_vocab: dict[str, torch.Tensor] = {}
+        """The served embed_tokens and lm_head (set by the engine): replacement weights
+        equal to them are dropped when an adapter is parsed (`parse_adapter`'s `base`)."""
+        self.replaced: dict[int, dict[str, torch.Tensor]] = {}
+        """Slot -> the embed_tokens / lm_head weights its adapter replaces (pool views)."""
         self._by_digest: OrderedDict[AdapterDigest, int] = OrderedDict()  # LRU, oldest first
         self._resident: dict[int, _Resident] = {}
         self._pinned: set[AdapterDigest] = set()
@@ -160,7 +181,8 @@ class AdapterPool:
             if pin:
                 self._pinned.add(key)
             return self.info(key)
-        return self.place(parse_adapter(files, self.cfg, key), pin=pin)
+        return self.place(parse_adapter(files, self.cfg, key, self.limits, self.base_vocab),
+                          pin=pin)
 
     def place(self, adapter: LoraAdapter, *, pin: bool = False) -> AdapterSlotInfo:
         """Put an already parsed, checked adapter (e.g. from a host-memory tier) into the
@@ -175,14 +197,23 @@ class AdapterPool:
             if pin:
                 self._pinned.add(key)
             return self.info(key)
-        if adapter.rank > self.max_rank:
-            raise AdapterError(f"adapter rank {adapter.rank} exceeds the pool's max_rank "
-                               f"{self.max_rank}")
+        try:
+            self.limits.check_rank(adapter.rank)
+        except OverCapacity as exc:
+            raise AdapterError(exc.message) from None
+        vocab = (self.cfg.vocab_size, self.cfg.hidden_size)
         for (layer, module), w in adapter.weights.items():
             shape = (int(w.a.shape[1]), int(w.b.shape[0]))
-            if shape != self.shapes.get(module) or not 0 <= layer < self.cfg.num_hidden_layers:
+            if layer == REPLACED:
+                ok = tuple(w.a.shape) == vocab and module in (EMBED, LM_HEAD)
+                shape, want = tuple(w.a.shape), vocab
+            else:
+                want = self.shapes.get(module)
+                ok = shape == want and (-1 <= layer < self.cfg.num_hidden_layers) and (
+                    (layer == -1) == (module in (EMBED, LM_HEAD)))
+            if not ok:
                 raise AdapterError(f"layer {layer} {module}: (in, out) {shape} is not this "
-                                   f"model's {self.shapes.get(module)}")
+                                   f"model's {want}")
         need = adapter.layout.length
         if need > self.capacity:
             raise AdapterPoolFullError(
@@ -268,6 +299,8 @@ class AdapterPool:
         slot = self._by_digest[digest]
         out = {}
         for layer, module in self._resident[slot].layout:
+            if layer < 0:
+                continue
             w = self.weights[layer][module]
             a, bt = w.a_views[slot], w.bt_views[slot]
             assert a is not None and bt is not None
@@ -311,6 +344,61 @@ class AdapterPool:
         """The fused path: write ``x @ weight.T`` plus each bucket's delta into `y`."""
         base_lora_fused(y, x, weight, self.weights[layer][module], segments,
                         out_offset=out_offset)
+
+    def adapts_vocab(self, slots: list[int]) -> bool:
+        """Whether an adapter of the step adapts or replaces embed_tokens or lm_head (the
+        forward skips that work otherwise)."""
+        embed, head = self.vocab_lora[EMBED], self.vocab_lora[LM_HEAD]
+        return any(s in self.replaced or embed.adapts(s) or head.adapts(s)
+                   for s in slots if s >= 0)
+
+    def has_vocab_parts(self, digest: AdapterDigest) -> bool:
+        """The adapter adapts or replaces embed_tokens or lm_head (it cannot be merged)."""
+        slot = self._by_digest[digest]
+        return any(layer < 0 for layer, _ in self._resident[slot].layout)
+
+    def replace_embeddings(self, h: torch.Tensor, ids: torch.Tensor, runs: Runs) -> None:
+        """Rows of adapters that replace embed_tokens take their own weight's rows."""
+        for slot, lo, hi in runs:
+            weight = self.replaced.get(slot, {}).get(EMBED)
+            if weight is not None:
+                h[lo:hi] = weight.index_select(0, ids[lo:hi])
+
+    def add_embedding_lora(self, h: torch.Tensor, ids: torch.Tensor, runs: Runs,
+                           scale: torch.Tensor | None = None) -> None:
+        """PEFT's embedding LoRA: ``h += (A.T[ids] @ B.T) * scaling`` (times the embedding
+        scale, where the family's embedding module applies one inside)."""
+        w = self.vocab_lora[EMBED]
+        for slot, lo, hi in runs:
+            if not w.adapts(slot):
+                continue
+            after_a = torch.nn.functional.embedding(ids[lo:hi], w.a_views[slot].T)  # type: ignore[union-attr]
+            delta = (after_a @ w.bt_views[slot]) * w.host_scales[slot]
+            if scale is not None:
+                delta = delta * scale
+            h[lo:hi] += delta
+
+    def apply_lm_head(self, logits: torch.Tensor, hidden: torch.Tensor,
+                      row_slots: list[int]) -> None:
+        """Logit rows of adapters that replace lm_head are recomputed with their weight;
+        lm_head LoRA adds ``(x @ A.T @ B.T) * scaling`` (PEFT's order)."""
+        w = self.vocab_lora[LM_HEAD]
+        by_slot: dict[int, list[int]] = {}
+        for row, slot in enumerate(row_slots):
+            if slot >= 0:
+                by_slot.setdefault(slot, []).append(row)
+        for slot, rows in by_slot.items():
+            weight = self.replaced.get(slot, {}).get(LM_HEAD)
+            adapts = w.adapts(slot)
+            if weight is None and not adapts:
+                continue
+            index = torch.tensor(rows, device=logits.device)
+            x = hidden.index_select(0, index)
+            out = torch.nn.functional.linear(x, weight) if weight is not None else \
+                logits.index_select(0, index)
+            if adapts:
+                out = out + (x @ w.a_views[slot].T @ w.bt_views[slot]) * w.host_scales[slot]  # type: ignore[union-attr]
+            logits.index_copy_(0, index, out)
 
     def layer_has_lora(self, layer: int, module: str, slots: list[int]) -> bool:
         """Skip the kernel call when no adapter in the batch adapts this projection."""
@@ -376,33 +464,49 @@ class AdapterPool:
         extent = adapter.layout
         assert packed is not None and extent.length == length == packed.numel()
         self.pool[start:start + length].copy_(packed, non_blocking=True)
-        layout = {key: (*extent.offsets[key], w.scale) for key, w in adapter.weights.items()}
+        layout = {key: (*extent.offsets[key], w.rank, w.scale)
+                  for key, w in adapter.weights.items()}
         res = _Resident(rank=adapter.rank, target_modules=adapter.target_modules,
                         num_parameters=adapter.num_parameters, start=start, length=length,
                         layout=layout)
         self._resident[slot] = res
         self._place(slot, res)
 
-    @staticmethod
-    def _row(layer: int, module: str) -> int:
-        """A projection's row in `tables`."""
-        return layer * len(TARGET_MODULES) + TARGET_MODULES.index(module)
+    def _row(self, layer: int, module: str) -> int:
+        """A module's row in `tables` (embed_tokens and lm_head after every layer's)."""
+        if layer < 0:
+            return self.cfg.num_hidden_layers * len(self.modules) + (module == LM_HEAD)
+        return layer * len(self.modules) + self.modules.index(module)
+
+    def _paged(self, layer: int, module: str) -> PagedLora:
+        return self.vocab_lora[module] if layer < 0 else self.weights[layer][module]
 
     def _place(self, slot: int, res: _Resident) -> None:
-        rows, a_offsets, b_offsets, scales = [], [], [], []
-        for (layer, module), (a_off, b_off, scale) in res.layout.items():
-            self.weights[layer][module].point(slot, res.start + a_off, res.start + b_off,
-                                              res.rank, scale)
+        rows, a_offsets, b_offsets, ranks, scales = [], [], [], [], []
+        self.replaced.pop(slot, None)
+        for (layer, module), (a_off, b_off, rank, scale) in res.layout.items():
+            if layer == REPLACED:
+                size = self.cfg.vocab_size * self.cfg.hidden_size
+                start = res.start + a_off
+                self.replaced.setdefault(slot, {})[module] = self.pool[start:start + size].view(
+                    self.cfg.vocab_size, self.cfg.hidden_size)
+                continue
+            self._paged(layer, module).point(slot, res.start + a_off, res.start + b_off,
+                                             rank, scale)
             rows.append(self._row(layer, module))
             a_offsets.append(res.start + a_off)
             b_offsets.append(res.start + b_off)
+            ranks.append(rank)
             scales.append(scale)
-        self.tables.write(slot, rows, a_offsets, b_offsets, [res.rank] * len(rows), scales)
+        if rows:
+            self.tables.write(slot, rows, a_offsets, b_offsets, ranks, scales)
 
     def _remove(self, slot: int) -> None:
         res = self._resident.pop(slot)
+        self.replaced.pop(slot, None)
         for layer, module in res.layout:
-            self.weights[layer][module].unpoint(slot)
+            if layer != REPLACED:
+                self._paged(layer, module).unpoint(slot)
         self.tables.clear(slot)
         self.pool[res.start:res.start + res.length].zero_()
         self._free.append(slot)

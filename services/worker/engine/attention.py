@@ -33,8 +33,29 @@ class PrefillSpan:
     prefix_len: int
     """Tokens of this sequence already in the cache before the chunk."""
     ctx_slots: torch.Tensor | None = None
-    """Flat cache slots of prefix + chunk [prefix_len + q_len]; None when prefix_len == 0."""
-    mask: torch.Tensor | None = None
+    """Flat cache slots of the context the chunk attends to, positions `ctx_start` to
+    prefix_len + q_len; None when prefix_len == 0 (the chunk's own K/V are the context)."""
+    ctx_start: int = 0
+    """Position of `ctx_slots[0]`: past 0 when blocks before a sliding window are freed."""
+    _masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict, repr=False)
+
+    def mask(self, window: int | None, device: torch.device) -> torch.Tensor | None:
+        """Which context positions each query sees (bool [q_len, context]), made once per
+        step and window; None where plain causal attention over the chunk is the answer."""
+        if window is not None and self.prefix_len + self.q_len <= window:
+            window = None  # nothing of this chunk's context is outside the window
+        if window not in self._masks:
+            if self.ctx_slots is None and window is None:
+                self._masks[window] = None
+            else:
+                q_pos = torch.arange(self.q_len, device=device)[:, None] + self.prefix_len
+                k_pos = torch.arange(self.ctx_start, self.prefix_len + self.q_len,
+                                     device=device)[None, :]
+                seen = k_pos <= q_pos
+                if window is not None:
+                    seen &= k_pos > q_pos - window
+                self._masks[window] = seen
+        return self._masks[window]
 
 
 @dataclass
@@ -44,18 +65,27 @@ class DecodeGroup:
     rows: torch.Tensor  # [B] rows of decode tokens
     slots: torch.Tensor  # [B, L] flat slots, padded to the group's longest context
     mask: torch.Tensor  # [1, B, 1, L] additive float mask
-    _bias: torch.Tensor | None = field(default=None, repr=False)
+    lens: torch.Tensor  # [B] context lengths
+    _bias: dict[tuple[int | None, torch.dtype], torch.Tensor] = field(default_factory=dict,
+                                                                      repr=False)
 
-    def scores_bias(self, kv_heads: int, group: int, dtype: torch.dtype) -> torch.Tensor:
-        """The mask laid out as the scores' [KVH * B, G, L] batches, made once per step
-        (every layer adds the same one)."""
-        if self._bias is None or self._bias.dtype != dtype or \
-                self._bias.shape[0] != kv_heads * self.rows.shape[0] or \
-                self._bias.shape[1] != group:
+    def scores_bias(self, kv_heads: int, group: int, dtype: torch.dtype,
+                    window: int | None = None) -> torch.Tensor:
+        """The mask laid out as the scores' [KVH * B, G, L] batches, made once per step and
+        window (every layer of the same window adds the same one)."""
+        key = (window, dtype)
+        bias = self._bias.get(key)
+        if bias is None or bias.shape[0] != kv_heads * self.rows.shape[0] or \
+                bias.shape[1] != group:
             b, length = self.mask.shape[1], self.mask.shape[-1]
-            self._bias = self.mask.to(dtype).view(1, b, 1, length).expand(
+            mask = self.mask.view(b, length)
+            if window is not None:
+                pos = torch.arange(length, device=mask.device)[None, :]
+                mask = mask.masked_fill(pos < self.lens[:, None] - window, float("-inf"))
+            bias = mask.to(dtype).view(1, b, 1, length).expand(
                 kv_heads, b, group, length).reshape(kv_heads * b, group, length)
-        return self._bias
+            self._bias[key] = bias
+        return bias
 
 
 DECODE_GROUP_MIN = 8
@@ -83,19 +113,15 @@ class AttentionMetadata:
         groups: int = 4,
         device: torch.device | None = None,
     ) -> None:
-        """Build masks for prefill spans, and the decodes' plan for the compiled kernel on
-        the CPU (`device` None is the CPU) or their padded slot tables elsewhere.
+        """Build the decodes' plan for the compiled kernel on the CPU (`device` None is the
+        CPU) or their padded slot tables elsewhere (prefill masks are made on first use).
+        A block freed outside a sliding window is -1 in its table.
 
         Decodes are sorted by context length and cut into up to `groups` groups of at
         least `DECODE_GROUP_MIN`, each padded only to its own longest context: with
         contexts of 16 to 640 tokens one table padded to the longest gathered and
         multiplied about twice the K/V there is.
         """
-        for span in self.prefills:
-            if span.prefix_len:
-                total = span.prefix_len + span.q_len
-                q_pos = torch.arange(span.q_len)[:, None] + span.prefix_len
-                span.mask = torch.arange(total)[None, :] <= q_pos
         if not decode_rows:
             return
         self.decode_rows = torch.tensor(decode_rows, dtype=torch.long)
@@ -123,12 +149,10 @@ class AttentionMetadata:
         for span in self.prefills:
             if span.ctx_slots is not None:
                 span.ctx_slots = span.ctx_slots.to(device, non_blocking=True)
-            if span.mask is not None:
-                span.mask = span.mask.to(device, non_blocking=True)
         if self.decode_rows is not None:
             self.decode_rows = self.decode_rows.to(device, non_blocking=True)
         self.decodes = [DecodeGroup(*(t.to(device, non_blocking=True)
-                                      for t in (g.rows, g.slots, g.mask)))
+                                      for t in (g.rows, g.slots, g.mask, g.lens)))
                         for g in self.decodes]
         return self
 
@@ -137,13 +161,14 @@ def _decode_group(rows: list[int], tables: list[list[int]], lens: list[int],
                   block_size: int, dtype: torch.dtype) -> DecodeGroup:
     width = max(len(t) for t in tables)
     table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+    table.clamp_(min=0)  # a block freed outside a window: read as block 0, then masked
     lmax = max(lens)
     slots = (table[:, :, None] * block_size + torch.arange(block_size)).flatten(1)
     length = torch.tensor(lens, dtype=torch.long)
     mask = torch.zeros(len(rows), lmax, dtype=dtype)
     mask.masked_fill_(torch.arange(lmax)[None, :] >= length[:, None], float("-inf"))
     return DecodeGroup(torch.tensor(rows, dtype=torch.long), slots[:, :lmax].contiguous(),
-                       mask[None, :, None, :])
+                       mask[None, :, None, :], length)
 
 
 def paged_attention(
@@ -155,10 +180,14 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     workspace: Workspace | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention for all T tokens of a step: q [T, H, D]; caches [KVH, slots, D].
 
     The step's new K/V must already be written to the cache (decodes read them from it).
+    `window` is a sliding-window layer's (a query at position p sees keys after p - window,
+    transformers' rule); `softcap` soft-caps the scaled scores (``cap * tanh(s / cap)``).
     Returns [T, H, D]; with a `workspace` the output and the decodes' gathered K/V are
     written into its buffers (valid until the next layer's call).
     """
@@ -172,16 +201,22 @@ def paged_attention(
         if span.ctx_slots is None:
             ks = k_new[rows].transpose(0, 1).unsqueeze(0)
             vs = v_new[rows].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
-                                               enable_gqa=True)
         else:
             ks = k_cache[:, span.ctx_slots].unsqueeze(0)  # [1, KVH, L, D]
             vs = v_cache[:, span.ctx_slots].unsqueeze(0)
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span.mask, scale=scale,
+        mask = span.mask(window, q.device)
+        if softcap is not None:
+            o = _capped_attention(qs, ks, vs, mask, scale, softcap)
+        elif mask is None:
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
+                                               enable_gqa=True)
+        else:
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale,
                                                enable_gqa=True)
         out[rows] = o[0].transpose(0, 1)
     if meta.host_decodes is not None:
-        host.decode_attention(q, k_cache, v_cache, out, meta.host_decodes, scale)
+        host.decode_attention(q, k_cache, v_cache, out, meta.host_decodes, scale, window,
+                              softcap)
     for g in meta.decodes:
         b = g.rows.shape[0]
         # kv-head-major throughout: gathers land contiguous, K^T is a free transpose
@@ -191,16 +226,38 @@ def paged_attention(
         kd = gather_slots(k_cache, g.slots, workspace, "decode_k")  # [KVH, B, L, D]
         vd = gather_slots(v_cache, g.slots, workspace, "decode_v")
         length = kd.shape[2]
-        # mask + scale * q @ K^T in one BLAS call ([KVH*B] batches of [G, D] @ [D, L])
-        scores = torch.baddbmm(g.scores_bias(kv_heads, group, qd.dtype),
-                               qd.reshape(kv_heads * b, group, dim),
-                               kd.view(kv_heads * b, length, dim).transpose(1, 2),
-                               alpha=scale)
+        bias = g.scores_bias(kv_heads, group, qd.dtype, window)
+        k_t = kd.view(kv_heads * b, length, dim).transpose(1, 2)
+        if softcap is None:
+            # mask + scale * q @ K^T in one BLAS call ([KVH*B] batches of [G, D] @ [D, L])
+            scores = torch.baddbmm(bias, qd.reshape(kv_heads * b, group, dim), k_t,
+                                   alpha=scale)
+        else:
+            scores = torch.bmm(qd.reshape(kv_heads * b, group, dim), k_t).mul_(scale)
+            scores = torch.tanh(scores / softcap).mul_(softcap).add_(bias)
         probs = torch.softmax(scores.float(), dim=-1).to(qd.dtype)
         ctx = torch.bmm(probs, vd.view(kv_heads * b, length, dim))  # [KVH*B, G, D]
         out.index_copy_(0, g.rows, ctx.view(kv_heads, b, group * dim)
                         .transpose(0, 1).reshape(b, heads, dim))
     return out
+
+
+def _capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      mask: torch.Tensor | None, scale: float, softcap: float) -> torch.Tensor:
+    """Attention with soft-capped scores, in transformers' eager order (SDPA has no
+    soft-capping): scale, ``cap * tanh(s / cap)``, mask, fp32 softmax, weighted sum.
+    q [1, H, Lq, D]; k, v [1, KVH, L, D]; mask bool [Lq, L] or None (causal)."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        lq, lk = q.shape[2], k.shape[2]
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
 
 
 def gather_slots(cache: torch.Tensor, slots: torch.Tensor, workspace: Workspace | None,

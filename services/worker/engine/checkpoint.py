@@ -41,8 +41,11 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor the engine needs, by Hugging Face name, with its shape."""
+    """Every tensor the engine needs, by Hugging Face name, with its shape: the family's
+    description says which projections are fused, which biases and norms exist."""
+    fam = cfg.family
     h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    q, kv = cfg.q_size, cfg.kv_size
     shapes: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (v, h),
         "model.norm.weight": (h,),
@@ -51,17 +54,33 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes["lm_head.weight"] = (v, h)
     for layer in range(cfg.num_hidden_layers):
         p = f"model.layers.{layer}."
-        shapes |= {
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (cfg.q_size, h),
-            p + "self_attn.k_proj.weight": (cfg.kv_size, h),
-            p + "self_attn.v_proj.weight": (cfg.kv_size, h),
-            p + "self_attn.o_proj.weight": (h, cfg.q_size),
-            p + "mlp.gate_proj.weight": (i, h),
-            p + "mlp.up_proj.weight": (i, h),
-            p + "mlp.down_proj.weight": (h, i),
-        }
+        if fam.fused_qkv:
+            shapes[p + fam.fused_qkv + ".weight"] = (q + 2 * kv, h)
+        else:
+            shapes |= {p + "self_attn.q_proj.weight": (q, h),
+                       p + "self_attn.k_proj.weight": (kv, h),
+                       p + "self_attn.v_proj.weight": (kv, h)}
+        shapes[p + "self_attn.o_proj.weight"] = (h, q)
+        if fam.fused_gate_up:
+            shapes[p + fam.fused_gate_up + ".weight"] = (2 * i, h)
+        else:
+            shapes |= {p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h)}
+        shapes[p + "mlp.down_proj.weight"] = (h, i)
+        for norm in fam.norms.values():
+            if norm is not None:
+                shapes[p + norm + ".weight"] = (h,)
+        if fam.qk_norm is not None:
+            per_head = fam.qk_norm == "head"
+            shapes[p + "self_attn.q_norm.weight"] = (cfg.head_dim,) if per_head else (q,)
+            shapes[p + "self_attn.k_norm.weight"] = (cfg.head_dim,) if per_head else (kv,)
+        if cfg.qkv_bias:
+            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                       p + "self_attn.v_proj.bias": (kv,)}
+        if cfg.o_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
+        if cfg.mlp_bias:
+            shapes |= {p + "mlp.gate_proj.bias": (i,), p + "mlp.up_proj.bias": (i,),
+                       p + "mlp.down_proj.bias": (h,)}
     return shapes
 
 

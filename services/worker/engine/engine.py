@@ -19,14 +19,24 @@ from .adapter import AdapterDigest, AdapterFiles
 from .adapter_pool import AdapterPool, AdapterSlotInfo
 from .attention import AttentionMetadata, PrefillSpan
 from .compat import CacheScope, SharingPolicy
+from .decoding import ChoiceGroup, fork, logits_plan
 from .errors import AdapterNotLoadedError, RequestError
+from .grammar import GrammarCache
 from .kv_cache import BlockPool, InvalidationResult, KVStorage
 from .lora_ops import Segments, base_fusion_threshold
-from .model import ForwardBatch, LlamaModel
+from .model import DecoderModel, ForwardBatch
 from .precision import serving_dtype
-from .request import FinishReason, GenerationRequest, GenerationResult, TokenEvent
-from .sampling import find_stop, held_back, make_generator, sample_tokens
-from .scheduler import ScheduledChunk, Scheduler, SchedulerLimits
+from .request import ChoiceResult, FinishReason, GenerationRequest, GenerationResult, TokenEvent
+from .sampling import (
+    SamplerRow,
+    find_stop,
+    held_back,
+    make_generator,
+    prompt_logprobs,
+    sample,
+    take_rows,
+)
+from .scheduler import NULL_BLOCK, ScheduledChunk, Scheduler, SchedulerLimits
 from .sequence import Sequence, SequenceStatus
 
 
@@ -76,7 +86,7 @@ class EngineStats:
 class Engine:
     """Multi-LoRA generation over one base model."""
 
-    def __init__(self, model: LlamaModel, config: EngineConfig | None = None) -> None:
+    def __init__(self, model: DecoderModel, config: EngineConfig | None = None) -> None:
         cfg = config or EngineConfig()
         self.config = cfg
         self.model = model
@@ -92,12 +102,20 @@ class Engine:
             dtype=model.dtype,
             device=model.device,
         )
-        self.scheduler = Scheduler(self.blocks, cfg.block_size, cfg.limits, cfg.sharing_policy)
+        self.adapters.base_vocab = {"embed_tokens": model.embed, "lm_head": model.lm_head}
+        self.scheduler = Scheduler(self.blocks, cfg.block_size, cfg.limits, cfg.sharing_policy,
+                                   window=mc.kv_window, recompute_past=mc.recompute_past)
+        self.prefix_cache = cfg.prefix_cache and not mc.rope_depends_on_length
+        """Blocks are shared unless turned off, or the rope depends on the sequence's length
+        (the same tokens' K/V differ between sequences of other lengths)."""
         self.fusion_threshold = base_fusion_threshold(torch.device(model.device),
                                                       mc.hidden_size, cfg.max_lora_rank)
         """Adapter buckets up to this many tokens take the fused base + LoRA kernel; None
         (CPU, or a GPU model without a measured table) = always the separate path."""
         self._seqs: dict[str, Sequence] = {}
+        self._groups: dict[str, ChoiceGroup] = {}
+        self.grammars = GrammarCache(model.tokenizer, mc.vocab_size, mc.eos_token_ids)
+        """Compiled structured-output grammars of this model's tokenizer, by spec."""
         self._results: dict[str, GenerationResult] = {}
         self._arrivals = itertools.count()
         self._pending: list[TokenEvent] = []
@@ -111,7 +129,7 @@ class Engine:
     def from_pretrained(cls, model_dir: str | Path, config: EngineConfig | None = None) -> Engine:
         cfg = config or EngineConfig()
         dtype = serving_dtype(cfg.dtype, cfg.device)
-        return cls(LlamaModel.from_pretrained(model_dir, dtype, cfg.device), cfg)
+        return cls(DecoderModel.from_pretrained(model_dir, dtype, cfg.device), cfg)
 
     @property
     def base_digest(self) -> str:
@@ -162,6 +180,9 @@ class Engine:
             raise AdapterNotLoadedError(f"adapter {digest} is not loaded")
         if digest == self._merged:
             return
+        if self.adapters.has_vocab_parts(digest):
+            raise RequestError(f"adapter {digest} adapts or replaces embed_tokens or lm_head, "
+                               "which merged mode does not fold into the base weights")
         others = self.merge_blockers(digest)
         if others:
             raise RequestError(f"cannot merge adapter {digest} while {others} requests "
@@ -225,7 +246,7 @@ class Engine:
                    if info.scope is not None and info.scope.tenant_key == tenant_key}
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
             if seq.scope.tenant_key == tenant_key:
-                touched.update(seq.block_table)
+                touched.update(b for b in seq.block_table if b != NULL_BLOCK)
         result = self.invalidate_tenant(tenant_key, hard=True)
         self.kv.zero_blocks([b for b in touched if self.blocks.blocks[b].ref_count == 0])
         return result
@@ -248,8 +269,8 @@ class Engine:
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
             owns = match(seq.scope)
             touches = bool(held_set.intersection(seq.block_table))
-            if not (owns or touches):
-                continue
+            if not (owns or touches) or seq.status is SequenceStatus.FINISHED:
+                continue  # (finished: another choice of its request was aborted first)
             seq.publish_blocks = False
             waiting = seq.status is SequenceStatus.WAITING
             if hard and (not waiting or include_waiting):
@@ -259,7 +280,8 @@ class Engine:
         deferred: set[int] = set()
         for seq in self.scheduler.running:
             if not seq.publish_blocks:
-                deferred.update(b for b in seq.block_table if self.blocks.blocks[b].ref_count)
+                deferred.update(b for b in seq.block_table
+                                if b != NULL_BLOCK and self.blocks.blocks[b].ref_count)
         result.blocks_freed = len(self.blocks.free) - free_before
         result.blocks_deferred = len(deferred)
         return result
@@ -287,6 +309,8 @@ class Engine:
         capacity = self.config.num_kv_blocks * self.config.block_size
         if len(ids) + request.sampling.max_tokens > capacity:
             raise RequestError(f"prompt + max_tokens exceeds the KV capacity of {capacity} tokens")
+        guide = (self.grammars.state(request.sampling.guide)
+                 if request.sampling.guide is not None else None)
         slot = -1
         if request.adapter_digest is not None:
             if not self.adapters.is_loaded(request.adapter_digest):
@@ -305,17 +329,21 @@ class Engine:
             arrival=next(self._arrivals),
             generator=make_generator(request.sampling.seed),
             slot=slot,
-            publish_blocks=self.config.prefix_cache,
+            publish_blocks=self.prefix_cache
+            and request.sampling.prompt_logprobs is None,
+            guide=guide,
         )
         self._seqs[request.request_id] = seq
+        self._groups[request.request_id] = ChoiceGroup(request, [seq])
         self.scheduler.add(seq)
         return request.request_id
 
     def abort(self, request_id: str) -> bool:
-        seq = self._seqs.get(request_id)
-        if seq is None:
+        group = self._groups.get(request_id)
+        if group is None:
             return False
-        self._finish(seq, FinishReason.ABORT)
+        for seq in list(group.seqs):
+            self._finish(seq, FinishReason.ABORT)
         return True
 
     @property
@@ -338,24 +366,46 @@ class Engine:
         if not plan:
             return events
         batch = self._build_batch(plan)
+        wanted = logits_plan(plan)
+        batch.logits_rows = torch.tensor(wanted.rows, dtype=torch.long)
         logits = self.model.forward(batch, self.kv, self.adapters).cpu()
         self.steps += 1
-        sampling = [c for c in plan if c.samples]
-        eos = self.model.cfg.eos_token_ids
-        tokens = sample_tokens(
-            logits,
-            [c.seq.request.sampling for c in sampling],
-            [c.seq.generator for c in sampling],
-            [len(c.seq.output_ids) < c.seq.request.sampling.min_tokens for c in sampling],
-            eos,
-        ) if sampling else []
+        for span in wanted.prompt:
+            found = prompt_logprobs(logits[span.first:span.first + len(span.targets)],
+                                    span.targets, span.seq.request.sampling.prompt_logprobs or 0)
+            span.seq.prompt_logprobs = (span.seq.prompt_logprobs or []) + found
         for chunk in plan:
             chunk.seq.num_computed += chunk.num_tokens
             self.scheduler.publish_full_blocks(chunk.seq)
-        for chunk, token in zip(sampling, tokens, strict=True):
-            event = self._append_token(chunk.seq, token)
-            if chunk.seq.request.on_token is not None:
-                chunk.seq.request.on_token(event)
+            self.scheduler.release_outside_window(chunk.seq)
+        seqs: list[Sequence] = []
+        rows: list[int] = []
+        for i, chunk in enumerate(wanted.sampling):
+            seq = chunk.seq
+            seqs.append(seq)
+            rows.append(i)
+            if seq.choice == 0 and not seq.output_ids and seq.request.sampling.n > 1 \
+                    and len(self._groups[seq.request_id].seqs) == 1:
+                children = fork(seq, self)
+                self._groups[seq.request_id].seqs.extend(children)
+                running = [c for c in children if c.status is SequenceStatus.RUNNING]
+                seqs.extend(running)
+                rows.extend([i] * len(running))
+        if not seqs:
+            return events
+        chosen = take_rows(logits, rows).clone()
+        top = max(s.request.sampling.top_logprobs for s in seqs)
+        picked = sample(chosen, [SamplerRow(
+            params=s.request.sampling, generator=s.generator, prompt_ids=s.prompt_ids,
+            output_ids=s.output_ids, guide=s.guide,
+            mask_eos=len(s.output_ids) < s.request.sampling.min_tokens,
+            want_logprob=s.request.sampling.wants_logprob) for s in seqs],
+            self.model.cfg.eos_token_ids, top)
+        for k, seq in enumerate(seqs):
+            event = self._append_token(seq, picked.tokens[k], picked.logprobs[k],
+                                       tuple(picked.top[k]))
+            if seq.request.on_token is not None:
+                seq.request.on_token(event)
             events.append(event)
         return events
 
@@ -394,7 +444,9 @@ class Engine:
             toks = seq.tokens
             ids.extend(toks[start:end])
             positions.extend(range(start, end))
-            seq_lens.extend([end] * n)
+            # rope that depends on the length (dynamic, longrope) sees the whole sequence at
+            # once in transformers' prefill: every chunk of it uses the sequence's length
+            seq_lens.extend([max(end, seq.num_tokens)] * n)
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             slot = -1 if self._merged is not None else seq.slot
@@ -411,10 +463,12 @@ class Engine:
             else:
                 span = PrefillSpan(row_start=row, q_len=n, prefix_len=start)
                 if start:
-                    span.ctx_slots = self._slots_of(table, end)
+                    span.ctx_start = self.scheduler.first_visible_block(start) * bs
+                    span.ctx_slots = self._slots_of(table, end, span.ctx_start)
                 prefills.append(span)
             if chunk.samples:
                 logits_rows.append(row + n - 1)
+            chunk.row = row
             row += n
         meta = AttentionMetadata(prefills=prefills)
         meta.finalize(decode_rows, decode_tables, decode_lens, bs, self.model.dtype,
@@ -449,21 +503,29 @@ class Engine:
             fused_segments=fused_segments,
         )
 
-    def _slots_of(self, table: list[int], length: int) -> torch.Tensor:
+    def _slots_of(self, table: list[int], length: int, start: int = 0) -> torch.Tensor:
+        """Flat slots of positions `start` (a block boundary) to `length`."""
         bs = self.config.block_size
-        t = torch.tensor(table, dtype=torch.long)
-        return (t[:, None] * bs + torch.arange(bs)).flatten()[:length]
+        t = torch.tensor(table[start // bs:], dtype=torch.long)
+        return (t[:, None] * bs + torch.arange(bs)).flatten()[:length - start]
 
     # -- token handling ------------------------------------------------------------------
 
-    def _append_token(self, seq: Sequence, token: int) -> TokenEvent:
+    def _append_token(self, seq: Sequence, token: int, logprob: float | None = None,
+                      top: tuple[tuple[int, float], ...] = ()) -> TokenEvent:
         params = seq.request.sampling
         seq.output_ids.append(token)
         index = len(seq.output_ids) - 1
+        if logprob is not None:
+            seq.cumulative_logprob += logprob
         reason: FinishReason | None = None
-        if (token in self.model.cfg.eos_token_ids and not params.ignore_eos
-                and len(seq.output_ids) > params.min_tokens):
-            reason = FinishReason.STOP
+        if len(seq.output_ids) > params.min_tokens:
+            if token in params.stop_token_ids:
+                reason, seq.stop_reason = FinishReason.STOP, token
+            elif token in self.model.cfg.eos_token_ids and not params.ignore_eos:
+                reason = FinishReason.STOP
+        if seq.guide is not None and reason is None and not seq.guide.accept(token):
+            reason = FinishReason.STOP  # the grammar allows nothing more (it is complete)
         text_delta = ""
         tok = self.tokenizer
         if tok is not None:
@@ -473,8 +535,8 @@ class Engine:
             if params.stop:
                 cut = find_stop(seq.text, params.stop, prev_len - max(map(len, params.stop)))
                 if cut is not None:
-                    seq.text = seq.text[:cut]
-                    reason = FinishReason.STOP
+                    seq.text = seq.text[:cut[0]]
+                    reason, seq.stop_reason = FinishReason.STOP, cut[1]
             if reason is None and len(seq.output_ids) >= params.max_tokens:
                 reason = FinishReason.LENGTH
             safe = len(seq.text) if reason else len(seq.text) - held_back(seq.text, params.stop)
@@ -483,34 +545,67 @@ class Engine:
             seq.emitted_chars = safe
         elif reason is None and len(seq.output_ids) >= params.max_tokens:
             reason = FinishReason.LENGTH
-        event = TokenEvent(seq.request_id, token, text_delta, index, reason is not None, reason)
+        prompt = None
+        if seq.prompt_logprobs is not None and not seq.prompt_logprobs_sent:
+            seq.prompt_logprobs_sent = True
+            prompt = tuple((lp, tuple(alts)) for lp, alts in seq.prompt_logprobs)
+        last = False
         if reason is not None:
-            self._finish(seq, reason, emit=False)
-        return event
+            last = self._finish(seq, reason, emit=False)
+        return TokenEvent(seq.request_id, token, text_delta, index, last, reason,
+                          choice=seq.choice, logprob=logprob, top_logprobs=top,
+                          stop_reason=seq.stop_reason if reason is not None else None,
+                          prompt_logprobs=prompt)
 
-    def _finish(self, seq: Sequence, reason: FinishReason, *, emit: bool = True) -> None:
-        if seq.status is SequenceStatus.FINISHED:
-            return
+    def _end(self, seq: Sequence, reason: FinishReason, group: ChoiceGroup | None) -> None:
         self.scheduler.remove(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         if seq.request.adapter_digest is not None:
             self.adapters.release(seq.request.adapter_digest)
+        if group is not None:
+            group.results[seq.choice] = ChoiceResult(
+                seq.choice, list(seq.output_ids), seq.text, reason, seq.stop_reason,
+                seq.cumulative_logprob)
+
+    def _finish(self, seq: Sequence, reason: FinishReason, *, emit: bool = True) -> bool:
+        """End one choice; True when that ended the request (its result is ready). An
+        abort ends every choice of the request."""
+        if seq.status is SequenceStatus.FINISHED:
+            return False
+        group = self._groups.get(seq.request_id)
+        self._end(seq, reason, group)
+        if group is None:  # a sequence outside the request book (`score`)
+            return False
+        if reason is FinishReason.ABORT:
+            for other in group.seqs:
+                if other.status is not SequenceStatus.FINISHED:
+                    self._end(other, reason, group)
+            for i in range(group.size):  # choices not forked yet
+                group.results.setdefault(i, ChoiceResult(i, [], "", reason))
+        if not group.done:
+            return False
+        del self._groups[seq.request_id]
         self._seqs.pop(seq.request_id, None)
+        first = group.seqs[0]
+        choices = [group.results[i] for i in sorted(group.results)]
         self._results[seq.request_id] = GenerationResult(
             request_id=seq.request_id,
-            token_ids=list(seq.output_ids),
-            text=seq.text,
-            finish_reason=reason,
-            prompt_tokens=len(seq.prompt_ids),
-            cached_prompt_tokens=seq.cached_prompt_tokens or 0,
-            preemptions=seq.preemptions,
+            token_ids=list(first.output_ids),
+            text=first.text,
+            finish_reason=choices[0].finish_reason,
+            prompt_tokens=len(first.prompt_ids),
+            cached_prompt_tokens=first.cached_prompt_tokens or 0,
+            preemptions=sum(s.preemptions for s in group.seqs),
+            choices=choices,
         )
         if emit:
-            ev = TokenEvent(seq.request_id, None, "", len(seq.output_ids), True, reason)
+            ev = TokenEvent(seq.request_id, None, "", len(seq.output_ids), True, reason,
+                            choice=seq.choice)
             if seq.request.on_token is not None:
                 seq.request.on_token(ev)
             self._pending.append(ev)
+        return True
 
     # -- conveniences --------------------------------------------------------------------
 

@@ -196,6 +196,15 @@ class BlockPool:
             self.cross_tenant_hits += 1
         return bid
 
+    def peek(self, h: bytes, request_scope: CacheScope) -> int | None:
+        """`lookup` without counting a query or a hit (a match weighing its options)."""
+        bid = self.index.get(h)
+        if bid is None:
+            return None
+        scope = self.blocks[bid].scope
+        assert scope is not None
+        return bid if decide(scope, request_scope, self.policy) is Decision.REUSE else None
+
     def forget_hits(self, request_scope: CacheScope, hits: int) -> None:
         """Take back the hits of a match that was undone (a deferred admission re-matches
         later, and each block must count once)."""

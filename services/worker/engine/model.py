@@ -1,9 +1,13 @@
-"""Llama-family decoder that runs one flat, ragged batch per step over the paged cache.
+"""The decoder of every served family, running one flat, ragged batch per step over the
+paged cache.
 
 All tokens of a step (prefill chunks and decodes of many sequences, many adapters) go
 through each projection as one [T, hidden] matmul; q|k|v and gate|up are fused so the
 base model costs two matmuls fewer per layer, and LoRA deltas are added into the fused
-outputs at column offsets by the multi-LoRA kernels.
+outputs at column offsets by the multi-LoRA kernels. What differs between families
+(biases, norms and where they sit, q/k norms, activation, attention scale, windows and
+soft-capping, rope per layer, embedding, residual and logit scaling) is read from the
+family's description (`services.families`) once, at load.
 """
 
 from __future__ import annotations
@@ -85,25 +89,47 @@ class ForwardBatch:
 
 @dataclass
 class LayerWeights:
-    input_norm: torch.Tensor
-    post_norm: torch.Tensor
     qkv: torch.Tensor  # [q + 2kv, hidden]
     o: torch.Tensor
     gate_up: torch.Tensor  # [2 * intermediate, hidden]
     down: torch.Tensor
+    attn_in_norm: torch.Tensor | None = None
+    attn_out_norm: torch.Tensor | None = None
+    mlp_in_norm: torch.Tensor | None = None
+    mlp_out_norm: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    qkv_bias: torch.Tensor | None = None  # [q + 2kv]
+    o_bias: torch.Tensor | None = None
+    gate_up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
+
+    @property
+    def input_norm(self) -> torch.Tensor | None:
+        return self.attn_in_norm
+
+    @property
+    def post_norm(self) -> torch.Tensor | None:
+        return self.mlp_in_norm
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             out: torch.Tensor | None = None, scratch: torch.Tensor | None = None
-             ) -> torch.Tensor:
+             out: torch.Tensor | None = None, scratch: torch.Tensor | None = None,
+             weigh_in_fp32: bool = False) -> torch.Tensor:
     """RMSNorm computed in float32, as transformers does, then cast back.
 
-    With `out` the result is written there and with `scratch` (float32, shaped like `x`)
-    the squares too: the same ops, so the same bits as without.
+    Llama casts the normalised values and then multiplies by the weight; Gemma and OLMo 2
+    multiply in float32 and cast last (`weigh_in_fp32`, with a float32 weight for Gemma's
+    1 + w). In fp32 both are the same products. With `out` the result is written there and
+    with `scratch` (float32, shaped like `x`) the squares too: the same ops, so the same
+    bits as without.
     """
     xf = x.float()
     sq = xf.pow(2) if scratch is None else torch.pow(xf, 2, out=scratch)
     inv = torch.rsqrt(sq.mean(-1, keepdim=True) + eps)
+    if weigh_in_fp32 and x.dtype != torch.float32:
+        res = (xf * inv * weight).to(x.dtype)
+        return res if out is None else out.copy_(res)
     if out is None:
         return weight * (xf * inv).to(x.dtype)
     if x.dtype == xf.dtype:
@@ -113,7 +139,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return out.mul_(weight)
 
 
-class LlamaModel:
+ACTIVATIONS = {
+    "silu": lambda x: F.silu(x, inplace=True),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+}
+"""transformers' ACT2FN entries the families use (`services.families.ACTIVATIONS`)."""
+
+
+class DecoderModel:
     """Weights plus a forward over `ForwardBatch`; stateless between steps (the workspace
     holds scratch only, overwritten by every step)."""
 
@@ -125,51 +159,95 @@ class LlamaModel:
         tokenizer: object | None = None,
     ) -> None:
         self.cfg = cfg
+        fam = cfg.family
         self.digest = digest
         self.tokenizer = tokenizer
         self.dtype = tensors["model.embed_tokens.weight"].dtype
         self.device = tensors["model.embed_tokens.weight"].device
         self.embed = tensors["model.embed_tokens.weight"]
-        self.norm = tensors["model.norm.weight"]
+        self.weigh_in_fp32 = fam.norm_style != "llama"
+        self.norm = self._norm_weight(tensors["model.norm.weight"])
         self.lm_head = self.embed if cfg.tie_word_embeddings else tensors["lm_head.weight"]
         self.layers: list[LayerWeights] = []
+
+        def cat(*names: str) -> torch.Tensor:
+            return torch.cat([tensors[n] for n in names])
+
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}."
-            self.layers.append(
-                LayerWeights(
-                    input_norm=tensors[p + "input_layernorm.weight"],
-                    post_norm=tensors[p + "post_attention_layernorm.weight"],
-                    qkv=torch.cat([tensors[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]),
-                    o=tensors[p + "self_attn.o_proj.weight"],
-                    gate_up=torch.cat(
-                        [tensors[p + "mlp.gate_proj.weight"], tensors[p + "mlp.up_proj.weight"]]
-                    ),
-                    down=tensors[p + "mlp.down_proj.weight"],
-                )
-            )
-        self.rope = RotaryEmbedding(cfg)
-        self.scale = cfg.head_dim**-0.5
+            norms = {role: None if name is None else self._norm_weight(
+                tensors[p + name + ".weight"]) for role, name in fam.norms.items()}
+            self.layers.append(LayerWeights(
+                qkv=tensors[p + fam.fused_qkv + ".weight"] if fam.fused_qkv else cat(
+                    *(p + f"self_attn.{n}_proj.weight" for n in "qkv")),
+                o=tensors[p + "self_attn.o_proj.weight"],
+                gate_up=tensors[p + fam.fused_gate_up + ".weight"] if fam.fused_gate_up
+                else cat(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                down=tensors[p + "mlp.down_proj.weight"],
+                attn_in_norm=norms["attn_in"], attn_out_norm=norms["attn_out"],
+                mlp_in_norm=norms["mlp_in"], mlp_out_norm=norms["mlp_out"],
+                q_norm=self._norm_weight(tensors[p + "self_attn.q_norm.weight"])
+                if fam.qk_norm else None,
+                k_norm=self._norm_weight(tensors[p + "self_attn.k_norm.weight"])
+                if fam.qk_norm else None,
+                qkv_bias=cat(*(p + f"self_attn.{n}_proj.bias" for n in "qkv"))
+                if cfg.qkv_bias else None,
+                o_bias=tensors[p + "self_attn.o_proj.bias"] if cfg.o_bias else None,
+                gate_up_bias=cat(p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias")
+                if cfg.mlp_bias else None,
+                down_bias=tensors[p + "mlp.down_proj.bias"] if cfg.mlp_bias else None,
+            ))
+        ropes: dict[int, RotaryEmbedding] = {}
+        self.layer_ropes: list[RotaryEmbedding | None] = []
+        for i in range(cfg.num_hidden_layers):
+            rope = cfg.rope_of(i)
+            if rope is not None and id(rope) not in ropes:
+                ropes[id(rope)] = RotaryEmbedding(rope, cfg.head_dim,
+                                                  cfg.max_position_embeddings)
+            self.layer_ropes.append(None if rope is None else ropes[id(rope)])
+        self.ropes = list(ropes.values())
+        self.rope = self.ropes[0] if self.ropes else None
+        self.scale = cfg.scale
+        self.act = ACTIVATIONS[cfg.hidden_act]
+        self.embed_scale: float | torch.Tensor | None = cfg.embedding_scale
+        self.scale_in_embedding = fam.embedding_scale == "sqrt_hidden"
+        """Gemma scales inside its embedding module (so PEFT scales embedding LoRA too),
+        by the scale rounded to the weights' dtype; Granite multiplies the module's output."""
+        if self.scale_in_embedding:
+            self.embed_scale = torch.tensor(cfg.embedding_scale).to(self.dtype)
+        self.lora_mods: dict[str, tuple[tuple[str, int], ...]] = {
+            packed: tuple((m, cfg.lora_rows(m)[1]) for m in fam.lora
+                          if cfg.lora_rows(m)[0] == packed)
+            for packed in ("qkv", "o", "gate_up", "down")}
+        """Per packed projection, the PEFT modules that adapt it and their column offsets."""
         self.workspace = Workspace(self.dtype, self.device)
         """Step activations are written into reused buffers (see `Workspace`)."""
 
+    def _norm_weight(self, w: torch.Tensor) -> torch.Tensor:
+        """Gemma stores norm weights minus one and multiplies by 1 + w in float32."""
+        return 1.0 + w.float() if self.cfg.family.norm_style == "gemma" else w
+
     def projection_weight(self, layer: int, module: str) -> torch.Tensor:
-        """The [out, in] weight of one projection: a view into the fused q|k|v or gate|up
-        matrix where the module is packed there, so writing it changes what forward uses."""
+        """The [out, in] weight a PEFT target module adapts: a view into the packed q|k|v
+        or gate|up matrix where the module is packed there, so writing it changes what
+        forward uses."""
         w = self.layers[layer]
-        qs, ks, inter = self.cfg.q_size, self.cfg.kv_size, self.cfg.intermediate_size
-        rows = {"q_proj": (w.qkv, 0, qs), "k_proj": (w.qkv, qs, qs + ks),
-                "v_proj": (w.qkv, qs + ks, qs + 2 * ks), "o_proj": (w.o, 0, w.o.shape[0]),
-                "gate_proj": (w.gate_up, 0, inter), "up_proj": (w.gate_up, inter, 2 * inter),
-                "down_proj": (w.down, 0, w.down.shape[0])}
-        t, lo, hi = rows[module]
-        return t[lo:hi]
+        packed, lo, hi = self.cfg.lora_rows(module)
+        return {"qkv": w.qkv, "o": w.o, "gate_up": w.gate_up, "down": w.down}[packed][lo:hi]
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, dtype: str | torch.dtype = "float32",
-                        device: str | torch.device = "cpu") -> LlamaModel:
+                        device: str | torch.device = "cpu") -> DecoderModel:
         """Load config, weights (validated, digested) and tokenizer from an HF directory."""
         ckpt = load_checkpoint(model_dir, dtype, device)
         return cls(ckpt.config, ckpt.tensors, ckpt.digest, load_tokenizer(model_dir))
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor, role: str,
+              scratch: torch.Tensor | None) -> torch.Tensor:
+        return rms_norm(x, weight, self.cfg.rms_norm_eps,
+                        out=self.workspace.take(role, *x.shape),
+                        scratch=scratch if scratch is not None and scratch.shape == x.shape
+                        else None, weigh_in_fp32=self.weigh_in_fp32)
 
     @torch.inference_mode()
     def forward(
@@ -177,12 +255,13 @@ class LlamaModel:
     ) -> torch.Tensor:
         """Run one step; writes new K/V into `kv` and returns float32 logits [S, vocab]."""
         cfg = self.cfg
+        fam = cfg.family
         t = batch.input_ids.shape[0]
         qs, ks = cfg.q_size, cfg.kv_size
         inter = cfg.intermediate_size
         batch = batch.to(self.device)
-        cos, sin = self.rope.cos_sin(batch.positions, batch.seq_lens, self.dtype)
-        cos, sin = cos.to(self.device), sin.to(self.device)
+        tables = {id(r): tuple(x.to(self.device) for x in r.cos_sin(
+            batch.positions, batch.seq_lens, self.dtype)) for r in self.ropes}
         use_lora = adapters is not None and bool(batch.lora_slots) and (
             batch.lora_indices is not None
         )
@@ -192,11 +271,16 @@ class LlamaModel:
         ws = self.workspace
 
         def project(layer: int, x: torch.Tensor, weight: torch.Tensor,
-                    modules: tuple[tuple[str, int], ...], role: str) -> torch.Tensor:
-            """Base projection plus LoRA deltas (at column offsets of packed outputs)."""
+                    modules: tuple[tuple[str, int], ...], role: str,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+            """Base projection (+ bias, as `nn.Linear` adds it) plus LoRA deltas (at column
+            offsets of packed outputs, after the bias: PEFT's order)."""
             y = ws.take(role, t, weight.shape[0])
             if split is None:
-                torch.mm(x, weight.t(), out=y)
+                if bias is None:
+                    torch.mm(x, weight.t(), out=y)
+                else:
+                    torch.addmm(bias, x, weight.t(), out=y)
                 if use_lora:
                     for module, off in modules:
                         if adapters.layer_has_lora(layer, module, slots):  # type: ignore[union-attr]
@@ -204,7 +288,7 @@ class LlamaModel:
                 return y
             # two-level batching: large buckets separate, small ones fused (rows >= split)
             if split:
-                torch.mm(x[:split], weight.t(), out=y[:split])
+                torch.mm(x[:split], weight.t(), out=y[:split])  # bias added below
                 for module, off in modules:
                     if adapters.layer_has_lora(layer, module, slots):  # type: ignore[union-attr]
                         adapters.apply(layer, module, y[:split], x[:split], idx[:split], seg,  # type: ignore[union-attr,index]
@@ -213,44 +297,90 @@ class LlamaModel:
                 adapters.apply_fused_base(  # type: ignore[union-attr]
                     layer, module, y[split:], x[split:], self.projection_weight(layer, module),
                     batch.fused_segments, off)  # type: ignore[arg-type]
+            if bias is not None:  # after the deltas here: rounding order only differs
+                y += bias
             return y
 
         heads, kv_heads, dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        qkv_mods = (("q_proj", 0), ("k_proj", qs), ("v_proj", qs + ks))
-        gate_up_mods = (("gate_proj", 0), ("up_proj", inter))
+        mods = self.lora_mods
         serial = one_thread if t <= SERIAL_TOKENS and self.device.type == "cpu" else (
             contextlib.nullcontext)
         norm_sq = ws.take("norm_sq", t, cfg.hidden_size, dtype=torch.float32)
+        vocab = use_lora and adapters.adapts_vocab(slots)  # type: ignore[union-attr]
         with serial():
             h = torch.index_select(self.embed, 0, batch.input_ids,
                                    out=ws.take("hidden", t, cfg.hidden_size))
+            if vocab:
+                adapters.replace_embeddings(h, batch.input_ids, runs)  # type: ignore[union-attr,arg-type]
+            if self.embed_scale is not None and self.scale_in_embedding:
+                h.mul_(self.embed_scale)
+            if vocab:
+                adapters.add_embedding_lora(  # type: ignore[union-attr]
+                    h, batch.input_ids, runs,  # type: ignore[arg-type]
+                    self.embed_scale if self.scale_in_embedding else None)  # type: ignore[arg-type]
+            if self.embed_scale is not None and not self.scale_in_embedding:
+                h.mul_(self.embed_scale)
         for li, w in enumerate(self.layers):
             with serial():
-                x = rms_norm(h, w.input_norm, cfg.rms_norm_eps, out=ws.take("norm", *h.shape),
-                             scratch=norm_sq)
-            qkv = project(li, x, w.qkv, qkv_mods, "qkv")
+                x = h if w.attn_in_norm is None else self._norm(h, w.attn_in_norm, "norm",
+                                                                 norm_sq)
+            qkv = project(li, x, w.qkv, mods["qkv"], "qkv", w.qkv_bias)
+            rope = self.layer_ropes[li]
             with serial():
-                q = apply_rotary(qkv[:, :qs].view(t, heads, dim), cos, sin,
-                                 out=ws.take("q", t, heads, dim),
-                                 scratch=ws.take("rope", t, heads, dim))
-                k = apply_rotary(qkv[:, qs : qs + ks].view(t, kv_heads, dim), cos, sin,
-                                 out=ws.take("k", t, kv_heads, dim),
-                                 scratch=ws.take("rope", t, kv_heads, dim))
+                q_src, k_src = qkv[:, :qs], qkv[:, qs : qs + ks]
+                if fam.qk_norm == "full":
+                    q_src = self._norm(q_src, w.q_norm, "q_normed", None)  # type: ignore[arg-type]
+                    k_src = self._norm(k_src, w.k_norm, "k_normed", None)  # type: ignore[arg-type]
+                q_src, k_src = q_src.view(t, heads, dim), k_src.view(t, kv_heads, dim)
+                if fam.qk_norm == "head":
+                    q_src = self._norm(q_src, w.q_norm, "q_normed", None)  # type: ignore[arg-type]
+                    k_src = self._norm(k_src, w.k_norm, "k_normed", None)  # type: ignore[arg-type]
+                if rope is None:
+                    q = ws.take("q", t, heads, dim).copy_(q_src)
+                    k = ws.take("k", t, kv_heads, dim).copy_(k_src)
+                else:
+                    cos, sin = tables[id(rope)]
+                    q = apply_rotary(q_src, cos, sin, out=ws.take("q", t, heads, dim),
+                                     scratch=ws.take("rope", t, heads, dim))
+                    k = apply_rotary(k_src, cos, sin, out=ws.take("k", t, kv_heads, dim),
+                                     scratch=ws.take("rope", t, kv_heads, dim))
                 v = qkv[:, qs + ks :].view(t, kv_heads, dim)
                 kv.write(li, batch.slot_mapping, k, v)
             attn = paged_attention(q, k, v, kv.k[li], kv.v[li], batch.attention, self.scale,
-                                   workspace=ws)
-            delta = project(li, attn.view(t, qs), w.o, (("o_proj", 0),), "delta")
+                                   workspace=ws, window=cfg.window(li),
+                                   softcap=cfg.attn_softcap)
+            delta = project(li, attn.view(t, qs), w.o, mods["o"], "delta", w.o_bias)
             with serial():
+                if w.attn_out_norm is not None:
+                    delta = self._norm(delta, w.attn_out_norm, "delta_normed", norm_sq)
+                if cfg.residual_multiplier != 1.0:
+                    delta.mul_(cfg.residual_multiplier)
                 h.add_(delta)
-                x = rms_norm(h, w.post_norm, cfg.rms_norm_eps, out=ws.take("norm", *h.shape),
-                             scratch=norm_sq)
-            gu = project(li, x, w.gate_up, gate_up_mods, "gate_up")
+                x = h if w.mlp_in_norm is None else self._norm(h, w.mlp_in_norm, "norm",
+                                                                norm_sq)
+            gu = project(li, x, w.gate_up, mods["gate_up"], "gate_up", w.gate_up_bias)
             with serial():
-                act = torch.mul(F.silu(gu[:, :inter], inplace=True), gu[:, inter:],
+                act = torch.mul(self.act(gu[:, :inter]), gu[:, inter:],
                                 out=ws.take("act", t, inter))
-            delta = project(li, act, w.down, (("down_proj", 0),), "delta")
+            delta = project(li, act, w.down, mods["down"], "delta", w.down_bias)
             with serial():
+                if w.mlp_out_norm is not None:
+                    delta = self._norm(delta, w.mlp_out_norm, "delta_normed", norm_sq)
+                if cfg.residual_multiplier != 1.0:
+                    delta.mul_(cfg.residual_multiplier)
                 h.add_(delta)
-        last = rms_norm(h[batch.logits_rows], self.norm, cfg.rms_norm_eps)
-        return F.linear(last, self.lm_head).float()
+        last = rms_norm(h[batch.logits_rows], self.norm, cfg.rms_norm_eps,
+                        weigh_in_fp32=self.weigh_in_fp32)
+        logits = F.linear(last, self.lm_head)
+        if vocab:
+            adapters.apply_lm_head(logits, last,  # type: ignore[union-attr]
+                                   idx[batch.logits_rows].tolist())  # type: ignore[index]
+        if cfg.logits_scaling != 1.0:
+            logits = logits / cfg.logits_scaling
+        if cfg.final_softcap is not None:
+            logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
+        return logits.float()
+
+
+LlamaModel = DecoderModel
+"""The name the engine's callers used when it served Llama only."""

@@ -67,6 +67,26 @@ class SamplingParams:
     ignore_eos: bool = False
     """Keep decoding past end-of-sequence tokens, to exactly `max_tokens` (benchmarks,
     fixed-length outputs); EOS may still be sampled and is returned as a token."""
+    top_k: int = 0
+    """0 (or -1): off."""
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    """End the choice like end-of-sequence does (the token counts, its text is not shown)."""
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
+    logprobs: bool = False
+    top_logprobs: int = 0
+    prompt_logprobs: int | None = None
+    """Set: the prompt tokens' logprobs with that many alternatives (the prompt is then
+    computed, never taken from the prefix cache, which holds no logits)."""
+    n: int = 1
+    """Sequences generated from the prompt, sharing its KV blocks (best_of counts here)."""
+    seed_stride: bool = True
+    """Choice i draws from `seed + i` (vLLM's rule), so each has a stream of its own."""
+    guide: GuideSpec | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -79,10 +99,33 @@ class SamplingParams:
             raise RequestError("top_p must be in (0, 1]")
         if any(not s for s in self.stop):
             raise RequestError("stop strings must be non-empty")
+        if self.n < 1:
+            raise RequestError("n must be >= 1")
+        if self.repetition_penalty <= 0:
+            raise RequestError("repetition_penalty must be > 0")
+        if not 0 <= self.min_p <= 1:
+            raise RequestError("min_p must be in [0, 1]")
+        if self.top_logprobs < 0:
+            raise RequestError("top_logprobs must be >= 0")
+
+    @property
+    def wants_logprob(self) -> bool:
+        """The chosen tokens' logprobs are computed (asked for, or ranking best_of)."""
+        return self.logprobs or self.top_logprobs > 0 or self.n > 1
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class GuideSpec:
+    """Structured output asked for: `kind` is json_schema, json_object, regex, choice,
+    grammar (EBNF) or structural (tool calls: `grammar.tool_call_guide`); compiled once per
+    spec and tokenizer by the engine's grammar cache."""
+
+    kind: str
+    value: str = ""
 
 
 _ids = itertools.count()
@@ -120,7 +163,16 @@ class TokenEvent:
     is known not to be one."""
     index: int
     finished: bool = False
+    """The whole request ended (every choice)."""
     finish_reason: FinishReason | None = None
+    """Set on the event that ends this choice."""
+    choice: int = 0
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+    stop_reason: str | int | None = None
+    """The stop string or stop token id that ended the choice (None for end-of-sequence)."""
+    prompt_logprobs: tuple[tuple[float, tuple[tuple[int, float], ...]], ...] | None = None
+    """On choice 0's first event when asked for: one entry per prompt token after the first."""
 
 
 @dataclass
@@ -135,3 +187,17 @@ class GenerationResult:
     cached_prompt_tokens: int
     """Prompt tokens served from the prefix cache (first admission only)."""
     preemptions: int = 0
+    choices: list[ChoiceResult] = field(default_factory=list)
+    """Every generated sequence (the first is the one above)."""
+
+
+@dataclass
+class ChoiceResult:
+    """One generated sequence of a request."""
+
+    choice: int
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    stop_reason: str | int | None = None
+    cumulative_logprob: float = 0.0

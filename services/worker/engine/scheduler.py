@@ -5,6 +5,11 @@ a chunk), then waiting requests are admitted while the limits allow, so new requ
 between decode steps. Priority is (QoS tier, arrival). When KV blocks run out, the least
 important running sequence is preempted by recompute: its blocks are released (full ones
 stay in the prefix cache) and it re-enters the waiting queue.
+
+With a sliding window on every layer (`window`), a sequence's blocks that end before the
+window of its next query are released as it goes (`NULL_BLOCK` keeps their place in the
+block table), and a prefix match needs only the blocks inside the window of the position
+it resumes from: earlier blocks may have been evicted from the cache meanwhile.
 """
 
 from __future__ import annotations
@@ -15,6 +20,9 @@ from dataclasses import dataclass
 from .compat import SharingPolicy
 from .kv_cache import ROOT_HASH, BlockPool, block_hash
 from .sequence import Sequence, SequenceStatus
+
+NULL_BLOCK = -1
+"""A block-table entry released because it lies wholly before a sliding window."""
 
 
 @dataclass(frozen=True)
@@ -37,6 +45,8 @@ class SchedulerLimits:
 class ScheduledChunk:
     seq: Sequence
     num_tokens: int
+    row: int = 0
+    """The chunk's first token row in the step's batch (set when the batch is built)."""
 
     @property
     def samples(self) -> bool:
@@ -53,8 +63,15 @@ class Scheduler:
         block_size: int,
         limits: SchedulerLimits,
         policy: SharingPolicy = SharingPolicy.STRICT,
+        window: int | None = None,
+        recompute_past: int | None = None,
     ) -> None:
         self.blocks = blocks
+        self.window = window
+        """Every layer's sliding window (None: some layer attends to the whole context)."""
+        self.recompute_past = recompute_past
+        """A running sequence whose cache ends at or before this position and that has
+        grown past it is recomputed whole (Phi-3's longrope, `ModelConfig.recompute_past`)."""
         self.block_size = block_size
         self.limits = limits
         self.policy = policy
@@ -84,7 +101,8 @@ class Scheduler:
 
     def free_blocks(self, seq: Sequence) -> None:
         for bid in seq.block_table:
-            self.blocks.release(bid)
+            if bid != NULL_BLOCK:
+                self.blocks.release(bid)
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed = 0
@@ -120,7 +138,7 @@ class Scheduler:
     def _match_prefix(self, seq: Sequence) -> bytes | None:
         """Reuse cached full blocks of the sequence's tokens (all but the last token).
 
-        Returns the hash of the first full block not found, if any: the block this
+        Returns the hash of the first full block not reused, if any: the block this
         sequence would compute next.
         """
         tokens = seq.tokens
@@ -128,7 +146,9 @@ class Scheduler:
         parent = ROOT_HASH
         bs = self.block_size
         miss = None
-        if seq.publish_blocks:
+        if seq.publish_blocks and self.window is not None:
+            miss = self._match_window(seq, key)
+        elif seq.publish_blocks:
             for j in range((len(tokens) - 1) // bs):
                 h = block_hash(parent, tokens[j * bs : (j + 1) * bs], key)
                 bid = self.blocks.lookup(h, seq.scope)
@@ -141,6 +161,54 @@ class Scheduler:
                 parent = h
         seq.num_computed = len(seq.block_table) * bs
         return miss
+
+    def _match_window(self, seq: Sequence, key: bytes) -> bytes | None:
+        """The longest prefix whose blocks inside the window of its next position are all
+        cached; the blocks before that window are not needed and stay `NULL_BLOCK`."""
+        tokens, bs, window = seq.tokens, self.block_size, self.window
+        assert window is not None
+        hashes: list[bytes] = []
+        parent = ROOT_HASH
+        for j in range((len(tokens) - 1) // bs):
+            parent = block_hash(parent, tokens[j * bs : (j + 1) * bs], key)
+            hashes.append(parent)
+        present = [self.blocks.peek(h, seq.scope) for h in hashes]
+        best = 0
+        for k in range(len(hashes), 0, -1):
+            if all(present[j] is not None
+                   for j in range(self.first_visible_block(k * bs), k)):
+                best = k
+                break
+        first = self.first_visible_block(best * bs)
+        for j in range(best):
+            if j < first:
+                seq.block_table.append(NULL_BLOCK)
+                continue
+            bid = self.blocks.lookup(hashes[j], seq.scope)
+            assert bid is not None
+            self.blocks.retain(bid)
+            seq.block_table.append(bid)
+        seq.block_hashes.extend(hashes[:best])
+        if best < len(hashes):
+            self.blocks.queries += 1
+            return hashes[best]
+        return None
+
+    def first_visible_block(self, position: int) -> int:
+        """The first block a query at `position` (or later) still sees: every block before
+        it lies wholly outside the window (0 without one)."""
+        if self.window is None:
+            return 0
+        return max(0, position - self.window + 1) // self.block_size
+
+    def release_outside_window(self, seq: Sequence) -> None:
+        """After a step: release the blocks no later query of the sequence can see."""
+        dead = min(self.first_visible_block(seq.num_computed), len(seq.block_table))
+        for j in range(dead):
+            bid = seq.block_table[j]
+            if bid != NULL_BLOCK:
+                self.blocks.release(bid)
+                seq.block_table[j] = NULL_BLOCK
 
     def _track(self, seq: Sequence) -> None:
         """Register the next full prompt block a prefilling sequence will publish."""
@@ -172,6 +240,11 @@ class Scheduler:
         for seq in order:
             if seq.status is not SequenceStatus.RUNNING or budget == 0:
                 continue
+            past = self.recompute_past
+            if past is not None and not seq.recomputed_past and past < seq.num_tokens:
+                seq.recomputed_past = True
+                if seq.num_computed <= past:
+                    self.free_blocks(seq)
             n = min(seq.num_tokens - seq.num_computed, budget)
             while not self.grow(seq, n):
                 victims = [s for s in self.running if id(s) not in planned and s is not seq]
@@ -200,7 +273,8 @@ class Scheduler:
             if owner is not None and owner is not seq:
                 # Another running sequence of the same cache scope is computing this very
                 # block: wait for it to be published instead of computing it twice.
-                self.blocks.forget_hits(seq.scope, len(seq.block_table))
+                self.blocks.forget_hits(seq.scope,
+                                        sum(b != NULL_BLOCK for b in seq.block_table))
                 self.free_blocks(seq)
                 self.deferred_admissions += 1
                 i += 1
@@ -211,6 +285,8 @@ class Scheduler:
                 break
             if seq.cached_prompt_tokens is None:
                 seq.cached_prompt_tokens = seq.num_computed
+            if self.recompute_past is not None and seq.num_tokens > self.recompute_past:
+                seq.recomputed_past = True  # its prefill is past the length already
             self.waiting.pop(i)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -43,9 +44,20 @@ class Sequence:
     inflight_hash: bytes | None = None
     """Hash of the next full block this sequence will publish (see `Scheduler._track`)."""
     preemptions: int = 0
+    recomputed_past: bool = False
+    """Recomputed whole once it grew past `Scheduler.recompute_past` (it happens once)."""
     text: str = ""
     emitted_chars: int = 0
     finish_reason: FinishReason | None = None
+    choice: int = 0
+    """Which of the request's n choices (0 computes the prompt; the others fork from it)."""
+    guide: Any = None
+    """The choice's `grammar.GuideState` when the request asked for structured output."""
+    cumulative_logprob: float = 0.0
+    stop_reason: str | int | None = None
+    prompt_logprobs: list[Any] | None = None
+    """Prompt tokens' logprobs gathered so far (prompt_logprobs requests, choice 0)."""
+    prompt_logprobs_sent: bool = False
 
     @property
     def request_id(self) -> str:

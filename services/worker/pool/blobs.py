@@ -12,6 +12,7 @@ once, because retrying cannot fix it.
 from __future__ import annotations
 
 import json
+import ssl
 
 import httpx
 from tenacity import (
@@ -39,7 +40,8 @@ class RegistryBlobs:
     """A small client for the registry's blob route (thread-safe: httpx.Client is)."""
 
     def __init__(self, base_url: str, token: str | None, *, timeout_s: float = 30.0,
-                 max_bytes: int = 1 << 31, attempts: int = 3) -> None:
+                 max_bytes: int = 1 << 31, attempts: int = 3,
+                 verify: ssl.SSLContext | bool = True) -> None:
         """`base_url`: one registry, or several separated by commas (an active one and its
         standbys: `services.endpoints` moves on to the next that answers)."""
         from services.endpoints import registry_client
@@ -48,7 +50,7 @@ class RegistryBlobs:
         urls = [u.strip().rstrip("/") for u in base_url.split(",") if u.strip()]
         self.base_url = urls[0]
         self.max_bytes = max_bytes
-        self._client = registry_client(urls, headers=headers,
+        self._client = registry_client(urls, headers=headers, verify=verify,
                                        timeout=httpx.Timeout(timeout_s, connect=5.0))
         self._retrying = retry(
             retry=retry_if_exception_type(BlobUnavailable),

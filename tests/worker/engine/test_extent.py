@@ -91,7 +91,8 @@ def test_a_slot_from_the_host_tier_holds_what_loose_tensors_give(dtype):
         assert torch.equal(a, w.a.float()) and torch.equal(bt, w.b.T.float())
         assert scale == theirs[key][2] == w.scale
     for pool in (from_host, from_loose):
-        layer_tables = pool.tables.ranks[:, pool.info(parsed.digest).slot]
+        rows = CFG.num_hidden_layers * len(pool.modules)  # then embed_tokens and lm_head
+        layer_tables = pool.tables.ranks[:rows, pool.info(parsed.digest).slot]
         assert layer_tables.tolist() == [5] * len(layer_tables)
     from_host.unload(parsed.digest)
     assert not from_host.pool.any() and not from_host.tables.ranks.any()

@@ -99,9 +99,9 @@ def test_missing_shard_and_weights(tmp_path):
 def test_unsupported_config_refused(tmp_path):
     build_model(tmp_path, seed=8)
     cfg = json.loads((tmp_path / "config.json").read_text())
-    cfg["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+    cfg["rope_parameters"] = {"rope_type": "mrope", "factor": 4.0, "rope_theta": 10000.0}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(UnsupportedModelError, match="yarn"):
+    with pytest.raises(UnsupportedModelError, match="mrope"):
         load_checkpoint(tmp_path)
 
 
