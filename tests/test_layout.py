@@ -16,7 +16,7 @@ from services.config import Settings
 from tests.conftest import REPO
 
 TOP_LEVEL = {"services", "loraplane_kernels", "migrations", "schemas", "tests", "bench",
-             "docker-compose.yml", "README.md", "Makefile", ".ci", "pyproject.toml",
+             "docs", "docker-compose.yml", "README.md", "Makefile", ".ci", "pyproject.toml",
              "constraints.txt"}
 
 
