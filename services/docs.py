@@ -312,7 +312,7 @@ def api() -> str:
                                   "and `schemas/proto/inference.proto`"), "",
              "# API reference", "",
              "The permission is what the caller's token role must hold (the roles table: "
-             "[registry API](../registry.md#roles)); `none` is open to every caller. "
+             "[registry API](../registry.md#what-it-promises)); `none` is open to every caller. "
              "Parameters, bodies and errors: each app's `/openapi.json`.", "",
              "## Registry REST (`/v1`)", "", *_routes(_registry_app()), "",
              "## Router: OpenAI-compatible HTTP", "", *_routes(_router_app()), "",
