@@ -330,11 +330,11 @@ def _schema_type(schema: dict[str, Any]) -> str:
     if "$ref" in schema:
         return schema["$ref"].rsplit("/", 1)[-1]
     if "anyOf" in schema:
-        return " \\| ".join(_schema_type(s) for s in schema["anyOf"])
+        return " | ".join(_schema_type(s) for s in schema["anyOf"])
     if "const" in schema:
         return json.dumps(schema["const"])
     if "enum" in schema:
-        return " \\| ".join(json.dumps(v) for v in schema["enum"])
+        return " | ".join(json.dumps(v) for v in schema["enum"])
     kind = schema.get("type", "any")
     if kind == "array":
         return f"array of {_schema_type(schema.get('items', {}))}"
@@ -365,23 +365,36 @@ def events() -> str:
     names = sorted(p.stem for p in SCHEMAS.glob("*.json") if p.stem != "envelope")
     lines += ["", "## Events", "", "| event | topic | what |", "|---|---|---|"]
     documents = {n: json.loads((SCHEMAS / f"{n}.json").read_text()) for n in names}
+    types: dict[str, dict[str, Any]] = dict(envelope.get("$defs", {}))
     for name, doc in documents.items():
         payload = doc.get("$defs", {}).get(name, {})
         what = (payload.get("description") or "").split("\n\n")[0]
-        lines.append(f"| [`{name}`](#{name.lower()}) | `{doc.get('x-topic', '')}` | "
-                     f"{_cell(what)} |")
+        lines.append(f"| [`{name}`](#{name.lower()}) | `{_topic(doc)}` | {_cell(what)} |")
+        types.update((k, v) for k, v in doc.get("$defs", {}).items() if k not in documents)
     for name, doc in documents.items():
         payload = doc.get("$defs", {}).get(name, {})
         lines += ["", f"### {name}", ""]
         if payload.get("description"):
             lines += [inspect.cleandoc(payload["description"]), ""]
-        lines += [f"Topic `{doc.get('x-topic', '')}`. Payload:", "", *_fields(payload)]
-        shared = sorted({ref.rsplit("/", 1)[-1] for ref in re.findall(r'"\$ref": "([^"]+)"',
-                                                                       json.dumps(payload))})
-        if shared:
-            lines += ["", "Types it uses: " + ", ".join(f"`{s}`" for s in shared)
-                      + f" (see `schemas/events/{name}.json`)."]
-    return "\n".join(lines) + "\n"
+        lines += [f"On `{_topic(doc)}`. Payload:", "", *_fields(payload)]
+    lines += ["", "## Types the events share", ""]
+    for name, schema in sorted(types.items()):
+        lines += [f"### {name}", ""]
+        if schema.get("description"):
+            lines += [inspect.cleandoc(schema["description"]), ""]
+        if "properties" in schema:
+            lines += [*_fields(schema), ""]
+        else:
+            lines += [f"`{_schema_type(schema)}`", ""]
+    return "\n".join(lines)
+
+
+def _topic(document: dict[str, Any]) -> str:
+    """The topic an event goes to (`x-topic` names it by its setting)."""
+    setting = {"liveness": "liveness_topic"}.get(document.get("x-topic", ""),
+                                                 f"{document.get('x-topic')}_events_topic")
+    field = Settings.model_fields.get(setting)
+    return str(field.default) if field is not None else str(document.get("x-topic", ""))
 
 
 PAGES: dict[str, Callable[[], str]] = {
