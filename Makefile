@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 CONSTRAINTS ?= constraints.txt
 PIN    := $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 
-.PHONY: setup demo test lint up kafka-jars clean bench bench-report
+.PHONY: setup demo test lint up kafka-jars clean bench bench-report chaos
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,11 @@ bench: setup
 
 bench-report: $(STAMP)
 	$(BIN)/python bench/report.py
+
+# Every fault scenario on a multi-host cluster of network namespaces (root), each checked:
+# bench/results/chaos.json, then the report. Fails when the checker found an anomaly.
+chaos: setup
+	@$(BIN)/python bench/chaos.py; status=$$?; $(BIN)/python bench/report.py; exit $$status
 
 up: setup
 	$(BIN)/loraplane up

@@ -23,7 +23,7 @@ sys.path.insert(0, str(REPO))
 from bench.record import RESULTS  # noqa: E402
 
 ORDER = ("multi_lora", "serve", "serve_tls", "structured", "merged", "hotswap", "router", "fanout",
-         "registry", "release", "replay", "audit", "audit_inline", "audit_server")
+         "registry", "release", "replay", "audit", "audit_inline", "audit_server", "chaos")
 """Sections in reading order: the model and engine first, the control plane after."""
 
 
@@ -102,7 +102,37 @@ def section(name: str, doc: dict[str, Any]) -> list[str]:
     if run.get("note"):
         lines.append(f"Note: {run['note']}.")
     lines.append("")
+    if doc.get("scenarios"):
+        lines += chaos_table(doc)
     return lines
+
+
+def chaos_table(doc: dict[str, Any]) -> list[str]:
+    """bench/chaos.py: one row per fault scenario (operations attempted / acknowledged /
+    failed / unknown, the fault, anomalies), then each anomaly the checker found."""
+    lines = ["| scenario | seed | fault | writes (att/ok/fail/unk) | generations "
+             "(att/ok/fail) | generate p99 before / during | takeover | anomalies |",
+             "|---|---|---|---|---|---|---|---|"]
+    found = []
+    for s in doc["scenarios"]:
+        counts = s["counts"]
+        writes = [counts.get(k, {}) for k in ("publish", "switch", "purge")]
+        w = [sum(c.get(x, 0) for c in writes) for x in ("attempted", "ok", "fail", "unknown")]
+        g = counts.get("generate", {})
+        gen = s["latency"]["generate"]
+        takeover = s["notes"].get("takeover_s")
+        lines.append(
+            f"| {s['scenario']} | {s['seed']} | {s['description']} | {'/'.join(map(str, w))} | "
+            f"{g.get('attempted', 0)}/{g.get('ok', 0)}/{g.get('fail', 0)} | "
+            f"{number(gen['p99_before_ms'])} / {number(gen['p99_fault_ms'])} ms | "
+            f"{'-' if takeover is None else f'{number(takeover)} s'} | {s['anomalies']} |")
+        found += [f"- {s['scenario']}: {a['check']}: {a['detail']}"
+                  for a in s["check"]["anomalies"]]
+    start = doc.get("startup") or {}
+    lines += ["", f"Harness start-up: {number(start.get('total'))} s ("
+              + ", ".join(f"{k} {number(v)} s" for k, v in start.items() if k != "total")
+              + "). Anomalies found: " + (str(len(found)) if found else "none") + ".", ""]
+    return lines + found + ([""] if found else [])
 
 
 def render(results: Path) -> str:

@@ -89,7 +89,7 @@ def _find_stack(ctx: typer.Context, version: bool = typer.Option(
         adopt_stack_env()
 
 
-SELF_CONFIGURED = {"up", "serve", "demo", "fetch-kafka", "base-digest"}
+SELF_CONFIGURED = {"up", "serve", "demo", "fetch-kafka", "base-digest", "cluster"}
 
 
 @app.command()
@@ -143,6 +143,60 @@ def up(
         console.print("stopping…")
         stack.stop()
         console.print("stopped")
+
+
+@app.command()
+def cluster(
+    base_model: Path | None = typer.Option(
+        None, "--base-model", exists=True, file_okay=False,
+        help="A Hugging Face Llama directory (default: SmolLM2-135M-Instruct, converted "
+             "once into the cache)"),
+    workers: int = typer.Option(3, "--workers", min=1, max=16, help="Worker hosts"),
+) -> None:
+    """A multi-host loraplane on this machine (root): each process on a host of its own,
+    a network namespace with its own address, bound to it only. Three Kafka nodes (RF 3,
+    min.insync.replicas 2), PostgreSQL, two registries (one active, one standby), two
+    routers, workers, the projector and the canary controller. Ctrl-C stops it all and
+    removes the namespaces."""
+    from rich.table import Table
+
+    from services.cluster.topology import Cluster, ClusterSpec
+    from services.stack.models import ensure_smollm2
+
+    settings = _settings()
+    root = (settings.state_dir / "cluster").resolve()
+    _log_to(root / "logs" / "cluster.log", settings.log_level)
+    stop = _stop_on_signals()
+    model = base_model.resolve() if base_model else ensure_smollm2(settings.cache_dir)
+    running = Cluster(ClusterSpec(base_model=model, workers=workers), root, settings)
+    console.print(f"starting a cluster of network namespaces in {root} …")
+    try:
+        running.start()
+    except Exception as exc:  # a failed start already removed what it made
+        logging.getLogger("loraplane.cluster").exception("start failed")
+        err.print(f"[red]loraplane cluster failed:[/red] {escape(str(exc))} "
+                  f"(logs in {root / 'logs'})")
+        raise typer.Exit(1) from None
+    try:
+        hosts = Table(title=f"hosts on {running.network.subnet}"  # type: ignore[union-attr]
+                      f" (this machine: {running.network.gateway})")  # type: ignore[union-attr]
+        for col in ("host", "listens on", "process"):
+            hosts.add_column(col)
+        for row in running.describe():
+            hosts.add_row(*row)
+        console.print(hosts)
+        took = ", ".join(f"{k} {v:g}s" for k, v in running.timings.items() if k != "total")
+        console.print(f"[green]the cluster is up in {running.timings['total']:g}s[/green] "
+                      f"({took}); active registry: {running.active_registry()}")
+        console.print(f"point the CLI at it: [bold]export LORAPLANE_STATE_DIR={root}[/bold] "
+                      "(registry URLs and router addresses are in its endpoints.json); "
+                      "Ctrl-C stops it")
+        while not stop.wait(0.5):
+            pass
+    finally:
+        console.print("stopping…")
+        running.stop()
+        console.print("stopped; namespaces removed")
 
 
 def _log_to(path: Path, level: str) -> None:
@@ -630,6 +684,7 @@ def status(as_json: bool = typer.Option(False, "--json", help="One JSON document
     import json
     from datetime import UTC, datetime
 
+    import httpx
     from rich.text import Text
     from sqlalchemy import func, select
 
@@ -637,7 +692,6 @@ def status(as_json: bool = typer.Option(False, "--json", help="One JSON document
     from services.audit.tables import worker_adapters, workers
     from services.client import (
         ClientError,
-        RegistryClient,
         grpc_serving,
         lease_age_s,
         scrape,
@@ -647,27 +701,32 @@ def status(as_json: bool = typer.Option(False, "--json", help="One JSON document
 
     settings = _settings()
     document = stack_document(settings.state_dir) or {}
-    services: list[tuple[str, str, str]] = [
-        (e["name"], e["where"], escape(e["detail"])) for e in document.get("endpoints", [])]
-    with RegistryClient(settings, timeout_s=5) as registry:
-        try:
-            ready = registry.ready()
-            services.append(("registry", settings.registry_base_url,
-                             "[green]ready[/green]" if ready.get("ready") else
-                             f"[red]{escape(str(ready.get('reason')))}[/red]"))
-        except ClientError as exc:
-            services.append(("registry", settings.registry_base_url,
-                             f"[red]{escape(str(exc))}[/red]"))
-    host = "127.0.0.1" if settings.router_host in ("0.0.0.0", "") else settings.router_host
     from services import tls
 
     scheme, verify = tls.http_scheme(settings), tls.client_ssl_context(settings)
-    router_ready = scrape(f"{scheme}://{host}:{settings.router_http_port}/metrics", verify) \
-        .get("loraplane_router_ready")
-    services.append(("router", f"{host}:{settings.router_port}",
-                     "[green]ready[/green]" if router_ready == 1 else
-                     "[red]not answering[/red]" if router_ready is None else "[yellow]"
-                     "replaying[/yellow]"))
+    services: list[tuple[str, str, str]] = [
+        (e["name"], e["where"], escape(e["detail"])) for e in document.get("endpoints", [])]
+    several = len(settings.registry_urls) > 1
+    for url in settings.registry_urls:  # the active one and every standby
+        try:
+            ready = httpx.get(f"{url}/readyz", timeout=3, verify=verify).json()
+            services.append(("registry", url,
+                             f"[green]ready{' (active)' if several else ''}[/green]"
+                             if ready.get("ready") else
+                             f"[yellow]standby[/yellow], serving reads: "
+                             f"{escape(str(ready.get('reason')))}"
+                             if ready.get("role") == "standby" else
+                             f"[red]{escape(str(ready.get('reason')))}[/red]"))
+        except (httpx.HTTPError, ValueError) as exc:
+            services.append(("registry", url, f"[red]not answering: {escape(str(exc))}[/red]"))
+    for target in settings.router_targets:  # every router a client may use
+        host = target.rsplit(":", 1)[0]
+        router_ready = scrape(f"{scheme}://{host}:{settings.router_http_port}/metrics",
+                              verify).get("loraplane_router_ready")
+        services.append(("router", target,
+                         "[green]ready[/green]" if router_ready == 1 else
+                         "[red]not answering[/red]" if router_ready is None else "[yellow]"
+                         "replaying[/yellow]"))
     audit = scrape(f"{scheme}://127.0.0.1:{settings.audit_metrics_port}/metrics", verify)
     lag = sum(v for k, v in audit.items() if k.startswith("loraplane_audit_lag_records"))
     services.append(("audit", f"127.0.0.1:{settings.audit_metrics_port}",

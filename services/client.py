@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -25,6 +27,7 @@ from services import tls
 from services.config import Settings
 from services.contracts.grpc import inference_pb2 as pb
 from services.contracts.grpc import inference_pb2_grpc as pb_grpc
+from services.endpoints import not_written, registry_client
 
 ENDPOINTS_FILE = "endpoints.json"
 
@@ -150,13 +153,14 @@ def _rewind(files: Any) -> None:
 
 @dataclass
 class RegistryClient:
-    """The registry's REST API.
+    """The registry's REST API, over every URL of `LORAPLANE_REGISTRY_URL`
+    (`services.endpoints`: requests follow the active registry among its standbys).
 
-    A command sent with an Idempotency-Key (publish, purge) that gets 503 (the event log
-    is unavailable for a moment: a broker restart, a failed write being settled) is sent
-    again with the same key after the answer's Retry-After, for up to `retry_s`: the key
-    makes the registry answer a repeat with the first answer, so nothing is done twice.
-    Other commands answer the 503 at once, for the caller to decide."""
+    A command that gets 503 is sent again after the answer's Retry-After, for up to
+    `retry_s`, when that cannot do it twice: it carries an Idempotency-Key (publish,
+    purge: the registry answers a repeat with the first answer), or the registry said
+    it was `not_written` (a standby during a takeover, a registry replaying). Other 503s
+    (the outcome is unknown) are answered at once, for the caller to decide."""
 
     settings: Settings
     token: str | None = None
@@ -164,11 +168,21 @@ class RegistryClient:
     retry_s: float = 30.0
 
     def __post_init__(self) -> None:
-        self.url = self.settings.registry_base_url
+        self.urls = self.settings.registry_urls
         token = self.token or api_token(self.settings)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=self.timeout_s,
-                                  verify=tls.client_ssl_context(self.settings))
+        self._http = registry_client(self.urls, headers=headers, timeout=self.timeout_s,
+                                     verify=tls.client_ssl_context(self.settings))
+
+    @property
+    def url(self) -> str:
+        """The registry that answered last."""
+        transport = self._http._transport
+        return str(getattr(transport, "current", self.urls[0]))
+
+    @property
+    def where(self) -> str:
+        return self.urls[0] if len(self.urls) == 1 else ", ".join(self.urls)
 
     def close(self) -> None:
         self._http.close()
@@ -181,8 +195,7 @@ class RegistryClient:
 
     def request(self, method: str, path: str, *, ok: tuple[int, ...] = (200, 201, 202),
                 **kw: Any) -> Any:
-        if "Idempotency-Key" not in (kw.get("headers") or {}):
-            return self._answer(method, path, ok, self._send(method, path, **kw))
+        keyed = "Idempotency-Key" in (kw.get("headers") or {})
         retrying = Retrying(
             stop=stop_after_delay(self.retry_s), reraise=True,
             retry=retry_if_exception_type(_Unavailable),
@@ -193,7 +206,7 @@ class RegistryClient:
             for attempt in retrying:
                 with attempt:
                     response = self._send(method, path, **kw)
-                    if response.status_code == 503:
+                    if response.status_code == 503 and (keyed or not_written(response)):
                         raise _Unavailable(response)
         except _Unavailable as exc:
             response = exc.response
@@ -203,13 +216,13 @@ class RegistryClient:
         try:
             return self._http.request(method, path, **kw)
         except httpx.ConnectError:
-            raise ClientError(f"no registry at {self.url}: is `loraplane up` running? "
+            raise ClientError(f"no registry at {self.where}: is `loraplane up` running? "
                               "(or set LORAPLANE_REGISTRY_URL)") from None
         except httpx.TimeoutException:
-            raise ClientError(f"the registry at {self.url} did not answer in "
+            raise ClientError(f"the registry at {self.where} did not answer in "
                               f"{self.timeout_s:.0f}s") from None
         except httpx.HTTPError as exc:
-            raise ClientError(f"registry at {self.url}: {exc}") from None
+            raise ClientError(f"registry at {self.where}: {exc}") from None
 
     @staticmethod
     def _answer(method: str, path: str, ok: tuple[int, ...], response: httpx.Response) -> Any:
@@ -223,7 +236,7 @@ class RegistryClient:
         try:
             response = self._http.get("/readyz", timeout=3)
         except httpx.HTTPError:
-            raise ClientError(f"no registry at {self.url}: is `loraplane up` running?") \
+            raise ClientError(f"no registry at {self.where}: is `loraplane up` running?") \
                 from None
         return dict(response.json())
 
@@ -321,7 +334,8 @@ class RegistryClient:
             if name in {m["name"] for m in known}:  # another model under this folder name
                 name = f"{name[:87]}-{digest[:12]}"
         self.request("POST", "/v1/base-models", ok=(201,),
-                     json={"name": name, "digest": digest, "config": config})
+                     json={"name": name, "digest": digest, "config": config},
+                     headers={"Idempotency-Key": uuid.uuid4().hex})
         return name, digest, True
 
     def split(self, alias: str, weights: list[tuple[str, int, int]]) -> dict[str, Any]:
@@ -388,23 +402,56 @@ def adapter_ref(adapter: str | None) -> pb.AdapterRef | None:
     return pb.AdapterRef(alias=adapter)
 
 
+FAILOVER_CODES = frozenset({grpc.StatusCode.UNAVAILABLE})
+"""A router that answers this before the first token may be gone: try the next one."""
+
+
 @dataclass
 class InferenceClient:
+    """Inference through the routers of `LORAPLANE_ROUTER_ADDRESSES` (default the one at
+    ROUTER_HOST:ROUTER_PORT). Any router serves any request, so a request whose router
+    cannot be reached (no connection within `connect_timeout_s`, or UNAVAILABLE before
+    the first token) goes to the next one; after a token, the
+    error is the caller's, as the request may have been served. Requests go to the
+    router that answered last."""
+
     settings: Settings
     token: str | None = None
     timeout_s: float = 300.0
+    connect_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
-        host = self.settings.router_host
-        host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-        self.address = f"{host}:{self.settings.router_port}"
-        self._channel = tls.channel(self.address, self.settings)
-        self._stub = pb_grpc.InferenceStub(self._channel)
+        self.addresses = self.settings.router_targets
+        self._current = 0
+        self._channels = [tls.channel(a, self.settings) for a in self.addresses]
+        self._stubs = [pb_grpc.InferenceStub(c) for c in self._channels]
+        self._states: list[grpc.ChannelConnectivity | None] = [None] * len(self._channels)
+        self._usable = [threading.Event() for _ in self._channels]
+        self._watchers: list[tuple[grpc.Channel, Callable[[Any], None]]] = []
+        if len(self._channels) > 1:  # one router needs no choosing
+            for index, channel in enumerate(self._channels):
+                def watch(state: grpc.ChannelConnectivity, index: int = index) -> None:
+                    self._states[index] = state
+                    if state in (grpc.ChannelConnectivity.READY, grpc.ChannelConnectivity.IDLE):
+                        self._usable[index].set()
+                    else:
+                        self._usable[index].clear()
+
+                channel.subscribe(watch, try_to_connect=True)
+                self._watchers.append((channel, watch))
         token = self.token or api_token(self.settings)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
 
+    @property
+    def address(self) -> str:
+        """The router that answered last."""
+        return self.addresses[self._current]
+
     def close(self) -> None:
-        self._channel.close()
+        for channel, watch in self._watchers:
+            channel.unsubscribe(watch)
+        for channel in self._channels:
+            channel.close()
 
     def __enter__(self) -> InferenceClient:
         return self
@@ -428,15 +475,38 @@ class InferenceClient:
             request.chat.messages.extend(pb.ChatMessage(role=r, content=c) for r, c in chat)
         else:
             request.text = text or ""
-        try:
-            for answer in self._stub.Generate(request, timeout=self.timeout_s,
-                                              metadata=self._metadata):
-                if answer.HasField("token"):
-                    yield answer.token
-                elif answer.HasField("final"):
-                    yield answer.final
-        except grpc.RpcError as exc:
-            raise ClientError(status_line(exc, self.address)) from None
+        deadline = time.monotonic() + self.timeout_s
+        count = len(self.addresses)
+        for step in range(count):
+            index = (self._current + step) % count
+            last = step == count - 1
+            if not last and not self._reachable(index):
+                continue
+            answered = False
+            try:
+                calls = self._stubs[index].Generate(
+                    request, timeout=max(0.01, deadline - time.monotonic()),
+                    metadata=self._metadata)
+                for answer in calls:
+                    if not answered:
+                        answered = True
+                        self._current = index
+                    if answer.HasField("token"):
+                        yield answer.token
+                    elif answer.HasField("final"):
+                        yield answer.final
+                return
+            except grpc.RpcError as exc:
+                if answered or last or exc.code() not in FAILOVER_CODES:
+                    raise ClientError(status_line(exc, self.addresses[index])) from None
+
+    def _reachable(self, index: int) -> bool:
+        """The router's connection is up (or idle: the call connects), or comes up within
+        `connect_timeout_s`; a router that refused the last connection is skipped."""
+        if self._states[index] in (grpc.ChannelConnectivity.TRANSIENT_FAILURE,
+                                   grpc.ChannelConnectivity.SHUTDOWN):
+            return False
+        return self._usable[index].wait(self.connect_timeout_s)
 
     def complete(self, tenant: str, **kw: Any) -> Completion:
         parts: list[str] = []
@@ -473,8 +543,6 @@ def lease_age_s(settings: Settings, now: float | None = None) -> float | None:
     """Seconds since the newest registry lease on the liveness topic (None: none seen).
 
     Reads only the last few records of each partition: the lease stream is one key."""
-    import time
-
     from confluent_kafka import Consumer, TopicPartition
 
     from services.contracts.codec import decode

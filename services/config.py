@@ -98,13 +98,25 @@ class Settings(BaseSettings):
     registry_host: str = "127.0.0.1"
     registry_port: int = 8780
     registry_url: str | None = Field(
-        None, description="How other processes reach the registry (default from host/port)."
-    )
+        None, description="How other processes reach the registry (default from host/port); "
+        "several URLs separated by commas for an active registry and its standbys: clients "
+        "send each request to the one that answered last and move on to the next when it "
+        "does not answer or is a standby.")
     registry_transactional_id: str = Field(
         "loraplane-registry", description="Fixed so a second registry instance fences the first."
     )
+    registry_id: str | None = Field(
+        None, description="Names this registry instance in leases and logs (default: "
+        "registry- and a random suffix).")
+    registry_election: Literal["start", "lease"] = Field(
+        "start", description="Who writes the adapter log. start: an instance takes the "
+        "writer role when it starts, fencing any other (one registry). lease: an instance "
+        "starts as a standby serving reads and takes over, fencing the old writer, once "
+        "nothing from the writer was read for `lease_ttl_s` (an active and standbys).")
     lease_interval_s: float = Field(2.0, gt=0)
-    lease_ttl_s: float = Field(5.0, gt=0)
+    lease_ttl_s: float = Field(
+        5.0, gt=0, description="A lease's validity; under lease election, how long a standby "
+        "waits for a sign of the writer before it takes over.")
     registry_write_timeout_s: float = Field(
         10.0, gt=0, description="The most a registry write request takes, waiting behind "
                                 "other writes included, before it answers 503.")
@@ -195,7 +207,15 @@ class Settings(BaseSettings):
     router_http_port: int = Field(
         8784, description="OpenAI-compatible HTTP API, /metrics, /healthz and /readyz.")
     router_id: str | None = Field(None, description="Names this router in logs and to Kafka.")
+    router_addresses: str | None = Field(
+        None, description="host:port of routers a client may use, separated by commas "
+        "(default ROUTER_HOST:ROUTER_PORT): any router serves any request, and a client "
+        "moves on to the next when one does not answer.")
     router_missed_heartbeats: int = Field(3, ge=1)
+    router_heartbeat_stall_grace_s: float = Field(
+        15.0, ge=0, description="A worker whose heartbeats stop while nothing at all is read "
+        "from the partition carrying them (its leader failing over) stays in the ring this "
+        "much longer than `router_missed_heartbeats` intervals.")
     router_ring_vnodes: int = Field(160, ge=1, description="Ring points per worker.")
     router_load_epsilon: float = Field(
         0.25, gt=0, description="Bounded load: no worker above (1+eps) x mean in-flight.")
@@ -397,9 +417,25 @@ class Settings(BaseSettings):
         return value
 
     @property
+    def registry_urls(self) -> list[str]:
+        """Every registry a client may use, in the order given (the first is preferred)."""
+        if not self.registry_url:
+            scheme = "https" if self.tls_ca_file is not None else "http"
+            return [f"{scheme}://{self.registry_host}:{self.registry_port}"]
+        return [u.strip().rstrip("/") for u in self.registry_url.split(",") if u.strip()]
+
+    @property
     def registry_base_url(self) -> str:
-        scheme = "https" if self.tls_ca_file is not None else "http"
-        return self.registry_url or f"{scheme}://{self.registry_host}:{self.registry_port}"
+        return self.registry_urls[0]
+
+    @property
+    def router_targets(self) -> list[str]:
+        """Every router address (host:port) a client may dial, in order."""
+        if self.router_addresses:
+            return [a.strip() for a in self.router_addresses.split(",") if a.strip()]
+        host = self.router_host
+        host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+        return [f"{host}:{self.router_port}"]
 
     @property
     def blob_root(self) -> Path:

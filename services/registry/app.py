@@ -9,7 +9,8 @@ Every error is an RFC 9457 problem (`services/contracts/problems.py`) with a sta
 `invalid`, `key_reused`; another tenant's resource is `not_found`, like a missing one),
 a role without the route's permission `forbidden`, an upload `invalid_adapter` or `too_large`
 (naming the `tensor` or `field`), the event log `replaying`, `halted`, `fenced`,
-`timeout` or `unavailable` (503 with Retry-After), a bad request `invalid_request`.
+`standby`, `timeout` or `unavailable` (503 with Retry-After, and `outcome`: whether the
+command was `not_written`, is `unknown`, or `committed`), a bad request `invalid_request`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import logging
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -172,7 +174,8 @@ def create_app(settings: Settings, *, registry_id: str | None = None) -> FastAPI
     @app.exception_handler(WritesUnavailable)
     async def unavailable(request: Request, exc: WritesUnavailable) -> JSONResponse:
         return problem_response(503, exc.code, exc.message, instance=request.url.path,
-                                headers={"Retry-After": str(exc.retry_after_s)})
+                                headers={"Retry-After": str(exc.retry_after_s)},
+                                outcome=exc.outcome)
 
     @app.exception_handler(ValidationError)
     async def invalid(request: Request, exc: ValidationError) -> JSONResponse:
@@ -180,6 +183,19 @@ def create_app(settings: Settings, *, registry_id: str | None = None) -> FastAPI
         return problem_response(422, "invalid_request", detail, instance=request.url.path,
                                 field=fields[0].field if fields else None,
                                 errors=[f.model_dump() for f in fields])
+
+    @app.middleware("http")
+    async def who_answered(request: Request, call_next: Any) -> Any:
+        """Which instance answered and how current its reads are: `X-Loraplane-Read:
+        linearizable` from the writer while its writes commit (see `read_consistency`),
+        `stale-possible` otherwise (a standby, or a writer cut off from the log)."""
+        response = await call_next(request)
+        node: RegistryNode | None = getattr(app.state, "node", None)
+        if node is not None:
+            response.headers["X-Loraplane-Registry"] = node.registry_id
+            response.headers["X-Loraplane-Role"] = node.role
+            response.headers["X-Loraplane-Read"] = node.read_consistency()
+        return response
 
     app.add_middleware(BodyLimit, limit=settings.max_upload_bytes + MULTIPART_SLACK_BYTES)
     return app

@@ -115,16 +115,20 @@ def pending_erasures(state: CatalogState) -> list[str]:
 
 
 def resume_erasures(node: RegistryNode, blobs: BlobStore, stop: threading.Event) -> None:
-    """Once the registry is ready, erase what purges interrupted earlier left behind."""
-    while not node.ready.wait(0.5):
-        if stop.is_set():
-            return
-    with node.state_lock:
-        pending: Iterable[str] = pending_erasures(node.state)
-    for purge_id in pending:
-        if stop.is_set():
-            return
-        try:
-            erase_tenant_blobs(node, blobs, purge_id)
-        except (WritesUnavailable, Refusal) as exc:
-            log.warning("blob erasure of purge %s left for the next start: %s", purge_id, exc)
+    """Each time this instance takes the writer role (at start, or taking over from
+    another), erase what purges interrupted earlier left behind."""
+    done = 0
+    while not stop.is_set():
+        if not node.active.wait(0.5) or node.activations == done:
+            continue
+        done = node.activations
+        with node.state_lock:
+            pending: Iterable[str] = pending_erasures(node.state)
+        for purge_id in pending:
+            if stop.is_set():
+                return
+            try:
+                erase_tenant_blobs(node, blobs, purge_id)
+            except (WritesUnavailable, Refusal) as exc:
+                log.warning("blob erasure of purge %s left for the next start: %s", purge_id,
+                            exc)

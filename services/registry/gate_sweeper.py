@@ -38,7 +38,7 @@ class GateSweeper:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
-            if not self.node.ready.is_set() or self.node.fenced:
+            if not self.node.active.is_set():
                 continue
             try:
                 self.sweep(datetime.now(UTC))

@@ -33,6 +33,16 @@ class RegistryMetrics:
         self.writable = Gauge("loraplane_registry_writable",
                               "1 while this instance may write (not fenced)",
                               registry=self.registry)
+        self.active = Gauge("loraplane_registry_active",
+                            "1 while this instance holds the writer role",
+                            registry=self.registry)
+        self.takeovers = Counter("loraplane_registry_takeovers_total",
+                                 "Times this instance took the writer role from a silent one",
+                                 registry=self.registry)
+        self.takeover_seconds = Gauge(
+            "loraplane_registry_takeover_seconds",
+            "Last takeover: seconds from the old writer's last folded write to this "
+            "instance's first lease", registry=self.registry)
         self.lease_epoch = Gauge("loraplane_registry_lease_epoch", "Epoch of this instance",
                                  registry=self.registry)
 

@@ -17,13 +17,34 @@ would answer 404 for adapters that exist, or refuse a retried write that did com
 Every write has one deadline (`registry_write_timeout_s`) from the moment its request is
 handled, queueing behind other writes included; at the deadline it answers 503.
 
-Failure handling:
-- Fenced (the producer says so, or the log shows a newer instance's lease): this
-  instance refuses every later write (503) and stops leasing, until it is restarted.
+Who writes (`registry_election`):
+- `start` (one registry): an instance takes the writer role when it starts, fencing any
+  older one. Fenced (the producer says so, or the log shows a newer instance's lease),
+  it refuses every later write (503 `fenced`) and stops leasing, until it is restarted.
   It never initialises its `transactional.id` again, which would fence the current
   writer and take the log back.
-- Any other produce failure (broker down, timeout): 503 with Retry-After; `/readyz` says
-  "not writable" until a write (a lease, every `lease_interval_s`) succeeds again. The
+- `lease` (an active registry and standbys): an instance starts as a standby that folds
+  the log and serves reads; writes answer 503 `standby`. When nothing from the writer
+  (no adapter event, no lease of another instance) has been folded for `lease_ttl_s`
+  (plus a random part of a lease interval, so standbys do not all move at once; at
+  start, counted from the start), and a re-read of the log to its end confirms it, the
+  standby takes over: it
+  initialises the `transactional.id` (Kafka fences the old writer: its open transaction
+  is aborted and it can never commit again), re-reads the log to its end (so it decides
+  on everything the old writer committed), and leases at the next epoch. An active
+  instance that is fenced, or sees a newer instance's lease, steps down to standby
+  without a restart and gives the new writer a full `lease_ttl_s` before it would take
+  over again, so the role does not ping-pong. Two instances never both commit: the
+  broker refuses every commit of a fenced producer.
+Readiness is what `/readyz` answers: 200 only while this instance is the writer and a
+write (its lease, every `lease_interval_s`, or any command) committed within the last
+`2 x lease_interval_s`. A write that hangs (a paused broker, a partition, fewer in-sync
+replicas than `min.insync.replicas`) sets no error until its deadline, so the age of the
+last commit is what keeps readiness from claiming writes that cannot commit.
+
+Failure handling:
+- Any produce failure (broker down, timeout): 503 with Retry-After; `/readyz` says
+  "not writable" until a write succeeds again. The
   failed transaction is aborted, and before the next decision the follower re-reads the
   log to its end, so a transaction whose outcome was unknown is folded if it committed.
 - A record the fold cannot take halts the follower: writes answer 503 and `/readyz` says
@@ -32,18 +53,23 @@ Failure handling:
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
+import math
+import random
 import threading
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from typing import Literal
 
 from services.catalog.snapshot import CatalogFold
 from services.catalog.state import CatalogState, LogPosition
 from services.config import Settings
-from services.contracts.events import Envelope
+from services.contracts.events import Envelope, RegistryLease
 from services.eventlog import (
     EventLogError,
     EventProducer,
@@ -59,19 +85,27 @@ from services.registry.metrics import RegistryMetrics
 log = logging.getLogger("loraplane.registry")
 
 
+Outcome = Literal["not_written", "unknown", "committed"]
+
+
 class WritesUnavailable(Exception):
     """A request that cannot be answered now: 503 with Retry-After.
 
-    `code` is the problem's stable code: `replaying`, `halted`, `fenced`, `timeout` or
-    `unavailable` (the event log did not take the write).
+    `code` is the problem's stable code: `replaying`, `halted`, `fenced`, `standby`,
+    `timeout` or `unavailable` (the event log did not take the write). `outcome` tells a
+    client what became of its command: `not_written` (refused before anything was sent to
+    the log: safe to send elsewhere), `unknown` (the write was sent and may have committed:
+    retry with the same Idempotency-Key) or `committed` (it is in the log; a retry with the
+    same key gets its answer).
     """
 
     def __init__(self, message: str, *, retry_after_s: int = 1,
-                 code: str = "unavailable") -> None:
+                 code: str = "unavailable", outcome: Outcome = "not_written") -> None:
         super().__init__(message)
         self.message = message
         self.retry_after_s = retry_after_s
         self.code = code
+        self.outcome = outcome
 
     @property
     def fenced(self) -> bool:
@@ -89,6 +123,40 @@ class Deadline:
         return max(0.0, self.at - time.monotonic())
 
 
+class CommandLock:
+    """The one lock commands run under: first come, first served, with leases ahead of
+    the queue. A plain lock let a lease lose the race for it again and again to client
+    writes queued behind slow commits, until its deadline: writes committed every few
+    seconds while no lease did, and every worker's version wall ran out (the cluster's
+    registry-kill run, right after a takeover)."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._held = False
+        self._queue: list[tuple[int, int]] = []
+        self._tickets = itertools.count()
+
+    def acquire(self, timeout: float, *, urgent: bool = False) -> bool:
+        with self._changed:
+            ticket = (0 if urgent else 1, next(self._tickets))
+            heapq.heappush(self._queue, ticket)
+            if self._changed.wait_for(lambda: not self._held and self._queue[0] == ticket,
+                                      timeout=None if math.isinf(timeout) else
+                                      max(0.0, timeout)):
+                heapq.heappop(self._queue)
+                self._held = True
+                return True
+            self._queue.remove(ticket)
+            heapq.heapify(self._queue)
+            self._changed.notify_all()
+            return False
+
+    def release(self) -> None:
+        with self._changed:
+            self._held = False
+            self._changed.notify_all()
+
+
 @dataclass(frozen=True)
 class Committed:
     """A command's event: just written, or the first answer to a retried idempotent key."""
@@ -103,12 +171,14 @@ class RegistryNode:
                  registry_id: str | None = None) -> None:
         self.settings = settings
         self.metrics = metrics or RegistryMetrics()
-        self.registry_id = registry_id or f"registry-{uuid.uuid4().hex[:12]}"
+        self.registry_id = (registry_id or settings.registry_id
+                            or f"registry-{uuid.uuid4().hex[:12]}")
+        self.election = settings.registry_election
         self.fold = CatalogFold(settings.stale_lease_threshold_s, on_folded=self._count)
         self.follower = LogFollower(settings, self.fold, reader_id=self.registry_id,
                                     snapshot_name="registry")
         self.state_lock = self.follower.lock
-        self._command_lock = threading.Lock()
+        self._command_lock = CommandLock()
         self._producer: EventProducer | None = None
         self._fenced: str | None = None
         self._needs_sync = False
@@ -116,8 +186,21 @@ class RegistryNode:
         """Why the last write failed; None once one succeeds."""
         self.epoch = 0
         self.ready = threading.Event()
-        """Set once the log is replayed and this instance leases: the state is complete."""
+        """Set once the log is replayed: the state is complete and reads are answered."""
+        self.active = threading.Event()
+        """Set while this instance holds the writer role."""
+        self.activations = 0
+        """How many times this instance took the writer role (erasures resume after each)."""
+        self.stepped_down: str | None = None
+        """Why this instance last gave up the writer role (lease election)."""
+        self.last_takeover_s: float | None = None
+        """Seconds from the last write folded from the old writer to this instance's
+        first lease, at its last takeover."""
         self.last_error: str | None = None
+        self._writer_seen = time.monotonic()
+        """When the last sign of a writer (an adapter event, another instance's lease) was
+        folded: the standby's clock for a silent writer."""
+        self._last_commit: float | None = None
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
@@ -127,12 +210,24 @@ class RegistryNode:
         return self.fold.state
 
     def _count(self, record: Record) -> None:
-        self.metrics.events_folded.labels(record.envelope.type).inc()
+        envelope = record.envelope
+        self.metrics.events_folded.labels(envelope.type).inc()
+        if record.topic == self.settings.adapter_events_topic or (
+                isinstance(envelope.payload, RegistryLease)
+                and envelope.payload.registry_id != self.registry_id):
+            self._writer_seen = time.monotonic()
+
+    @property
+    def role(self) -> str:
+        if not self.ready.is_set():
+            return "starting"
+        return "active" if self.active.is_set() else "standby"
 
     # --- lifecycle -----------------------------------------------------------------------
 
     def start(self) -> None:
-        """Fence older instances and replay in the background; see the module doc."""
+        """Replay in the background, then write (`start` election, fencing older
+        instances first) or stand by (`lease`); see the module doc."""
         self._spawn(self._start_up, "start")
 
     def _spawn(self, target: Callable[[], None], name: str) -> None:
@@ -145,14 +240,16 @@ class RegistryNode:
         for thread in self._threads:
             thread.join(timeout=15)
         self.follower.stop()
-        if self._producer is not None and self.writable:
+        if self._producer is not None and self.active.is_set() and self.writable:
             try:
                 self._producer.close()
             except EventLogError as exc:  # pragma: no cover - best effort at shutdown
                 log.warning("closing producer: %s", exc)
         self._producer = None
+        self.active.clear()
         self.metrics.ready.set(0)
         self.metrics.writable.set(0)
+        self.metrics.active.set(0)
 
     def _new_producer(self) -> EventProducer:
         # A transaction begun right after the previous commit can meet CONCURRENT_TRANSACTIONS
@@ -166,46 +263,158 @@ class RegistryNode:
                "retry.backoff.max.ms": 100})
 
     def _start_up(self) -> None:
-        while self._producer is None and not self._stop.is_set():
+        while not self._stop.is_set():
             try:
                 ensure_topics(self.settings)
-                self._producer = self._new_producer()  # fences older instances
+                if self.election == "start":
+                    self._producer = self._new_producer()  # fences older instances
+                break
             except Exception as exc:
                 self.last_error = f"start-up: {exc}"
                 log.warning("registry start-up failed, retrying: %s", exc)
                 self._stop.wait(1.0)
-        if self._producer is None:
+        if self._stop.is_set():
             return
         self.follower.start()
         while not self.follower.wait_ready(0.2):
             if self._stop.is_set() or self.follower.halt is not None:
                 return
-        with self.state_lock:
-            self.epoch = next_epoch(self.state)
-        self.metrics.lease_epoch.set(self.epoch)
         self.ready.set()
         self.metrics.ready.set(1)
-        self.metrics.writable.set(1)
+        if self.election == "start":
+            assert self._producer is not None
+            self._command_lock.acquire(math.inf, urgent=True)
+            try:
+                self._activate(self._producer)
+            finally:
+                self._command_lock.release()
+        else:
+            log.info("%s: replayed; standing by (writes go to the instance holding the "
+                     "lease)", self.registry_id)
+            self._spawn(self._election_thread, "election")
         self._spawn(self._lease_thread, "lease")
 
-    # --- the lease -----------------------------------------------------------------------
+    def _activate(self, producer: EventProducer) -> None:
+        """Take the writer role with a producer that has just fenced every other one;
+        the caller holds the command lock and has folded the log to its end."""
+        self._producer = producer
+        with self.state_lock:
+            self.epoch = next_epoch(self.state)
+        self._fenced = None
+        self.write_error = None
+        self._needs_sync = False
+        self._last_commit = time.monotonic()
+        self.activations += 1
+        self.active.set()
+        self.metrics.lease_epoch.set(self.epoch)
+        self.metrics.writable.set(1)
+        self.metrics.active.set(1)
+
+    # --- the lease and the election ----------------------------------------------------
 
     def _lease_thread(self) -> None:
+        """A lease every `lease_interval_s`, at a fixed rate: a slow renewal does not push
+        the next one back (readiness counts on a commit every interval). After one that
+        took longer than an interval, half an interval passes first, so the writes queued
+        behind it get the command lock."""
         interval = self.settings.lease_interval_s
+        due = time.monotonic()
         while not self._stop.is_set() and self._fenced is None:
-            try:
-                self.renew_lease()
-            except WritesUnavailable as exc:
-                log.warning("lease not renewed: %s", exc.message)
-            self._stop.wait(interval)
+            if self.active.is_set():
+                try:
+                    self.renew_lease()
+                except WritesUnavailable as exc:
+                    log.warning("lease not renewed: %s", exc.message)
+            due = max(due + interval, time.monotonic() + interval / 2)
+            self._stop.wait(due - time.monotonic())
 
     def renew_lease(self) -> Committed:
+        """One lease, with a write's deadline: over a slow link a commit takes seconds, and
+        a lease that gave up after one interval would never commit there, while the
+        version wall of every worker ran out although writes still went through."""
         expires = datetime.now(UTC) + timedelta(seconds=self.settings.lease_ttl_s)
-        deadline = Deadline(min(self.settings.lease_interval_s,
-                                self.settings.registry_write_timeout_s))
+        deadline = Deadline(self.settings.registry_write_timeout_s)
         return self.execute("lease", lambda s: renew_lease(s, self.registry_id, self.epoch,
                                                            expires),
                             actor=self.registry_id, deadline=deadline)
+
+    def writer_silent_s(self) -> float:
+        """Seconds since this instance last folded a sign of a writer."""
+        return time.monotonic() - self._writer_seen
+
+    def _election_thread(self) -> None:
+        """Take over once the writer has been silent for `lease_ttl_s` (counted from this
+        instance's start when nobody has ever leased), plus a random part of a lease
+        interval: standbys started together, or noticing the same silence, do not all
+        take over at once (each would fence the one before; safe, but a needless
+        failover)."""
+        ttl = self.settings.lease_ttl_s
+        tick = min(0.25, self.settings.lease_interval_s / 4)
+        jitter = random.Random()
+        wait = ttl + jitter.uniform(0, self.settings.lease_interval_s)
+        while not self._stop.wait(tick):
+            if self.active.is_set() or self.follower.halt is not None:
+                continue
+            if self.writer_silent_s() < wait:
+                continue
+            # Read the log to its end first: a reader that is merely behind must not
+            # mistake its own lag for a silent writer.
+            try:
+                if not self.follower.sync(ttl):
+                    continue
+            except FollowerHalted:
+                continue
+            silent = self.writer_silent_s()
+            if silent < wait:
+                continue
+            with self.state_lock:
+                never_leased = self.state.lease is None
+            if never_leased:
+                self._take_over(None, "no writer has leased yet")
+            else:
+                self._take_over(silent, f"nothing from the writer for {silent:.1f}s")
+            wait = ttl + jitter.uniform(0, self.settings.lease_interval_s)
+
+    def _take_over(self, silent: float | None, why: str) -> None:
+        """`silent`: how long the old writer had been silent (None: there was none)."""
+        started = time.monotonic()
+        log.warning("%s: %s; taking over the writer role", self.registry_id, why)
+        try:
+            producer = self._new_producer()  # Kafka fences the old writer here
+        except Exception as exc:
+            self.last_error = f"taking over: {exc}"
+            log.warning("%s: cannot take over: %s", self.registry_id, exc)
+            return
+        timeout = self.settings.registry_write_timeout_s
+        if not self._command_lock.acquire(timeout, urgent=True):
+            return
+        try:
+            try:
+                synced = self.follower.sync(timeout)
+            except FollowerHalted:
+                synced = False
+            if not synced or self._stop.is_set():
+                self.last_error = "taking over: the log could not be read to its end"
+                log.warning("%s: %s; staying standby", self.registry_id, self.last_error)
+                return
+            self._activate(producer)
+        finally:
+            self._command_lock.release()
+        self.stepped_down = None
+        try:
+            self.renew_lease()
+        except WritesUnavailable as exc:
+            log.warning("%s: first lease after taking over failed: %s", self.registry_id,
+                        exc.message)
+            return
+        if silent is None:
+            log.warning("%s: took the writer role at epoch %d", self.registry_id, self.epoch)
+            return
+        self.last_takeover_s = round(silent + time.monotonic() - started, 3)
+        self.metrics.takeovers.inc()
+        self.metrics.takeover_seconds.set(self.last_takeover_s)
+        log.warning("%s: took over the writer role at epoch %d, %.2fs after the last sign "
+                    "of the old writer", self.registry_id, self.epoch, self.last_takeover_s)
 
     # --- state checks --------------------------------------------------------------------
 
@@ -231,25 +440,50 @@ class RegistryNode:
             raise WritesUnavailable(f"this registry instance lost the writer role "
                                     f"({self._fenced}); send writes to the current one",
                                     retry_after_s=5, code="fenced")
+        if not self.active.is_set():
+            raise WritesUnavailable(f"this registry instance is a standby ({self._holder()}); "
+                                    "send writes to the active one", retry_after_s=1,
+                                    code="standby")
+
+    def _holder(self) -> str:
+        with self.state_lock:
+            lease = self.state.lease
+        if lease is None:
+            return "no instance holds the lease yet"
+        return f"instance {lease.registry_id} leased at epoch {lease.epoch}"
 
     def _check_not_superseded(self) -> None:
         """A newer instance that leases has fenced this one, whether or not our producer
         has been told yet."""
+        if not self.active.is_set():
+            return
         with self.state_lock:
             lease = self.state.lease
-        if (self._fenced is None and lease is not None and lease.registry_id != self.registry_id
+        if (lease is not None and lease.registry_id != self.registry_id
                 and lease.epoch >= self.epoch):
             self._fence(f"instance {lease.registry_id} leases at epoch {lease.epoch}")
 
-    def _fence(self, why: str) -> WritesUnavailable:
-        if self._fenced is None:
-            self._fenced = why
-            log.error("fenced: %s; read-only until restarted", why)
-        self.metrics.writable.set(0)
-        self.metrics.ready.set(0)
+    def _fence(self, why: str, outcome: Outcome = "not_written") -> WritesUnavailable:
+        """Another instance holds the writer role: `start` election stays read-only until
+        restarted, `lease` election steps down to standby."""
+        if self.active.is_set():
+            self.active.clear()
+            self._producer = None  # fenced for good: never flushed, never initialised again
+            self.metrics.active.set(0)
+            self.metrics.writable.set(0)
+            if self.election == "lease":
+                self.stepped_down = why
+                self._writer_seen = time.monotonic()  # the new writer gets a full lease_ttl_s
+                log.warning("%s: lost the writer role (%s); standing by", self.registry_id,
+                            why)
+            else:
+                self._fenced = why
+                self.metrics.ready.set(0)
+                log.error("fenced: %s; read-only until restarted", why)
+        code = "fenced" if self.election == "start" else "standby"
         return WritesUnavailable(f"this registry instance lost the writer role ({why}); "
                                  "send writes to the current one", retry_after_s=5,
-                                 code="fenced")
+                                 code=code, outcome=outcome)
 
     # --- writes --------------------------------------------------------------------------
 
@@ -264,7 +498,7 @@ class RegistryNode:
         outcome = "error"
         try:
             self.require_state()
-            if not self._command_lock.acquire(timeout=deadline.left()):
+            if not self._command_lock.acquire(deadline.left(), urgent=command == "lease"):
                 raise WritesUnavailable(
                     f"no answer within {deadline.seconds:g}s: earlier writes are still "
                     "waiting on the event log", retry_after_s=self._retry_after(),
@@ -293,7 +527,7 @@ class RegistryNode:
                     raise WritesUnavailable(
                         f"event committed at {written.topic}[{written.partition}]@"
                         f"{written.offset} but not read back yet; retry with the same "
-                        "Idempotency-Key", code="timeout")
+                        "Idempotency-Key", code="timeout", outcome="committed")
                 outcome = "ok"
                 return Committed(envelope, LogPosition(written.topic, written.partition,
                                                        written.offset))
@@ -346,15 +580,18 @@ class RegistryNode:
         try:
             written = producer.publish(envelope, timeout_s=deadline.left())
         except ProducerFenced as exc:
-            raise self._fence(str(exc)) from exc
+            # A commit whose answer was lost may have gone through before the fence.
+            raise self._fence(str(exc), outcome="unknown") from exc
         except EventLogError as exc:
             self._needs_sync = True
             self._note_write_error(f"write: {exc}")
             raise WritesUnavailable(f"event log unavailable: {exc}",
-                                    retry_after_s=self._retry_after()) from exc
+                                    retry_after_s=self._retry_after(),
+                                    outcome="unknown") from exc
         if self.write_error is not None:
             log.info("writes go through again")
         self.write_error = None
+        self._last_commit = time.monotonic()
         self.metrics.writable.set(1)
         return written
 
@@ -369,7 +606,8 @@ class RegistryNode:
         except FollowerHalted as exc:
             raise WritesUnavailable(f"the event was committed at {written.topic}"
                                     f"[{written.partition}]@{written.offset}, but writes are "
-                                    f"stopped: {exc}", retry_after_s=30, code="halted") from exc
+                                    f"stopped: {exc}", retry_after_s=30, code="halted",
+                                    outcome="committed") from exc
 
     # --- status --------------------------------------------------------------------------
 
@@ -378,9 +616,28 @@ class RegistryNode:
         return self._fenced is not None
 
     @property
+    def commit_age_s(self) -> float | None:
+        """Seconds since this instance's last committed write (None: it never wrote)."""
+        return None if self._last_commit is None else time.monotonic() - self._last_commit
+
+    @property
     def writable(self) -> bool:
-        return (self.ready.is_set() and self.follower.halt is None and self._fenced is None
-                and self.write_error is None)
+        return self.readiness()[0]
+
+    def read_consistency(self) -> str:
+        """`linearizable` when a read answered now reflects every write committed so far.
+
+        True of the writer while its writes commit, under the `lease` election: a standby
+        takes over only after `lease_ttl_s` of silence, longer than the `2 x
+        lease_interval_s` within which `readiness` requires a commit, so while this
+        instance is ready no other can have committed. Evaluated after a read, it covers
+        that read. A standby's reads, a writer's once its commits stop, and any under the
+        `start` election (a new instance fences the old one without waiting) may lag:
+        `stale-possible`."""
+        lease_bounds_reads = (self.election == "lease"
+                              and 2 * self.settings.lease_interval_s < self.settings.lease_ttl_s)
+        ready, _ = self.readiness()
+        return "linearizable" if ready and lease_bounds_reads else "stale-possible"
 
     def readiness(self) -> tuple[bool, str]:
         """(ready to take writes, why not): what `/readyz` says."""
@@ -392,6 +649,13 @@ class RegistryNode:
         self._check_not_superseded()
         if self._fenced is not None:
             return False, f"fenced: {self._fenced}"
+        if not self.active.is_set():
+            return False, f"standby: {self._holder()}"
         if self.write_error is not None:
             return False, f"not writable: {self.write_error}"
+        age = self.commit_age_s
+        bound = 2 * self.settings.lease_interval_s
+        if age is not None and age > bound:
+            return False, (f"not writable: nothing committed for {age:.1f}s (a lease "
+                           f"commits every {self.settings.lease_interval_s:g}s)")
         return True, "ready"

@@ -19,7 +19,8 @@ from services.registry.app import create_app
 def serve(settings: Settings) -> None:
     logging.basicConfig(level=settings.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = uvicorn.Config(create_app(settings), host=settings.registry_host,
+    config = uvicorn.Config(create_app(settings, registry_id=settings.registry_id),
+                            host=settings.registry_host,
                             port=settings.registry_port, log_level=settings.log_level.lower(),
                             timeout_graceful_shutdown=10)
     logging.getLogger("loraplane.registry").info("registry listener: %s",

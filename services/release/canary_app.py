@@ -34,6 +34,7 @@ from services import tls
 from services.catalog.state import CatalogState
 from services.config import Settings
 from services.contracts.events import RequestServed
+from services.endpoints import registry_client
 from services.eventlog import EventConsumer, Record
 from services.eventlog.client import consumer_config
 from services.release.canary import TraceBook
@@ -87,8 +88,8 @@ class CanaryController:
         self.book = TraceBook(retention=timedelta(seconds=settings.canary_lookback_s))
         headers = {"Authorization": f"Bearer {settings.canary_token}"} \
             if settings.canary_token else {}
-        self.http = http or httpx.Client(base_url=settings.registry_base_url, headers=headers,
-                                         timeout=10.0, verify=tls.client_ssl_context(settings))
+        self.http = http or registry_client(settings.registry_urls, headers=headers,
+                                            timeout=10.0, verify=tls.client_ssl_context(settings))
         self.sent: set[tuple[str, int, str]] = set()
         self.decisions: list[tuple[ControllerStep, int]] = []
         """Every step sent and the registry's status code (for logs and tests)."""

@@ -147,16 +147,17 @@ class RouterApp:
             self._fold_live(records)
             d.tick()
 
-    def _fold_replayed(self, envelope: object, seen_at: float) -> None:
+    def _fold_replayed(self, envelope: object, seen_at: float,
+                       source: tuple[str, int] | None = None) -> None:
         # Runs in the replay thread before the router is ready: nothing reads the state yet.
-        self.dispatcher.fold(envelope, seen_at)  # type: ignore[arg-type]
+        self.dispatcher.fold(envelope, seen_at, source)  # type: ignore[arg-type]
         self.witness.observe(envelope)  # type: ignore[arg-type]
 
     def _fold_live(self, records: list[Record]) -> None:
         now = self.dispatcher.clock()
         for record in records:
             try:
-                self.dispatcher.fold(record.envelope, now)
+                self.dispatcher.fold(record.envelope, now, (record.topic, record.partition))
             except Exception:  # a fold bug must not stop the router from reading
                 log.exception("cannot fold %s %s", record.envelope.type,
                               record.envelope.event_id)

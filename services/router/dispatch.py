@@ -343,7 +343,8 @@ class Dispatcher:
         self.resolutions = ResolutionCache(self.catalog)
         self._epsilon = settings.router_load_epsilon
         self._window = settings.router_affinity_window
-        self.membership = Membership(interval_s=settings.heartbeat_interval_s,
+        self.membership = Membership(stall_grace_s=settings.router_heartbeat_stall_grace_s,
+                                     interval_s=settings.heartbeat_interval_s,
                                      misses=settings.router_missed_heartbeats)
         self.ring = Ring(vnodes=settings.router_ring_vnodes)
         self.limits = Limits(tenant_rate=settings.router_tenant_rate,
@@ -374,9 +375,11 @@ class Dispatcher:
 
     # --- folding the log (on the event loop's thread) -------------------------------------
 
-    def fold(self, envelope: Envelope, seen_at: float) -> None:
+    def fold(self, envelope: Envelope, seen_at: float,
+             source: tuple[str, int] | None = None) -> None:
+        """One event; `source` (topic, partition) tells membership where it was read."""
         self.catalog.apply(envelope)
-        if self.membership.observe(envelope, seen_at):
+        if self.membership.observe(envelope, seen_at, source):
             worker = envelope.payload.worker_id  # type: ignore[attr-defined]
             self._change_ring(lambda ring: ring.add(worker), "join")
         self.metrics.events_folded.labels(envelope.type).inc()

@@ -20,7 +20,8 @@ from services.config import Settings
 from services.contracts.events import Envelope
 from services.eventlog import EventConsumer, Record
 
-Fold = Callable[[Envelope, float], None]
+Fold = Callable[[Envelope, float, tuple[str, int]], None]
+"""(event, seen_at, (topic, partition) it was read from)."""
 
 
 class LogFollower:
@@ -37,7 +38,7 @@ class LogFollower:
 
         def replayed(record: Record) -> None:
             age = (datetime.now(UTC) - record.envelope.occurred_at).total_seconds()
-            fold(record.envelope, self.clock() - max(0.0, age))
+            fold(record.envelope, self.clock() - max(0.0, age), (record.topic, record.partition))
 
         try:
             count = consumer.catch_up(replayed, timeout_s=timeout_s)

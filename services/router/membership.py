@@ -9,6 +9,15 @@ the ring; its next heartbeat brings it back. A heartbeat that says `draining` (t
 got SIGTERM) takes it out at the next `expire`, without waiting for missed beats, and
 keeps it out until a heartbeat of a new process says otherwise.
 
+Missing heartbeats only mean a silent worker when the partition that carries them is
+being read: while a partition's leader fails over (a broker killed), nothing at all is
+read from it for several seconds, and every worker whose heartbeats go there would leave
+the ring at once although all of them serve. So a worker is taken out only once
+something newer than its last heartbeat was read from its partition (another worker's
+heartbeat, a lease) and that partition has been read for an interval since it last
+stalled (the heartbeats held up behind the failover arrive in a burst, in any order),
+or, when that partition stays silent, after `stall_grace_s` more.
+
 The router also remembers where it sent an adapter cold a moment ago (`note_sent`): for
 up to `misses` heartbeat intervals that worker counts as `loading` it, so the next
 requests follow it there instead of each forcing another cold load elsewhere, and the
@@ -38,6 +47,8 @@ from services.contracts.events import (
 from services.router.ring import Tier
 
 _NOBODY: dict[str, Tier] = {}
+Source = tuple[str, int]
+"""(topic, partition) a record was read from."""
 
 
 @dataclass
@@ -49,6 +60,8 @@ class WorkerView:
     seen_at: float
     held: dict[str, Tier] = field(default_factory=dict)
     """Adapter weights sha256 → tier, as the worker last reported."""
+    source: Source | None = None
+    """(topic, partition) its heartbeats are read from."""
     sent: dict[str, float] = field(default_factory=dict)
     """Adapter sha256 → when this router last placed it here cold."""
     free_slots: int = 0
@@ -64,9 +77,14 @@ class WorkerView:
 
 
 class Membership:
-    def __init__(self, *, interval_s: float = 1.0, misses: int = 3) -> None:
+    def __init__(self, *, interval_s: float = 1.0, misses: int = 3,
+                 stall_grace_s: float = 15.0) -> None:
         self.interval_s = interval_s
         self.misses = misses
+        self.stall_grace_s = stall_grace_s
+        self._source_seen: dict[Source, tuple[float, float]] = {}
+        """(topic, partition) → when the newest record read from it was seen, and when it
+        was first read after its last gap of more than two intervals."""
         self.workers: dict[str, WorkerView] = {}
         self.live: set[str] = set()
         """Workers in the ring now; changed only by `observe` and `expire`."""
@@ -89,8 +107,15 @@ class Membership:
     def timeout_s(self) -> float:
         return self.interval_s * self.misses
 
-    def observe(self, envelope: Envelope, seen_at: float) -> bool:
-        """Fold one worker event; True when it brought a worker (back) into the ring."""
+    def observe(self, envelope: Envelope, seen_at: float, source: Source | None = None) -> bool:
+        """Fold one event (`source`: where it was read); True when it brought a worker
+        (back) into the ring."""
+        if source is not None:
+            last, resumed = self._source_seen.get(source, (float("-inf"), seen_at))
+            if seen_at > last:
+                if seen_at - last > 2 * self.interval_s:
+                    resumed = seen_at
+                self._source_seen[source] = (seen_at, resumed)
         p = envelope.payload
         if isinstance(p, WorkerHeartbeat):
             view = self.workers.get(p.worker_id)
@@ -109,6 +134,7 @@ class Membership:
             view.base_model = p.base_model
             view.base_digest = p.base_model_digest
             view.seen_at = seen_at
+            view.source = source
             self._reindex_held(view, held)
             view.free_slots = p.free_slots
             view.free_kv_blocks = p.free_kv_blocks
@@ -159,10 +185,11 @@ class Membership:
                 del index[sha256]
 
     def expire(self, now: float) -> list[str]:
-        """Take out of the ring every worker silent for `misses` intervals or draining;
-        returns them."""
+        """Take out of the ring every worker draining, or silent for `misses` intervals
+        while its heartbeat partition was read (or for `stall_grace_s` more while it was
+        not); returns them."""
         gone = [w for w in self.live
-                if now - self.workers[w].seen_at > self.timeout_s or w in self.draining]
+                if w in self.draining or self._silent(self.workers[w], now)]
         for worker in gone:
             self.live.discard(worker)
             view = self.workers[worker]
@@ -171,6 +198,16 @@ class Membership:
         if gone:
             self._changed()
         return sorted(gone)
+
+    def _silent(self, view: WorkerView, now: float) -> bool:
+        silence = now - view.seen_at
+        if silence <= self.timeout_s:
+            return False
+        if view.source is None or silence > self.timeout_s + self.stall_grace_s:
+            return True
+        # its partition read past its last heartbeat, and flowing for an interval: silent
+        last, resumed = self._source_seen.get(view.source, (float("-inf"), now))
+        return last > view.seen_at and now - resumed > self.interval_s
 
     def _changed(self) -> None:
         """Who is live, on which base, in which mode changed: drop the cached pools."""

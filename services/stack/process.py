@@ -1,7 +1,13 @@
 """Child processes that cannot outlive the process that started them.
 
 Every broker, database and service the embedded stack starts is a direct child with a
-parent-death signal, so even a `kill -9` of `loraplane up` leaves nothing running.
+parent-death signal, so even a `kill -9` of `loraplane up` leaves nothing running. A
+child may be started inside a named network namespace (`ip netns`, the multi-host
+cluster of `services.cluster`) through `ip netns exec` and `setpriv`, which set the
+namespace, the parent-death signal and the user and then exec the command in place: its
+pid is the service's own, so a signal reaches the service itself. That path runs no
+Python between fork and exec, so a parent with gRPC threads (a test's clients) can start
+children safely; a `preexec_fn` there makes grpc's fork handlers abort the child.
 """
 
 from __future__ import annotations
@@ -25,6 +31,19 @@ def _die_with_parent(sig: int) -> Any:
         with contextlib.suppress(OSError):  # not Linux: explicit stop only
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
     return preexec
+
+
+def in_netns(netns: str, argv: Sequence[str], death_signal: int, user: str | None = None,
+             group: str | None = None) -> list[str]:
+    """`argv` run inside network namespace `netns`, with a parent-death signal, as `user`
+    (and `group`, no supplementary groups) if given: `ip netns exec` enters the namespace
+    and `setpriv` the rest, each exec'ing the next in place."""
+    who = []
+    if user:
+        who = [f"--reuid={user}", f"--regid={group or user}", "--clear-groups"]
+    return ["ip", "netns", "exec", netns, "setpriv",
+            f"--pdeathsig={signal.Signals(death_signal).name.removeprefix('SIG')}", *who,
+            "--", *argv]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -55,12 +74,21 @@ class ChildProcess:
         user: str | None = None,
         group: str | None = None,
         death_signal: int = signal.SIGTERM,
+        netns: str | None = None,
     ) -> None:
+        """`netns`: the name of a network namespace (`ip netns`) to run in."""
         self.name = name
         self.argv = list(argv)
         self.log_path = log_path
+        self.netns = netns
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = log_path.open("ab")
+        if netns:
+            self.proc = subprocess.Popen(
+                in_netns(netns, self.argv, death_signal, user, group), stdout=self._log,
+                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=cwd,
+                start_new_session=True)
+            return
         self.proc = subprocess.Popen(
             self.argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env=env, cwd=cwd, user=user, group=group, extra_groups=[] if group else None,

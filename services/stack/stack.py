@@ -93,11 +93,13 @@ class Service:
     policy: RestartPolicy = field(default_factory=RestartPolicy)
     child: ChildProcess | None = None
     restarts: int = 0
+    netns: str | None = None
+    """The network namespace it runs in (a host of `services.cluster`); None: this one."""
 
     def start(self) -> None:
         self.child = ChildProcess(self.name,
                                   [sys.executable, "-m", "services.cli", "serve", self.kind],
-                                  self.log_path, env=self.env)
+                                  self.log_path, env=self.env, netns=self.netns)
         self.policy.started(time.monotonic())
 
     def alive(self) -> bool:

@@ -110,7 +110,7 @@ class WorkerRuntime:
         self.host = HostCache(settings.worker_host_cache_bytes,
                               pin=self.engine.model.device.type == "cuda")
         self.disk = DiskCache(settings.adapter_cache_dir, settings.worker_disk_cache_bytes)
-        self.blobs = RegistryBlobs(settings.registry_base_url, settings.worker_token,
+        self.blobs = RegistryBlobs(",".join(settings.registry_urls), settings.worker_token,
                                    verify=tls.client_ssl_context(settings))
         self.loader = AdapterLoader(self.host, self.disk, self.blobs,
                                     checked_parser(settings, self.engine),

@@ -43,3 +43,28 @@ def test_the_recorded_command_keeps_the_environment_that_changes_cpu_timings(
     assert run.command == "OMP_WAIT_POLICY=PASSIVE python bench/multi_lora.py --clock cpu"
     monkeypatch.delenv("OMP_WAIT_POLICY")
     assert BenchRun("serve", quick=True, argv=[]).command == "python bench/serve.py"
+
+
+def test_the_chaos_result_renders_one_row_per_scenario_and_every_anomaly(
+        tmp_path: Path) -> None:
+    run = BenchRun("chaos", quick=False, argv=[])
+    counts = {"publish": {"attempted": 10, "ok": 8, "fail": 1, "unknown": 1},
+              "switch": {"attempted": 8, "ok": 8, "fail": 0, "unknown": 0},
+              "generate": {"attempted": 100, "ok": 97, "fail": 3, "unknown": 0}}
+    scenario = {"scenario": "registry-kafka-partition", "seed": 3, "description": "cut",
+                "counts": counts, "notes": {"takeover_s": 5.4}, "anomalies": 1,
+                "latency": {"generate": {"p99_before_ms": 300.0, "p99_fault_ms": 410.0}},
+                "check": {"anomalies": [{"check": "writes", "detail": "lost key k1"}]}}
+    run.save(tmp_path / "chaos.json", {"scenarios": [scenario], "anomalies": 1,
+                                       "startup": {"total": 46.3, "network": 0.9}},
+             [Figure("registry-kafka-partition: anomalies", 1, "anomalies", target="0",
+                     meets_target=False)], echo=False)
+
+    report = render(tmp_path)
+
+    row = next(line for line in report.splitlines()
+               if line.startswith("| registry-kafka-partition | 3 |"))
+    assert "| 18/16/1/1 |" in row and "| 100/97/3 |" in row
+    assert "300.0 / 410.0 ms" in row and "| 5.4 s |" in row and row.endswith("| 1 |")
+    assert "- registry-kafka-partition: writes: lost key k1" in report
+    assert "Harness start-up: 46.30 s (network 0.9 s)" in report

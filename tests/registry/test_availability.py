@@ -77,6 +77,58 @@ def test_a_paused_broker_gets_503s_within_the_deadline_and_readyz_says_not_writa
         running.stop()
 
 
+def test_readyz_stops_claiming_writes_within_two_lease_intervals_of_a_broker_pause(
+        own_broker: ApacheKafka, tmp_path: Path) -> None:
+    """A paused broker under writes: every write hangs until its deadline, setting no
+    error before then. /readyz must not answer 200 for longer than two lease intervals
+    (plus a probe's slack) after writes stop committing, however long the writes wait."""
+    interval = 0.5
+    settings = registry_settings(
+        isolated_settings(own_broker.bootstrap, None, topic_partitions=1), tmp_path / "blobs",
+        registry_write_timeout_s=8.0, lease_interval_s=interval)
+    running = RunningRegistry(settings).start()
+    assert own_broker._child is not None
+    pid = own_broker._child.pid
+    stop = threading.Event()
+    probes: list[tuple[float, int]] = []
+    try:
+        with running.client() as admin:
+            register_base(admin)
+
+            def write() -> None:  # keeps the command lock busy with hanging writes
+                with running.client() as client:
+                    while not stop.is_set():
+                        client.post("/v1/tenants/acme/search/prod/purge", json={})
+
+            writers = [threading.Thread(target=write) for _ in range(2)]
+            for writer in writers:
+                writer.start()
+            time.sleep(1.0)
+            paused_at = time.monotonic()
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                while time.monotonic() < paused_at + 7.0:
+                    probes.append((time.monotonic() - paused_at,
+                                   admin.get("/readyz").status_code))
+                    time.sleep(0.1)
+            finally:
+                os.kill(pid, signal.SIGCONT)
+                stop.set()
+            for writer in writers:
+                writer.join(30)
+            deadline = time.monotonic() + 30
+            while admin.get("/readyz").status_code != 200:  # and says so again after
+                assert time.monotonic() < deadline, admin.get("/readyz").json()
+                time.sleep(0.2)
+    finally:
+        stop.set()
+        running.stop()
+    bound = 2 * interval + 0.5
+    lies = [(round(at, 2), status) for at, status in probes if at > bound and status == 200]
+    assert len(probes) > 20
+    assert not lies, f"/readyz said 200 after writes stopped committing: {lies}"
+
+
 # --- kill -9 under retrying clients ----------------------------------------------------------
 
 

@@ -168,3 +168,38 @@ def test_the_holder_index_agrees_with_every_worker_view_under_any_sequence() -> 
             for w in workers:
                 assert m.tier(w, s, now) == reference(w, s), (w, s)
             assert sorted(m.holders(s)) == sorted(w for w in m.live if s in m.workers[w].held)
+
+
+def test_heartbeats_stuck_behind_a_failing_over_partition_do_not_empty_the_ring() -> None:
+    """Three workers beat on one liveness partition whose leader dies: nothing is read from
+    it for several seconds. They stay in the ring (for `stall_grace_s`), and come back
+    fresh once the partition is read again; a worker whose partition is read while its
+    own heartbeats are missing is silent, and leaves after three intervals as before."""
+    m = Membership(interval_s=1.0, misses=3, stall_grace_s=10.0)
+    stalled, flowing = ("t.liveness", 0), ("t.liveness", 1)
+    for worker in ("w1", "w2", "w3"):
+        m.observe(beat(worker), seen_at=10.0, source=stalled)
+    m.observe(beat("w4"), seen_at=10.0, source=flowing)
+    for second in range(11, 20):  # partition 1 keeps flowing: w4 and the lease beat there
+        m.observe(beat("w4"), seen_at=float(second), source=flowing)
+    assert m.expire(19.0) == [] and m.live == {"w1", "w2", "w3", "w4"}
+    for worker in ("w1", "w2"):  # the new leader serves: the heartbeats held up arrive
+        m.observe(beat(worker), seen_at=19.5, source=stalled)
+    assert m.expire(20.0) == [] and m.live == {"w1", "w2", "w3", "w4"}  # in any order
+    # w3 is really gone: its partition is read again (w1, w2 beat) but not w3's heartbeat
+    m.observe(beat("w1"), seen_at=20.5, source=stalled)
+    assert m.expire(20.6) == ["w3"] and m.live == {"w1", "w2", "w4"}
+    # a partition silent past the grace: its workers leave all the same
+    m.observe(beat("w4"), seen_at=33.0, source=flowing)
+    assert m.expire(20.5 + 3 + 10.1) == ["w1", "w2"] and m.live == {"w4"}
+
+
+def test_a_silent_worker_leaves_once_its_partition_shows_newer_records() -> None:
+    m = Membership(interval_s=1.0, misses=3, stall_grace_s=10.0)
+    source = ("t.liveness", 0)
+    m.observe(beat("w1"), seen_at=10.0, source=source)
+    m.observe(beat("w2"), seen_at=10.0, source=source)
+    for second in (11.0, 12.0, 13.0, 14.0):
+        m.observe(beat("w2"), seen_at=second, source=source)
+    assert m.expire(12.9) == []
+    assert m.expire(13.1) == ["w1"] and m.live == {"w2"}  # three intervals, as before

@@ -238,3 +238,60 @@ def test_the_loop_computes_with_its_threads_when_started_during_an_adapter_parse
     finally:
         parsed.set()
         torch.set_num_threads(before)
+
+
+def test_a_version_the_router_just_switched_to_is_served_once_the_log_is_read(
+        rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The router resolves an adapter to the version it last read a switch to and pins
+    it; a worker whose fold has not read that switch yet reads the log to its end once
+    before it refuses (it answered FAILED_PRECONDITION to such requests, a few per
+    thousand while versions switched every second under the cluster's fault runs)."""
+    import asyncio
+
+    from services.contracts.grpc import inference_pb2 as pb
+    from services.worker.intake import PromptRules, work_item
+    from services.worker.server import CATCH_UP_S, Gate, InferenceService
+
+    rig.publish("bot", 1, seed=1)
+    rig.switch("bot", 1)
+    rig.publish("bot", 2, seed=2)
+    service = InferenceService(rig.loop, PromptRules(96, 1024, 8), Gate(rig.loop, lambda: None),
+                               "w-test")
+
+    def pinned(version: int) -> object:
+        request = pb.GenerateRequest(
+            tenant=pb.TenantSignature(org_id=ACME.org, team_id=ACME.team,
+                                      project_id=ACME.project),
+            adapter=pb.AdapterRef(pinned=pb.PinnedVersion(adapter_id="bot", version=version)))
+        request.token_ids.ids.extend([5, 6, 7])
+        return work_item(request, PromptRules(96, 1024, 8))
+
+    class NoDeadline:  # a call without a deadline waits the whole catch-up bound
+        @staticmethod
+        def time_remaining() -> None:
+            return None
+
+    reads: list[float] = []
+
+    def read_to_the_end(timeout_s: float) -> bool:  # the switch to v2 is already in the log
+        reads.append(timeout_s)
+        rig.switch("bot", 2)
+        return True
+
+    monkeypatch.setattr(rig.follower, "sync", read_to_the_end)
+    assert asyncio.run(service._refusal(pinned(2), NoDeadline())) is None
+    assert reads == [CATCH_UP_S]
+    refused = asyncio.run(service._refusal(pinned(1), NoDeadline()))  # superseded: still refused
+    assert refused is not None and refused.kind == "precondition"
+    assert "neither the active version" in refused.message
+
+    def publish_and_switch(timeout_s: float) -> bool:  # a version it has not read at all
+        reads.append(timeout_s)
+        rig.publish("bot", 3, seed=3)
+        rig.switch("bot", 3)
+        return True
+
+    monkeypatch.setattr(rig.follower, "sync", publish_and_switch)
+    assert asyncio.run(service._refusal(pinned(3), NoDeadline())) is None
+    missing = asyncio.run(service._refusal(pinned(9), NoDeadline()))
+    assert missing is not None and missing.kind == "not_found"

@@ -17,15 +17,23 @@ def healthz() -> dict[str, str]:
 
 
 @router.get("/readyz", responses={
-    503: {"description": "replaying, halted on an event it cannot fold, fenced, or the event "
-                         "log does not take writes (`reason` says which)"}})
+    503: {"description": "replaying, halted on an event it cannot fold, fenced, a standby "
+                         "(`role`), or the event log does not take writes: nothing "
+                         "committed for 2 lease intervals (`reason` says which)"}})
 def readyz(node: Node) -> JSONResponse:
-    """200 once the log is replayed and this instance can write; otherwise 503 and why."""
+    """200 while this instance is replayed, holds the writer role and its writes commit;
+    otherwise 503 and why. A standby (`role`) answers reads but not writes."""
     ready, reason = node.readiness()
     follower = node.follower.status()
+    with node.state_lock:
+        lease = node.state.lease
     body = {"ready": ready, "reason": reason, "replayed": node.ready.is_set(),
-            "writable": node.writable, "fenced": node.fenced, "halted": follower["halt"],
-            "registry_id": node.registry_id, "epoch": node.epoch,
+            "writable": ready, "fenced": node.fenced, "halted": follower["halt"],
+            "role": node.role, "registry_id": node.registry_id, "epoch": node.epoch,
+            "leaseholder": None if lease is None else {"registry_id": lease.registry_id,
+                                                       "epoch": lease.epoch},
+            "commit_age_s": None if node.commit_age_s is None else round(node.commit_age_s, 3),
+            "last_takeover_s": node.last_takeover_s, "stepped_down": node.stepped_down,
             "started_from": follower["started_from"],
             "seconds_to_ready": follower["seconds_to_ready"],
             "last_error": node.last_error}

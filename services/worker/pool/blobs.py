@@ -42,11 +42,16 @@ class RegistryBlobs:
     def __init__(self, base_url: str, token: str | None, *, timeout_s: float = 30.0,
                  max_bytes: int = 1 << 31, attempts: int = 3,
                  verify: ssl.SSLContext | bool = True) -> None:
+        """`base_url`: one registry, or several separated by commas (an active one and its
+        standbys: `services.endpoints` moves on to the next that answers)."""
+        from services.endpoints import registry_client
+
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self.base_url = base_url.rstrip("/")
+        urls = [u.strip().rstrip("/") for u in base_url.split(",") if u.strip()]
+        self.base_url = urls[0]
         self.max_bytes = max_bytes
-        self._client = httpx.Client(base_url=self.base_url, headers=headers, verify=verify,
-                                    timeout=httpx.Timeout(timeout_s, connect=5.0))
+        self._client = registry_client(urls, headers=headers, verify=verify,
+                                       timeout=httpx.Timeout(timeout_s, connect=5.0))
         self._retrying = retry(
             retry=retry_if_exception_type(BlobUnavailable),
             stop=stop_after_attempt(attempts),

@@ -1,0 +1,1 @@
+"""A multi-host loraplane on one machine: network namespaces, a Kafka quorum, faults."""
