@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
+from services.catalog.gates import result_failures
 from services.catalog.purge import (
     PurgeAck,
     PurgeStatus,
@@ -87,7 +88,6 @@ from services.contracts.events import (
     WorkerHeartbeat,
     typed_envelope,
 )
-from services.release.gate import result_failures
 
 LEASE_STREAM = "registry/lease"
 

@@ -22,10 +22,10 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from services.catalog.gates import gate_output
 from services.catalog.serving import purged_reason
 from services.catalog.state import CatalogState, GateState
 from services.contracts.events import GateCaseResult, QualityGateCompleted
-from services.release.gate import gate_output
 from services.release.regression import (
     CaseOutput,
     CaseRole,

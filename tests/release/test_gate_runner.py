@@ -5,9 +5,9 @@ from __future__ import annotations
 import hashlib
 import json
 
+from services.catalog.gates import result_failures
 from services.catalog.state import CatalogState
 from services.contracts.events import GateRequest, QualityGateCompleted
-from services.release.gate import result_failures
 from services.release.gate_runner import BlobMissing, GateDuty, GateJob, GateRun, run_gate
 from services.release.regression import parse_regression_set
 from services.worker.engine import AdapterFiles, Engine
