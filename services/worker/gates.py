@@ -1,4 +1,4 @@
-"""Quality gates on this worker: the release module's `GateDuty` says which gates are this
+"""Quality gates on this worker: `gate_runner.GateDuty` says which gates are this
 worker's and builds their jobs; the runs go through the engine loop between serving steps.
 
 A gate thread (nothing here blocks the engine loop or the log follower for long):
@@ -27,9 +27,9 @@ import threading
 from collections.abc import Callable
 
 from services.contracts.events import Payload, QualityGateCompleted
-from services.release.gate_runner import BlobMissing, DueGate, GateDuty, GateRun
 from services.worker.engine import AdapterDigest, Engine, LoraAdapter
 from services.worker.follower import CatalogFollower
+from services.worker.gate_runner import BlobMissing, DueGate, GateDuty, GateRun
 from services.worker.pool import blobs as blob_tier
 from services.worker.pool.loader import AdapterLoader
 

@@ -8,9 +8,9 @@ import json
 from services.catalog.gates import result_failures
 from services.catalog.state import CatalogState
 from services.contracts.events import GateRequest, QualityGateCompleted
-from services.release.gate_runner import BlobMissing, GateDuty, GateJob, GateRun, run_gate
 from services.release.regression import parse_regression_set
 from services.worker.engine import AdapterFiles, Engine
+from services.worker.gate_runner import BlobMissing, GateDuty, GateJob, GateRun, run_gate
 from tests.release.model import PROMPT, NumberModel, first_tokens
 
 

@@ -185,7 +185,7 @@ def run_gate(engine: Engine, job: GateJob,
             engine.unload_adapter(digest)
 
 
-log = logging.getLogger("loraplane.release.gates")
+log = logging.getLogger("loraplane.worker.gates")
 
 
 class BlobMissing(Exception):
