@@ -44,6 +44,7 @@ from services.worker.engine import (
     QosTier,
     SamplingParams,
 )
+from services.worker.pool.blobs import BlobMissing
 
 
 @dataclass(frozen=True)
@@ -188,11 +189,6 @@ def run_gate(engine: Engine, job: GateJob,
 log = logging.getLogger("loraplane.worker.gates")
 
 
-class BlobMissing(Exception):
-    """A blob the registry does not have (or no longer matches its digest): the gate fails.
-    Any other fetch error is transient and the gate is tried again later."""
-
-
 @dataclass(frozen=True)
 class DueGate:
     """A gate this worker must answer: its job, or why none can be built (a failed gate)."""
@@ -208,7 +204,8 @@ class GateDuty:
     """A worker's part in quality gates: run each gate assigned to it once, emit the result.
 
     `fetch(digest)` returns a blob's bytes (raising `BlobMissing` for one that cannot
-    exist, anything else for a transient failure); `emit` writes the result on the
+    exist or does not match its digest: the gate fails; anything else is transient and
+    the gate is tried again later); `emit` writes the result on the
     worker's stream. `due` reads the fold (call it under the fold's lock); `run` does the
     work (outside it: it fetches and generates).
     """

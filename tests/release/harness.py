@@ -42,7 +42,8 @@ from services.contracts.events import (
 from services.eventlog import EventConsumer, EventProducer
 from services.registry.auth import token_hash
 from services.worker.engine import Engine
-from services.worker.gate_runner import BlobMissing, GateDuty
+from services.worker.gate_runner import GateDuty
+from services.worker.pool.blobs import BlobMissing
 from tests.registry.conftest import TOKENS
 
 TENANT = TenantRef(org="acme", team="search", project="prod")

@@ -10,7 +10,8 @@ from services.catalog.state import CatalogState
 from services.contracts.events import GateRequest, QualityGateCompleted
 from services.release.regression import parse_regression_set
 from services.worker.engine import AdapterFiles, Engine
-from services.worker.gate_runner import BlobMissing, GateDuty, GateJob, GateRun, run_gate
+from services.worker.gate_runner import GateDuty, GateJob, GateRun, run_gate
+from services.worker.pool.blobs import BlobMissing
 from tests.release.model import PROMPT, NumberModel, first_tokens
 
 
