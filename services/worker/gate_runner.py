@@ -23,10 +23,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from services.catalog.gates import gate_output
-from services.catalog.serving import purged_reason
-from services.catalog.state import CatalogState, GateState
-from services.contracts.events import GateCaseResult, QualityGateCompleted
-from services.release.regression import (
+from services.catalog.regression import (
     CaseOutput,
     CaseRole,
     RegressionSet,
@@ -34,6 +31,9 @@ from services.release.regression import (
     evaluate,
     parse_regression_set,
 )
+from services.catalog.serving import purged_reason
+from services.catalog.state import CatalogState, GateState
+from services.contracts.events import GateCaseResult, QualityGateCompleted
 from services.worker.engine import (
     AdapterDigest,
     AdapterFiles,

@@ -142,7 +142,7 @@ def publish(
         description="a .tar.gz of the adapter directory, instead of the two files")] = None,
     regression_set: Annotated[UploadFile | None, File(
         description="JSONL regression set: the version gets traffic only once it passes "
-                    "(services/release/regression.py)")] = None,
+                    "(services/catalog/regression.py)")] = None,
 ) -> VersionView:
     """Validate a PEFT LoRA adapter, store it by digest, emit AdapterVersionPublished.
 
