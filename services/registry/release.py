@@ -6,7 +6,7 @@ written on the alias's stream as `TrafficSplitChanged` carrying a `RolloutStep` 
 every reader that follows splits follows rollouts unchanged); completion is the
 `AdapterVersionSwitched` that makes the canary the active version. A step the canary
 controller asks for is re-judged here from the figures it sends, under the rollout's own
-plan (`services.release.canary.same_verdict`): a step the figures do not justify is
+plan (`services.catalog.canary.same_verdict`): a step the figures do not justify is
 refused.
 """
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
+from services.catalog.canary import same_verdict
 from services.catalog.release import (
     GateSpec,
     Overdue,
@@ -37,7 +38,6 @@ from services.contracts.events import (
     TrafficSplitChanged,
 )
 from services.registry.domain import Decision, _adapter_decision, _check_expected
-from services.release.canary import same_verdict
 
 # --- quality gates ---------------------------------------------------------------------------
 

@@ -6,6 +6,7 @@ from datetime import datetime, timedelta
 
 import pytest
 
+from services.catalog.canary import judge
 from services.catalog.serving import resolve_pinned, resolve_reference
 from services.catalog.state import CatalogState, Refusal
 from services.contracts.events import (
@@ -25,7 +26,6 @@ from services.registry.release import (
     roll_back_rollout,
     start_rollout,
 )
-from services.release.canary import judge
 from tests.catalog.test_release import TENANT, at, completed, event, published, request
 
 PLAN = RolloutPlan(stages=[5, 50, 100], min_stage_s=10, window_s=10, max_error_ratio=1.5,
