@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-from services.catalog.release import GateSpec, gate_baseline, gate_request, release_refusal
+from services.catalog.release_rule import GateSpec, gate_baseline, gate_request, release_refusal
 from services.catalog.serving import purged_reason
 from services.catalog.state import (
     LEASE_STREAM,
@@ -99,7 +99,7 @@ class PublishRequest:
     qos_tier: Literal["platinum", "gold", "silver", "bronze"] = "silver"
     rollback_to: int | None = None
     gate_required: bool = False
-    """No traffic before a passed gate or an override (`services.catalog.release`)."""
+    """No traffic before a passed gate or an override (`services.catalog.release_rule`)."""
     gate: GateSpec | None = None
     """A regression set uploaded with the version: its gate is requested by the publish."""
 

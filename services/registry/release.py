@@ -15,7 +15,7 @@ from __future__ import annotations
 from datetime import datetime
 
 from services.catalog.canary import same_verdict
-from services.catalog.release import (
+from services.catalog.release_rule import (
     GateSpec,
     Overdue,
     gate_baseline,

@@ -16,7 +16,7 @@ from datetime import UTC, datetime, timedelta
 import grpc
 import pytest
 
-from services.catalog.release import gate_baseline
+from services.catalog.release_rule import gate_baseline
 from services.catalog.serving import (
     MergeSpec,
     erased_blob_reason,

@@ -22,7 +22,7 @@ from fastapi import APIRouter, File, Form, Path, Response, UploadFile
 from pydantic import BaseModel, Field
 
 from services.catalog.regression import RegressionSet, RegressionSetError, parse_regression_set
-from services.catalog.release import GateSpec, release_refusal
+from services.catalog.release_rule import GateSpec, release_refusal
 from services.catalog.state import (
     Adapter,
     AdapterVersion,
