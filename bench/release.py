@@ -47,7 +47,7 @@ from services.contracts.events import (
     TenantRef,
     TrafficSplitChanged,
 )
-from services.registry.release import start_rollout
+from services.registry.release_commands import start_rollout
 from services.release.controller import next_steps
 
 RESULTS = Path(__file__).resolve().parent / "results" / "release.json"

@@ -15,7 +15,7 @@ from datetime import UTC, datetime
 from services.catalog.release_rule import overdue_gates
 from services.catalog.state import Refusal
 from services.registry.node import RegistryNode, WritesUnavailable
-from services.registry.release import expire_gate
+from services.registry.release_commands import expire_gate
 
 log = logging.getLogger("loraplane.registry.gates")
 

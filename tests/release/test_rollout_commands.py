@@ -18,7 +18,7 @@ from services.contracts.events import (
     SplitEntry,
 )
 from services.registry.domain import Decision, set_split
-from services.registry.release import (
+from services.registry.release_commands import (
     advance_rollout,
     halt_rollout,
     override_release,

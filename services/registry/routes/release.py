@@ -63,7 +63,7 @@ from services.registry.deps import (
     writable_adapter,
 )
 from services.registry.node import Committed, RegistryNode
-from services.registry.release import (
+from services.registry.release_commands import (
     advance_rollout,
     halt_rollout,
     no_rollout,
