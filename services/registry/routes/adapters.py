@@ -39,7 +39,7 @@ from services.registry.domain import (
 )
 from services.registry.erasure import restore_upload
 from services.registry.node import Committed, Deadline
-from services.registry.routes.release import fits_context, gate_spec, read_regression_set
+from services.registry.routes.gates_rollouts import fits_context, gate_spec, read_regression_set
 from services.registry.validation import (
     MAX_CONFIG_BYTES,
     UnpackedAdapter,
