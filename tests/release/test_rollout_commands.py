@@ -17,7 +17,7 @@ from services.contracts.events import (
     RolloutPlan,
     SplitEntry,
 )
-from services.registry.domain import Decision, set_split
+from services.registry.domain import CommandEvent, set_split
 from services.registry.release_commands import (
     advance_rollout,
     halt_rollout,
@@ -32,7 +32,7 @@ PLAN = RolloutPlan(stages=[5, 50, 100], min_stage_s=10, window_s=10, max_error_r
                    min_requests=10, max_p95_ms=1000)
 
 
-def apply(state: CatalogState, decision: Decision, when: datetime) -> Envelope:
+def apply(state: CatalogState, decision: CommandEvent, when: datetime) -> Envelope:
     envelope = Envelope.new(decision.payload, stream=decision.stream, seq=decision.seq,
                             actor="canary:c1", tenant=decision.tenant, occurred_at=when)
     state.apply(envelope)

@@ -29,7 +29,7 @@ from services.registry.deps import (
     writable_adapter,
 )
 from services.registry.domain import (
-    Decision,
+    CommandEvent,
     PublishRequest,
     precheck_publish,
     publish_version,
@@ -198,7 +198,7 @@ def publish(
         request = replace(request, gate=gate_spec(*checked_set, blobs, settings))
     node.metrics.upload_bytes.inc(facts.size_bytes)
 
-    def decide(state: CatalogState) -> Decision:
+    def decide(state: CatalogState) -> CommandEvent:
         restore_upload(blobs, facts, files.config, files.weights)  # a purge erased them?
         return publish_version(state, request, facts, expected, key)
 
