@@ -1,5 +1,5 @@
-"""The compiled decode pass (`loraplane_kernels.host`, bf16 and fp32) against the torch path it
-replaces: the same ops and, in bf16, the same roundings, so the same values but for the
+"""The compiled decode pass (`loraplane_kernels.cpu_decode`, bf16 and fp32) against the torch
+path it replaces: the same ops and, in bf16, the same roundings, so the same values but for the
 order of the fp32 accumulations."""
 
 from __future__ import annotations

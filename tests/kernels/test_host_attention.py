@@ -1,4 +1,4 @@
-"""The compiled decode attention (`loraplane_kernels.host.decode_attention`) against the
+"""The compiled decode attention (`loraplane_kernels.cpu_decode.decode_attention`) against the
 torch path it replaces, inside `paged_attention`'s mixed steps: same rows, same values but
 for the order of fp32 accumulations (fp32) or the torch path's bf16 roundings of scores and
 probabilities (bf16, where the kernel rounds only its output)."""

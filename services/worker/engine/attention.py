@@ -2,10 +2,10 @@
 
 A step holds decode tokens (one query per sequence) and prefill chunks (many queries per
 sequence). On the CPU in fp32 or bf16, a step's decodes attend in one compiled call per
-layer that reads the paged cache in place (`loraplane_kernels.host.decode_attention`). Elsewhere
-they are batched, in a few groups of similar context length, into grouped matmuls over
-their gathered block tables. Each prefill chunk is one SDPA call (flash path when it has
-no cached prefix). There is no per-token Python loop.
+layer that reads the paged cache in place (`loraplane_kernels.cpu_decode.decode_attention`).
+Elsewhere they are batched, in a few groups of similar context length, into grouped
+matmuls over their gathered block tables. Each prefill chunk is one SDPA call (flash path
+when it has no cached prefix). There is no per-token Python loop.
 """
 
 from __future__ import annotations
