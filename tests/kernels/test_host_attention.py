@@ -161,7 +161,7 @@ def test_a_nan_in_one_context_stays_in_that_decode() -> None:
 def test_the_vectorisable_exp_is_within_one_ulp() -> None:
     import numba
 
-    from loraplane_kernels._host_jit import exp_nonpositive
+    from loraplane_kernels._cpu_decode_numba import exp_nonpositive
 
     @numba.njit
     def exps(x: np.ndarray, y: np.ndarray) -> None:
