@@ -13,11 +13,11 @@ read. ``indices[t]`` is token t's slot (-1: no LoRA); ``segments`` switches to S
 
 The engine's adapter pool uses the rank-granular layout instead, ``lora_apply_paged(y, x,
 weights: PagedLora, indices, ...)``: every slot's A and B at per-slot offsets in one flat
-pool, no padding to a max rank (see :mod:`loraplane_kernels.paged`).
+pool, no padding to a max rank (see :mod:`loraplane_kernels.rank_pool`).
 """
 
 from loraplane_kernels.dispatch import lora_apply, lora_apply_paged, lora_expand, lora_shrink
-from loraplane_kernels.paged import PagedLora, Runs, SlotTables
+from loraplane_kernels.rank_pool import PagedLora, Runs, SlotTables
 from loraplane_kernels.segments import Segments
 
 __all__ = [

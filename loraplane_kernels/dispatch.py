@@ -23,7 +23,7 @@ from prometheus_client import Gauge
 from torch import Tensor
 
 from loraplane_kernels import reference
-from loraplane_kernels.paged import PagedLora, Runs, apply_runs, runs_of
+from loraplane_kernels.rank_pool import PagedLora, Runs, apply_runs, runs_of
 from loraplane_kernels.segments import Segments
 from loraplane_kernels.tuning_table import (
     TuningEntry,
@@ -209,7 +209,8 @@ def lora_apply(y: Tensor, x: Tensor, a_slab: Tensor, b_slab: Tensor, ranks: Tens
 def lora_apply_paged(y: Tensor, x: Tensor, w: PagedLora, indices: Tensor, *,
                      out_offset: int = 0, segments: Segments | None = None,
                      runs: Runs | None = None, fused: bool | None = None) -> None:
-    """:func:`lora_apply` over the rank-granular pool (:class:`loraplane_kernels.paged.PagedLora`).
+    """:func:`lora_apply` over the rank-granular pool
+    (:class:`loraplane_kernels.rank_pool.PagedLora`).
 
     ``runs`` (host ``(slot, start, end)`` groups, which a scheduler that sorts tokens by
     adapter already has) spares the torch path from reading the indices back.

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from loraplane_kernels.paged import PagedLora
+from loraplane_kernels.rank_pool import PagedLora
 from loraplane_kernels.segments import Segments
 
 #: Activation and weight dtypes the Triton kernels accept. float64 is accepted by the torch

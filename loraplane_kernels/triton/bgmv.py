@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from loraplane_kernels.paged import PagedLora
+from loraplane_kernels.rank_pool import PagedLora
 from loraplane_kernels.triton.operands import a_operand, b_operand
 
 

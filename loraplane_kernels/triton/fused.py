@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from loraplane_kernels.paged import PagedLora
+from loraplane_kernels.rank_pool import PagedLora
 from loraplane_kernels.segments import Segments
 from loraplane_kernels.triton.operands import a_operand, b_operand
 from loraplane_kernels.triton.sgmv import dot_precision, upcast_dot_operands

@@ -10,7 +10,7 @@ tokens' shrink (``rank x K`` extra work per tile), which is why the fused path o
 below a bucket size the tuner measures per GPU model (``fused_base_max_tokens`` in the
 tuning table; no global default).
 
-Weights come from the rank-granular pool (:class:`loraplane_kernels.paged.PagedLora`); a bucket
+Weights come from the rank-granular pool (:class:`loraplane_kernels.rank_pool.PagedLora`); a bucket
 whose slot is -1 (or whose adapter does not adapt this projection) gets the base product.
 """
 
@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from loraplane_kernels.paged import PagedLora
+from loraplane_kernels.rank_pool import PagedLora
 from loraplane_kernels.segments import Segments
 from loraplane_kernels.triton.fused import rank_tile
 from loraplane_kernels.triton.sgmv import dot_precision, upcast_dot_operands

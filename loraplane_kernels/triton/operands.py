@@ -1,7 +1,7 @@
 """How a kernel finds slot s's A and B: a base tensor, per-slot offsets and two strides.
 
 Two layouts reach the kernels. Slabs (``a_slab[S, max_rank, in]``, ``b_slab[S, out,
-max_rank]``) put slot s at ``s * stride(0)``; the paged pool (:class:`loraplane_kernels.paged.
+max_rank]``) put slot s at ``s * stride(0)``; the paged pool (:class:`loraplane_kernels.rank_pool.
 PagedLora`) puts it at a per-slot offset with ``A`` as ``[rank, in]`` and ``B`` stored as
 ``B.T`` ``[rank, out]``. Both become an :class:`Operand`, so every kernel has one code path:
 ``base = data + offsets[slot]``, then rank and feature strides.
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from loraplane_kernels.paged import PagedLora
+from loraplane_kernels.rank_pool import PagedLora
 
 _OFFSETS: dict[tuple[int, int, torch.device], Tensor] = {}
 

@@ -16,7 +16,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
-from loraplane_kernels.paged import PagedLora
+from loraplane_kernels.rank_pool import PagedLora
 from loraplane_kernels.segments import Segments
 from loraplane_kernels.triton.operands import a_operand, b_operand
 from loraplane_kernels.triton.tiles import load_tile, segment_tiles

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from loraplane_kernels import PagedLora, host
-from loraplane_kernels.paged import apply_runs, step_runs
+from loraplane_kernels.rank_pool import apply_runs, step_runs
 
 pytest.importorskip("numba")
 
@@ -52,7 +52,7 @@ def both_paths(w: PagedLora, runs: tuple[tuple[int, int, int], ...], x: torch.Te
     apply_runs(host, x, w, runs, out_offset=3)
     assert calls  # the compiled pass ran, not a silent fallback
     with monkeypatch.context() as m:
-        m.setattr("loraplane_kernels.paged.HOST_PASS", False)
+        m.setattr("loraplane_kernels.rank_pool.HOST_PASS", False)
         torch_path = y.clone()
         apply_runs(torch_path, x, w, runs, out_offset=3)
     return host, torch_path

@@ -40,7 +40,7 @@ def test_a_projection_without_shared_tables_keeps_its_own() -> None:
 def test_small_and_large_runs_both_land_and_the_thread_count_is_restored() -> None:
     """Runs under SMALL_RUN_ROWS take the one-thread pass, the rest the threaded one; each
     row gets exactly its own slot's delta, base rows and unadapted slots none."""
-    from loraplane_kernels.paged import SMALL_RUN_ROWS, apply_runs
+    from loraplane_kernels.rank_pool import SMALL_RUN_ROWS, apply_runs
 
     g = torch.Generator().manual_seed(0)
     fin, fout = 8, 6
@@ -78,9 +78,9 @@ def test_many_small_runs_take_the_nested_pass_and_match_per_run_products(
     delta, as the per-run loop computes it, whether the runs are one block or not and
     whether the activations start at the front of their buffer or not. A torch without
     the private nested-view function takes the loop and gets the same rows."""
-    from loraplane_kernels.paged import GROUPED_MIN_RUNS, apply_runs
+    from loraplane_kernels.rank_pool import GROUPED_MIN_RUNS, apply_runs
 
-    monkeypatch.setattr("loraplane_kernels.paged.NESTED_VIEWS", nested)
+    monkeypatch.setattr("loraplane_kernels.rank_pool.NESTED_VIEWS", nested)
 
     g = torch.Generator().manual_seed(1)
     fin, fout, slots = 8, 6, 6
@@ -125,7 +125,7 @@ def test_small_shrinks_leave_onednn_as_they_found_it(dtype: torch.dtype) -> None
     """Half-precision decode shrinks run without oneDNN (its per-call cost dwarfs a shrink
     of two rows); the switch is process-wide, so it is restored on the way out, failures
     included, and fp32 never touches it."""
-    from loraplane_kernels.paged import small_shrink_gemms
+    from loraplane_kernels.rank_pool import small_shrink_gemms
 
     assert torch._C._get_mkldnn_enabled()
     with small_shrink_gemms(dtype):

@@ -25,7 +25,7 @@ from loraplane_kernels import (
     lora_shrink,
     reference,
 )
-from loraplane_kernels.paged import runs_of
+from loraplane_kernels.rank_pool import runs_of
 
 
 @pytest.mark.parametrize("spec", CASES, ids=CASE_IDS)
