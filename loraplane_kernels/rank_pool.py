@@ -66,7 +66,7 @@ class SlotTables:
 
     def write(self, slot: int, rows: list[int], a_offsets: list[int], b_offsets: list[int],
               ranks: list[int], scales: list[float]) -> None:
-        """Point `slot` of each row at its weights (the rows' `PagedLora.point` is the host
+        """Point `slot` of each row at its weights (the rows' `PooledLora.point` is the host
         side of the same change)."""
         dev = self.ranks.device
         index = torch.tensor(rows, dtype=torch.int64, device=dev)
@@ -80,7 +80,7 @@ class SlotTables:
 
 
 @dataclass
-class PagedLora:
+class PooledLora:
     """One projection's LoRA weights for every slot, as offsets into a shared pool.
 
     ``ranks[s] == 0`` means slot s does not adapt this projection. The device tables
@@ -223,7 +223,7 @@ def ragged_view(buffer: Tensor, parts: list[Tensor]) -> Tensor:
     return torch._nested_view_from_buffer(buffer.view(-1), sizes, strides, offsets)
 
 
-def apply_runs(y: Tensor, x: Tensor, w: PagedLora, runs: Runs, out_offset: int = 0) -> None:
+def apply_runs(y: Tensor, x: Tensor, w: PooledLora, runs: Runs, out_offset: int = 0) -> None:
     """The torch path: per run of one slot, ``y += scale * ((x @ A.T) @ Bt)`` in place.
 
     Small runs (decodes: one or two rows per adapter) go first. In bf16 and fp32 on the
@@ -291,7 +291,7 @@ HOST_PASS = cpu_decode.AVAILABLE
 tests switch it off to pin it to the torch path."""
 
 
-def _host_pass(y: Tensor, x: Tensor, w: PagedLora) -> bool:
+def _host_pass(y: Tensor, x: Tensor, w: PooledLora) -> bool:
     return (HOST_PASS and x.dtype == y.dtype == w.pool.dtype and x.dtype in cpu_decode.DTYPES
             and x.device.type == "cpu" and x.stride(-1) == 1 and y.stride(-1) == 1)
 
@@ -330,7 +330,7 @@ NESTED_VIEWS = hasattr(torch, "_nested_view_from_buffer")
 BLAS call pairs (same results, slower decodes) instead of failing."""
 
 
-def _apply(y: Tensor, x: Tensor, w: PagedLora, runs: list[tuple[int, int, int]],
+def _apply(y: Tensor, x: Tensor, w: PooledLora, runs: list[tuple[int, int, int]],
            out_offset: int, small: bool = False) -> None:
     out = y[:, out_offset:out_offset + w.out_features]
     for slot, start, end in runs:
@@ -339,7 +339,7 @@ def _apply(y: Tensor, x: Tensor, w: PagedLora, runs: list[tuple[int, int, int]],
         out[start:end].addmm_(h, w.bt_views[slot], alpha=w.host_scales[slot])
 
 
-def _apply_grouped(y: Tensor, x: Tensor, w: PagedLora, runs: list[tuple[int, int, int]],
+def _apply_grouped(y: Tensor, x: Tensor, w: PooledLora, runs: list[tuple[int, int, int]],
                    out_offset: int, step: Runs) -> None:
     """Every run's shrink in one ragged `bmm`, every expand in another, then one scaled
     add of the packed deltas into their rows (PEFT's order: ``(x @ A.T) @ B.T * scale``)."""

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from loraplane_kernels.rank_pool import PagedLora
+from loraplane_kernels.rank_pool import PooledLora
 from loraplane_kernels.triton.operands import a_operand, b_operand
 
 
@@ -95,7 +95,7 @@ def _bgmv_expand_kernel(
     tl.store(y_ptrs, (yv + scale * acc).to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
-def bgmv_shrink(x: Tensor, a_slab: Tensor | PagedLora, ranks: Tensor, indices: Tensor, *,
+def bgmv_shrink(x: Tensor, a_slab: Tensor | PooledLora, ranks: Tensor, indices: Tensor, *,
                 block_r: int = 16, block_k: int = 256, split_k: int = 1) -> Tensor:
     """``h[t, :r] = x[t] @ A_slot[:r].T`` per token; ``split_k > 1`` adds parallelism for
     small batches by splitting the reduction and accumulating with atomics."""
@@ -117,7 +117,7 @@ def bgmv_shrink(x: Tensor, a_slab: Tensor | PagedLora, ranks: Tensor, indices: T
     return h
 
 
-def bgmv_expand(y: Tensor, h: Tensor, b_slab: Tensor | PagedLora, ranks: Tensor, scales: Tensor,
+def bgmv_expand(y: Tensor, h: Tensor, b_slab: Tensor | PooledLora, ranks: Tensor, scales: Tensor,
                 indices: Tensor, *, out_offset: int = 0, block_n: int = 128,
                 block_r: int = 16) -> None:
     """``y[t, off:off+N] += scale * h[t, :r] @ B_slot[:, :r].T`` in place, per token."""

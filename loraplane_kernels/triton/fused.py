@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from loraplane_kernels.rank_pool import PagedLora
+from loraplane_kernels.rank_pool import PooledLora
 from loraplane_kernels.segments import Segments
 from loraplane_kernels.triton.operands import a_operand, b_operand
 from loraplane_kernels.triton.sgmv import dot_precision, upcast_dot_operands
@@ -138,7 +138,7 @@ def _sgmv_fused_kernel(
         tl.store(y_ptrs, (yv + scale * delta).to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
-def bgmv_fused(y: Tensor, x: Tensor, a_slab: Tensor | PagedLora, b_slab: Tensor | PagedLora,
+def bgmv_fused(y: Tensor, x: Tensor, a_slab: Tensor | PooledLora, b_slab: Tensor | PooledLora,
                ranks: Tensor, scales: Tensor, indices: Tensor, *, out_offset: int = 0,
                block_k: int = 128, block_n: int = 64, n_split: int = 1) -> None:
     """Per-token shrink+expand in one launch (decode)."""
@@ -158,7 +158,7 @@ def bgmv_fused(y: Tensor, x: Tensor, a_slab: Tensor | PagedLora, b_slab: Tensor 
     )
 
 
-def sgmv_fused(y: Tensor, x: Tensor, a_slab: Tensor | PagedLora, b_slab: Tensor | PagedLora,
+def sgmv_fused(y: Tensor, x: Tensor, a_slab: Tensor | PooledLora, b_slab: Tensor | PooledLora,
                ranks: Tensor, scales: Tensor, segments: Segments, *, out_offset: int = 0,
                block_m: int = 16, block_k: int = 64, block_n: int = 64,
                n_split: int = 1) -> None:

@@ -16,7 +16,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
-from loraplane_kernels.rank_pool import PagedLora
+from loraplane_kernels.rank_pool import PooledLora
 from loraplane_kernels.segments import Segments
 from loraplane_kernels.triton.operands import a_operand, b_operand
 from loraplane_kernels.triton.tiles import load_tile, segment_tiles
@@ -134,7 +134,7 @@ def _sgmv_expand_kernel(
     tl.store(y_ptrs, (yv + scale * acc).to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
-def sgmv_shrink(x: Tensor, a_slab: Tensor | PagedLora, ranks: Tensor, segments: Segments, *,
+def sgmv_shrink(x: Tensor, a_slab: Tensor | PooledLora, ranks: Tensor, segments: Segments, *,
                 block_m: int = 32, block_r: int = 16, block_k: int = 64,
                 split_k: int = 1) -> Tensor:
     """``h[t, :r] = x[t] @ A_slot[:r].T`` for every token of every segment."""
@@ -159,7 +159,7 @@ def sgmv_shrink(x: Tensor, a_slab: Tensor | PagedLora, ranks: Tensor, segments: 
     return h
 
 
-def sgmv_expand(y: Tensor, h: Tensor, b_slab: Tensor | PagedLora, ranks: Tensor, scales: Tensor,
+def sgmv_expand(y: Tensor, h: Tensor, b_slab: Tensor | PooledLora, ranks: Tensor, scales: Tensor,
                 segments: Segments, *, out_offset: int = 0, block_m: int = 32,
                 block_n: int = 64, block_r: int = 16) -> None:
     """``y[t, off:off+N] += scale * h[t, :r] @ B_slot[:, :r].T`` for every segment's tokens.
