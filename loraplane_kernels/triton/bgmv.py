@@ -15,6 +15,7 @@ from torch import Tensor
 
 from loraplane_kernels.rank_pool import PooledLora
 from loraplane_kernels.triton.operands import a_operand, b_operand
+from loraplane_kernels.triton.tiles import slot_rank
 
 
 @triton.jit
@@ -29,10 +30,7 @@ def _bgmv_shrink_kernel(
     t = tl.program_id(0)
     r0 = tl.program_id(1) * BLOCK_R
     split = tl.program_id(2)
-    slot = tl.load(idx_ptr + t)
-    if slot < 0:
-        return
-    rank = tl.load(ranks_ptr + slot)
+    slot, rank = slot_rank(idx_ptr, ranks_ptr, t)
     if r0 >= rank:
         return
     offs_r = r0 + tl.arange(0, BLOCK_R)
@@ -70,10 +68,7 @@ def _bgmv_expand_kernel(
 ):
     t = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    slot = tl.load(idx_ptr + t)
-    if slot < 0:
-        return
-    rank = tl.load(ranks_ptr + slot)
+    slot, rank = slot_rank(idx_ptr, ranks_ptr, t)
     if rank == 0:
         return
     scale = tl.load(scales_ptr + slot)

@@ -24,7 +24,7 @@ from loraplane_kernels.rank_pool import PooledLora
 from loraplane_kernels.segments import Segments
 from loraplane_kernels.triton.fused import rank_tile
 from loraplane_kernels.triton.sgmv import dot_precision, upcast_dot_operands
-from loraplane_kernels.triton.tiles import load_tile, segment_tiles
+from loraplane_kernels.triton.tiles import load_tile, segment_tile, segment_tiles
 
 
 @triton.jit
@@ -45,13 +45,9 @@ def _sgmv_base_fused_kernel(
     seg = tl.load(tile_seg_ptr + pid)
     if seg >= num_segments:
         return
-    slot = tl.load(slots_ptr + seg)
+    slot, rank, offs_m, m_mask = segment_tile(pid, seg, starts_ptr, first_tile_ptr, slots_ptr,
+                                              ranks_ptr, BLOCK_M)
     safe_slot = tl.maximum(slot, 0)
-    rank = tl.where(slot >= 0, tl.load(ranks_ptr + safe_slot), 0)
-    m0 = tl.load(starts_ptr + seg) + (pid - tl.load(first_tile_ptr + seg)) * BLOCK_M
-    m_end = tl.load(starts_ptr + seg + 1)
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < m_end
     n_mask = offs_n < N
     offs_r = tl.arange(0, R_PAD)
     r_mask = offs_r < rank
