@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraplane_kernels import PooledLora, host
+from loraplane_kernels import PooledLora, cpu_decode
 from loraplane_kernels.rank_pool import apply_runs, step_runs
 
 pytest.importorskip("numba")
@@ -34,13 +34,13 @@ def pooled(fin: int, fout: int, seed: int, dtype: torch.dtype = torch.bfloat16) 
 def compiled_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Counts the compiled pass's calls (so a silent fallback to torch cannot pass)."""
     calls: list[int] = []
-    real = host.apply_small_runs
+    real = cpu_decode.apply_small_runs
 
     def counted(*args: object) -> None:
         calls.append(1)
         real(*args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(host, "apply_small_runs", counted)
+    monkeypatch.setattr(cpu_decode, "apply_small_runs", counted)
     return calls
 
 
