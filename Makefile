@@ -30,6 +30,7 @@ demo: setup
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports --no-cache
 
 test: setup lint
 	$(BIN)/python -m pytest

@@ -34,7 +34,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from loraplane_kernels import PagedLora, Segments, reference  # noqa: E402
+from loraplane_kernels import PooledLora, Segments, reference  # noqa: E402
 from loraplane_kernels.triton import bgmv, fused, fused_base, sgmv  # noqa: E402
 from loraplane_kernels.tuning_table import table_file_name  # noqa: E402
 
@@ -204,7 +204,7 @@ class BucketProblem:
     x: torch.Tensor
     y: torch.Tensor
     weight: torch.Tensor
-    lora: PagedLora
+    lora: PooledLora
     segments: Segments
 
 
@@ -212,7 +212,7 @@ def make_buckets(bucket: int, buckets: int, hidden: int, rank: int) -> BucketPro
     """``buckets`` adapters with ``bucket`` tokens each, on a [hidden, hidden] projection."""
     k = n = hidden
     pool = torch.randn(buckets * rank * (k + n), dtype=DTYPE, device=DEVICE) / hidden**0.5
-    lora = PagedLora(pool, k, n, buckets)
+    lora = PooledLora(pool, k, n, buckets)
     for s in range(buckets):
         base = s * rank * (k + n)
         lora.place(s, base, base + rank * k, rank, 0.5)
@@ -239,7 +239,7 @@ def run_base_fused(p: BucketProblem) -> None:
 
 def bucket_error(p: BucketProblem, op: Callable[[BucketProblem], None]) -> float:
     want = torch.nn.functional.linear(p.x.float(), p.weight.float())
-    w32 = PagedLora(p.lora.pool.float(), p.lora.in_features, p.lora.out_features,
+    w32 = PooledLora(p.lora.pool.float(), p.lora.in_features, p.lora.out_features,
                     p.lora.num_slots)
     for s in range(p.lora.num_slots):
         w32.place(s, int(p.lora.a_offsets[s]), int(p.lora.b_offsets[s]),

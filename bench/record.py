@@ -125,7 +125,10 @@ class BenchRun:
         self.quick = quick
         args = list(sys.argv[1:] if argv is None else argv)
         env = [f"{key}={os.environ[key]}" for key in TIMING_ENV if key in os.environ]
-        self.command = " ".join([*env, "python", f"bench/{name}.py", *args])
+        script = Path(sys.argv[0])  # a bench may write several results (serve.py --tls)
+        where = (f"bench/{script.name}" if script.suffix == ".py" and script.parent.name ==
+                 "bench" else f"bench/{name}.py")
+        self.command = " ".join([*env, "python", where, *args])
         self.started = datetime.now(UTC)
         self._t0 = time.perf_counter()
         self.load_at_start = load_average()

@@ -29,6 +29,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.record import BenchRun, Figure, load_average
+from services.catalog.canary import TraceBook, TraceSample
 from services.catalog.serving import resolve_reference
 from services.catalog.state import CatalogState
 from services.contracts.events import (
@@ -46,8 +47,7 @@ from services.contracts.events import (
     TenantRef,
     TrafficSplitChanged,
 )
-from services.registry.release import start_rollout
-from services.release.canary import TraceBook, TraceSample
+from services.registry.release_commands import start_rollout
 from services.release.controller import next_steps
 
 RESULTS = Path(__file__).resolve().parent / "results" / "release.json"

@@ -11,22 +11,22 @@ Weights live in per-module slot slabs, ``a_slab[num_slots, max_rank, in]`` and
 ``b_slab[num_slots, out, max_rank]``; only each slot's first ``ranks[s]`` rows/columns are
 read. ``indices[t]`` is token t's slot (-1: no LoRA); ``segments`` switches to SGMV.
 
-The engine's adapter pool uses the rank-granular layout instead, ``lora_apply_paged(y, x,
-weights: PagedLora, indices, ...)``: every slot's A and B at per-slot offsets in one flat
-pool, no padding to a max rank (see :mod:`loraplane_kernels.paged`).
+The engine's adapter pool uses the rank-granular layout instead, ``lora_apply_pooled(y, x,
+weights: PooledLora, indices, ...)``: every slot's A and B at per-slot offsets in one flat
+pool, no padding to a max rank (see :mod:`loraplane_kernels.rank_pool`).
 """
 
-from loraplane_kernels.dispatch import lora_apply, lora_apply_paged, lora_expand, lora_shrink
-from loraplane_kernels.paged import PagedLora, Runs, SlotTables
+from loraplane_kernels.dispatch import lora_apply, lora_apply_pooled, lora_expand, lora_shrink
+from loraplane_kernels.rank_pool import PooledLora, Runs, SlotTables
 from loraplane_kernels.segments import Segments
 
 __all__ = [
-    "PagedLora",
+    "PooledLora",
     "Runs",
     "Segments",
     "SlotTables",
     "lora_apply",
-    "lora_apply_paged",
+    "lora_apply_pooled",
     "lora_expand",
     "lora_shrink",
 ]

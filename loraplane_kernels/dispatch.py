@@ -23,7 +23,7 @@ from prometheus_client import Gauge
 from torch import Tensor
 
 from loraplane_kernels import reference
-from loraplane_kernels.paged import PagedLora, Runs, apply_runs, runs_of
+from loraplane_kernels.rank_pool import PooledLora, Runs, apply_runs, runs_of
 from loraplane_kernels.segments import Segments
 from loraplane_kernels.tuning_table import (
     TuningEntry,
@@ -34,7 +34,7 @@ from loraplane_kernels.tuning_table import (
 from loraplane_kernels.validation import (
     KERNEL_DTYPES,
     check_expand,
-    check_paged,
+    check_pooled,
     check_routing,
     check_shrink,
     check_slab_pair,
@@ -206,15 +206,16 @@ def lora_apply(y: Tensor, x: Tensor, a_slab: Tensor, b_slab: Tensor, ranks: Tens
                out_offset=out_offset, n_split=plan.entry.fused_n_split)
 
 
-def lora_apply_paged(y: Tensor, x: Tensor, w: PagedLora, indices: Tensor, *,
+def lora_apply_pooled(y: Tensor, x: Tensor, w: PooledLora, indices: Tensor, *,
                      out_offset: int = 0, segments: Segments | None = None,
                      runs: Runs | None = None, fused: bool | None = None) -> None:
-    """:func:`lora_apply` over the rank-granular pool (:class:`loraplane_kernels.paged.PagedLora`).
+    """:func:`lora_apply` over the rank-granular pool
+    (:class:`loraplane_kernels.rank_pool.PooledLora`).
 
     ``runs`` (host ``(slot, start, end)`` groups, which a scheduler that sorts tokens by
     adapter already has) spares the torch path from reading the indices back.
     """
-    check_paged(y, x, w, out_offset)
+    check_pooled(y, x, w, out_offset)
     if select_backend(x.device) == "torch":
         if runs is None:
             runs = runs_of(indices if segments is None else segments.token_indices())
@@ -249,11 +250,11 @@ def lora_apply_paged(y: Tensor, x: Tensor, w: PagedLora, indices: Tensor, *,
     bgmv_expand(y, h, w, w.ranks, w.scales, idx, out_offset=out_offset)
 
 
-def base_lora_fused(y: Tensor, x: Tensor, weight: Tensor, w: PagedLora, segments: Segments, *,
+def base_lora_fused(y: Tensor, x: Tensor, weight: Tensor, w: PooledLora, segments: Segments, *,
                     out_offset: int = 0) -> None:
     """The fused path: ``y[:, off:off+N] = x @ weight.T + delta`` per adapter bucket, in one
     Triton launch (callers take it only below :func:`base_fusion_threshold`)."""
-    check_paged(y, x, w, out_offset)
+    check_pooled(y, x, w, out_offset)
     from loraplane_kernels.triton.fused_base import sgmv_base_fused
 
     sgmv_base_fused(y, x, weight, w, _contiguous(segments), out_offset=out_offset)

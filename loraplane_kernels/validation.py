@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from loraplane_kernels.paged import PagedLora
+from loraplane_kernels.rank_pool import PooledLora
 from loraplane_kernels.segments import Segments
 
 #: Activation and weight dtypes the Triton kernels accept. float64 is accepted by the torch
@@ -140,8 +140,8 @@ def check_slab_pair(a_slab: Tensor, b_slab: Tensor) -> None:
              f"{list(a_slab.shape)} (expected [num_slots, out_features, max_rank])")
 
 
-def check_paged(y: Tensor, x: Tensor, w: PagedLora, out_offset: int) -> None:
-    """Validate activations against a paged pool (its tables are checked when written).
+def check_pooled(y: Tensor, x: Tensor, w: PooledLora, out_offset: int) -> None:
+    """Validate activations against a rank pool (its tables are checked when written).
 
     It runs for every projection of every step, so its messages are formatted on failure
     only."""

@@ -706,11 +706,13 @@ def status(as_json: bool = typer.Option(False, "--json", help="One JSON document
     scheme, verify = tls.http_scheme(settings), tls.client_ssl_context(settings)
     services: list[tuple[str, str, str]] = [
         (e["name"], e["where"], escape(e["detail"])) for e in document.get("endpoints", [])]
+    several = len(settings.registry_urls) > 1
     for url in settings.registry_urls:  # the active one and every standby
         try:
             ready = httpx.get(f"{url}/readyz", timeout=3, verify=verify).json()
             services.append(("registry", url,
-                             "[green]ready (active)[/green]" if ready.get("ready") else
+                             f"[green]ready{' (active)' if several else ''}[/green]"
+                             if ready.get("ready") else
                              f"[yellow]standby[/yellow], serving reads: "
                              f"{escape(str(ready.get('reason')))}"
                              if ready.get("role") == "standby" else

@@ -16,8 +16,8 @@ from services.config import Settings
 from tests.conftest import REPO
 
 TOP_LEVEL = {"services", "loraplane_kernels", "migrations", "schemas", "tests", "bench",
-             "docs", "docker-compose.yml", "README.md", "Makefile", ".ci", "pyproject.toml",
-             "constraints.txt"}
+             "docker-compose.yml", "README.md", "Makefile", ".ci", "pyproject.toml",
+             "constraints.txt", "docs"}
 
 
 def test_top_level_is_exactly_the_documented_layout() -> None:

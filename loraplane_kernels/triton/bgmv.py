@@ -13,8 +13,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from loraplane_kernels.paged import PagedLora
+from loraplane_kernels.rank_pool import PooledLora
 from loraplane_kernels.triton.operands import a_operand, b_operand
+from loraplane_kernels.triton.tiles import slot_rank
 
 
 @triton.jit
@@ -29,10 +30,7 @@ def _bgmv_shrink_kernel(
     t = tl.program_id(0)
     r0 = tl.program_id(1) * BLOCK_R
     split = tl.program_id(2)
-    slot = tl.load(idx_ptr + t)
-    if slot < 0:
-        return
-    rank = tl.load(ranks_ptr + slot)
+    slot, rank = slot_rank(idx_ptr, ranks_ptr, t)
     if r0 >= rank:
         return
     offs_r = r0 + tl.arange(0, BLOCK_R)
@@ -70,10 +68,7 @@ def _bgmv_expand_kernel(
 ):
     t = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    slot = tl.load(idx_ptr + t)
-    if slot < 0:
-        return
-    rank = tl.load(ranks_ptr + slot)
+    slot, rank = slot_rank(idx_ptr, ranks_ptr, t)
     if rank == 0:
         return
     scale = tl.load(scales_ptr + slot)
@@ -95,7 +90,7 @@ def _bgmv_expand_kernel(
     tl.store(y_ptrs, (yv + scale * acc).to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
-def bgmv_shrink(x: Tensor, a_slab: Tensor | PagedLora, ranks: Tensor, indices: Tensor, *,
+def bgmv_shrink(x: Tensor, a_slab: Tensor | PooledLora, ranks: Tensor, indices: Tensor, *,
                 block_r: int = 16, block_k: int = 256, split_k: int = 1) -> Tensor:
     """``h[t, :r] = x[t] @ A_slot[:r].T`` per token; ``split_k > 1`` adds parallelism for
     small batches by splitting the reduction and accumulating with atomics."""
@@ -117,7 +112,7 @@ def bgmv_shrink(x: Tensor, a_slab: Tensor | PagedLora, ranks: Tensor, indices: T
     return h
 
 
-def bgmv_expand(y: Tensor, h: Tensor, b_slab: Tensor | PagedLora, ranks: Tensor, scales: Tensor,
+def bgmv_expand(y: Tensor, h: Tensor, b_slab: Tensor | PooledLora, ranks: Tensor, scales: Tensor,
                 indices: Tensor, *, out_offset: int = 0, block_n: int = 128,
                 block_r: int = 16) -> None:
     """``y[t, off:off+N] += scale * h[t, :r] @ B_slot[:, :r].T`` in place, per token."""

@@ -19,11 +19,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from loraplane_kernels.paged import PagedLora
+from loraplane_kernels.rank_pool import PooledLora
 from loraplane_kernels.segments import Segments
 from loraplane_kernels.triton.operands import a_operand, b_operand
 from loraplane_kernels.triton.sgmv import dot_precision, upcast_dot_operands
-from loraplane_kernels.triton.tiles import load_tile, segment_tiles
+from loraplane_kernels.triton.tiles import load_tile, segment_tile, segment_tiles, slot_rank
 
 
 def rank_tile(max_rank: int) -> int:
@@ -43,10 +43,7 @@ def _bgmv_fused_kernel(
 ):
     t = tl.program_id(0)
     split = tl.program_id(1)
-    slot = tl.load(idx_ptr + t)
-    if slot < 0:
-        return
-    rank = tl.load(ranks_ptr + slot)
+    slot, rank = slot_rank(idx_ptr, ranks_ptr, t)
     if rank == 0:
         return
     offs_r = tl.arange(0, R_PAD)
@@ -94,16 +91,10 @@ def _sgmv_fused_kernel(
     seg = tl.load(tile_seg_ptr + pid)
     if seg >= num_segments:
         return
-    slot = tl.load(slots_ptr + seg)
-    if slot < 0:
-        return
-    rank = tl.load(ranks_ptr + slot)
+    slot, rank, offs_m, m_mask = segment_tile(pid, seg, starts_ptr, first_tile_ptr, slots_ptr,
+                                              ranks_ptr, BLOCK_M)
     if rank == 0:
         return
-    m0 = tl.load(starts_ptr + seg) + (pid - tl.load(first_tile_ptr + seg)) * BLOCK_M
-    m_end = tl.load(starts_ptr + seg + 1)
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < m_end
     offs_r = tl.arange(0, R_PAD)
     r_mask = offs_r < rank
     a_base = a_ptr + tl.load(a_off_ptr + slot)
@@ -138,7 +129,7 @@ def _sgmv_fused_kernel(
         tl.store(y_ptrs, (yv + scale * delta).to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
-def bgmv_fused(y: Tensor, x: Tensor, a_slab: Tensor | PagedLora, b_slab: Tensor | PagedLora,
+def bgmv_fused(y: Tensor, x: Tensor, a_slab: Tensor | PooledLora, b_slab: Tensor | PooledLora,
                ranks: Tensor, scales: Tensor, indices: Tensor, *, out_offset: int = 0,
                block_k: int = 128, block_n: int = 64, n_split: int = 1) -> None:
     """Per-token shrink+expand in one launch (decode)."""
@@ -158,7 +149,7 @@ def bgmv_fused(y: Tensor, x: Tensor, a_slab: Tensor | PagedLora, b_slab: Tensor 
     )
 
 
-def sgmv_fused(y: Tensor, x: Tensor, a_slab: Tensor | PagedLora, b_slab: Tensor | PagedLora,
+def sgmv_fused(y: Tensor, x: Tensor, a_slab: Tensor | PooledLora, b_slab: Tensor | PooledLora,
                ranks: Tensor, scales: Tensor, segments: Segments, *, out_offset: int = 0,
                block_m: int = 16, block_k: int = 64, block_n: int = 64,
                n_split: int = 1) -> None:

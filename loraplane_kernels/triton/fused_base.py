@@ -10,7 +10,7 @@ tokens' shrink (``rank x K`` extra work per tile), which is why the fused path o
 below a bucket size the tuner measures per GPU model (``fused_base_max_tokens`` in the
 tuning table; no global default).
 
-Weights come from the rank-granular pool (:class:`loraplane_kernels.paged.PagedLora`); a bucket
+Weights come from the rank-granular pool (:class:`loraplane_kernels.rank_pool.PooledLora`); a bucket
 whose slot is -1 (or whose adapter does not adapt this projection) gets the base product.
 """
 
@@ -20,11 +20,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from loraplane_kernels.paged import PagedLora
+from loraplane_kernels.rank_pool import PooledLora
 from loraplane_kernels.segments import Segments
 from loraplane_kernels.triton.fused import rank_tile
 from loraplane_kernels.triton.sgmv import dot_precision, upcast_dot_operands
-from loraplane_kernels.triton.tiles import load_tile, segment_tiles
+from loraplane_kernels.triton.tiles import load_tile, segment_tile, segment_tiles
 
 
 @triton.jit
@@ -45,13 +45,9 @@ def _sgmv_base_fused_kernel(
     seg = tl.load(tile_seg_ptr + pid)
     if seg >= num_segments:
         return
-    slot = tl.load(slots_ptr + seg)
+    slot, rank, offs_m, m_mask = segment_tile(pid, seg, starts_ptr, first_tile_ptr, slots_ptr,
+                                              ranks_ptr, BLOCK_M)
     safe_slot = tl.maximum(slot, 0)
-    rank = tl.where(slot >= 0, tl.load(ranks_ptr + safe_slot), 0)
-    m0 = tl.load(starts_ptr + seg) + (pid - tl.load(first_tile_ptr + seg)) * BLOCK_M
-    m_end = tl.load(starts_ptr + seg + 1)
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < m_end
     n_mask = offs_n < N
     offs_r = tl.arange(0, R_PAD)
     r_mask = offs_r < rank
@@ -84,7 +80,7 @@ def _sgmv_base_fused_kernel(
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-def sgmv_base_fused(y: Tensor, x: Tensor, weight: Tensor, lora: PagedLora, segments: Segments,
+def sgmv_base_fused(y: Tensor, x: Tensor, weight: Tensor, lora: PooledLora, segments: Segments,
                     *, out_offset: int = 0, block_m: int = 16, block_n: int = 64,
                     block_k: int = 32) -> None:
     """``y[t, off:off+N] = x[t] @ weight.T + scale_s * (x[t] @ A_s.T) @ B_s.T`` per bucket.

@@ -16,10 +16,10 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
-from loraplane_kernels.paged import PagedLora
+from loraplane_kernels.rank_pool import PooledLora
 from loraplane_kernels.segments import Segments
 from loraplane_kernels.triton.operands import a_operand, b_operand
-from loraplane_kernels.triton.tiles import load_tile, segment_tiles
+from loraplane_kernels.triton.tiles import load_tile, segment_tile, segment_tiles
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -53,16 +53,10 @@ def _sgmv_shrink_kernel(
     seg = tl.load(tile_seg_ptr + pid)
     if seg >= num_segments:
         return
-    slot = tl.load(slots_ptr + seg)
-    if slot < 0:
-        return
-    rank = tl.load(ranks_ptr + slot)
+    slot, rank, offs_m, m_mask = segment_tile(pid, seg, starts_ptr, first_tile_ptr, slots_ptr,
+                                              ranks_ptr, BLOCK_M)
     if r0 >= rank:
         return
-    m0 = tl.load(starts_ptr + seg) + (pid - tl.load(first_tile_ptr + seg)) * BLOCK_M
-    m_end = tl.load(starts_ptr + seg + 1)
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < m_end
     offs_r = r0 + tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
     a_base = a_ptr + tl.load(a_off_ptr + slot)
@@ -103,17 +97,11 @@ def _sgmv_expand_kernel(
     seg = tl.load(tile_seg_ptr + pid)
     if seg >= num_segments:
         return
-    slot = tl.load(slots_ptr + seg)
-    if slot < 0:
-        return
-    rank = tl.load(ranks_ptr + slot)
+    slot, rank, offs_m, m_mask = segment_tile(pid, seg, starts_ptr, first_tile_ptr, slots_ptr,
+                                              ranks_ptr, BLOCK_M)
     if rank == 0:
         return
     scale = tl.load(scales_ptr + slot)
-    m0 = tl.load(starts_ptr + seg) + (pid - tl.load(first_tile_ptr + seg)) * BLOCK_M
-    m_end = tl.load(starts_ptr + seg + 1)
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < m_end
     n_mask = offs_n < N
     b_base = b_ptr + tl.load(b_off_ptr + slot)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -134,7 +122,7 @@ def _sgmv_expand_kernel(
     tl.store(y_ptrs, (yv + scale * acc).to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
-def sgmv_shrink(x: Tensor, a_slab: Tensor | PagedLora, ranks: Tensor, segments: Segments, *,
+def sgmv_shrink(x: Tensor, a_slab: Tensor | PooledLora, ranks: Tensor, segments: Segments, *,
                 block_m: int = 32, block_r: int = 16, block_k: int = 64,
                 split_k: int = 1) -> Tensor:
     """``h[t, :r] = x[t] @ A_slot[:r].T`` for every token of every segment."""
@@ -159,7 +147,7 @@ def sgmv_shrink(x: Tensor, a_slab: Tensor | PagedLora, ranks: Tensor, segments: 
     return h
 
 
-def sgmv_expand(y: Tensor, h: Tensor, b_slab: Tensor | PagedLora, ranks: Tensor, scales: Tensor,
+def sgmv_expand(y: Tensor, h: Tensor, b_slab: Tensor | PooledLora, ranks: Tensor, scales: Tensor,
                 segments: Segments, *, out_offset: int = 0, block_m: int = 32,
                 block_n: int = 64, block_r: int = 16) -> None:
     """``y[t, off:off+N] += scale * h[t, :r] @ B_slot[:, :r].T`` for every segment's tokens.

@@ -4,6 +4,10 @@ Segment lengths live on the device. Reading them back to size the grid would sta
 stream on every layer (and break CUDA-graph capture), so the grid is launched at the upper
 bound ``cdiv(T, BLOCK_M) + G`` tiles, which no segmentation can exceed, and each program
 looks up its segment here; programs past the real tile count exit at once.
+
+The kernels' shared prologue is here too, as `@triton.jit` helpers: `segment_tile` (a
+program's slot, rank and token rows), `slot_rank` (a slot and its rank, 0 for no LoRA) and
+`load_tile` (the masked 2-D load).
 """
 
 from __future__ import annotations
@@ -36,6 +40,26 @@ def segment_tiles(starts: Tensor, num_tokens: int, block_m: int) -> TileMap:
     segment = torch.searchsorted(ends, programs, right=True).to(torch.int32)
     first_tile = (ends - tiles).to(torch.int32)
     return TileMap(segment=segment, first_tile=first_tile, num_programs=num_programs)
+
+
+@triton.jit
+def slot_rank(slots_ptr, ranks_ptr, i):
+    """``slots[i]`` and that slot's rank for this projection; rank 0 for slot -1 (no LoRA)
+    or a slot that does not adapt the projection, so one ``rank == 0`` test exits both."""
+    slot = tl.load(slots_ptr + i)
+    return slot, tl.where(slot >= 0, tl.load(ranks_ptr + tl.maximum(slot, 0)), 0)
+
+
+@triton.jit
+def segment_tile(pid, seg, starts_ptr, first_tile_ptr, slots_ptr, ranks_ptr,
+                 BLOCK_M: tl.constexpr):
+    """The tile prologue of every SGMV-family kernel: program ``pid``'s slot and rank, its
+    ``BLOCK_M`` token rows in segment ``seg`` and which of them exist (the segment's last
+    tile is partial). The caller has already exited if ``seg`` is past the segments."""
+    slot, rank = slot_rank(slots_ptr, ranks_ptr, seg)
+    m0 = tl.load(starts_ptr + seg) + (pid - tl.load(first_tile_ptr + seg)) * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    return slot, rank, offs_m, offs_m < tl.load(starts_ptr + seg + 1)
 
 
 @triton.jit

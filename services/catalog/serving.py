@@ -12,7 +12,7 @@ keeps their version, and moving weight from an older to a newer version (5 → 2
 moves users toward the newer one. A user whose entry cannot be served (disabled, rolled
 back) takes the next servable entry in the same order; nobody else moves.
 
-A version the release rule refuses (`services.catalog.release`: a quality gate not
+A version the release rule refuses (`services.catalog.release_rule`: a quality gate not
 passed, a canary rollback) is never chosen, like a disabled one.
 
 A version of a purged tenant published before the purge (`AdapterVersion.purged_by`, folded
@@ -45,7 +45,7 @@ from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from services.catalog.release import release_refusal
+from services.catalog.release_rule import release_refusal
 from services.catalog.state import (
     Adapter,
     AdapterVersion,

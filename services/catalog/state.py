@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
+from services.catalog.gates import result_failures
 from services.catalog.purge import (
     PurgeAck,
     PurgeStatus,
@@ -87,7 +88,6 @@ from services.contracts.events import (
     WorkerHeartbeat,
     typed_envelope,
 )
-from services.release.gate import result_failures
 
 LEASE_STREAM = "registry/lease"
 
@@ -257,7 +257,7 @@ class AdapterVersion:
     """An `AdapterRolledBack` moved away from it and no switch has made it active since."""
     seq: int = 0
     gate: GateState | None = None
-    """The latest quality-gate run (`services.catalog.release` decides what it allows)."""
+    """The latest quality-gate run (`services.catalog.release_rule` decides what it allows)."""
     override: tuple[datetime, str, str] | None = None
     """The latest `ReleaseOverridden`: when, by whom, why."""
     canary_rollback: tuple[datetime, str] | None = None
@@ -269,7 +269,7 @@ class AdapterVersion:
     """Bumped by every fold step that can change the release rule's answer (a cache key:
     not part of the state's equality, nor of its snapshot)."""
     release_cache: tuple[int, str | None] | None = None
-    """(generation, answer) of `services.catalog.release.release_refusal`."""
+    """(generation, answer) of `services.catalog.release_rule.release_refusal`."""
     payload: AdapterVersionPublished | None = field(default=None, repr=False)
     published_json: dict[str, Any] | None = field(default=None, repr=False)
     """The publish payload, as a model or as JSON, whichever came first; the other is
@@ -653,7 +653,7 @@ class CatalogState:
             else:
                 self.merged_workers.pop(p.worker_id, None)
 
-    # --- release safety (rules in services.catalog.release) -----------------------------
+    # --- release safety (rules in services.catalog.release_rule) -----------------------------
 
     def _request_gate(self, adapter_id: str, number: int, request: GateRequest,
                       envelope: Envelope) -> None:

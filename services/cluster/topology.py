@@ -47,7 +47,7 @@ from services.cluster.netns import Host, Network
 from services.config import Settings
 from services.stack.brokers import ApacheKafka, Quorum
 from services.stack.postgres import LocalPostgres
-from services.stack.stack import Service, _env_of
+from services.stack.stack import Service, env_of
 
 KAFKA_PORT, CONTROLLER_PORT, POSTGRES_PORT = 9092, 9093, 5432
 REGISTRY_PORT, WORKER_PORT, ROUTER_PORT = 8780, 8781, 8782
@@ -241,7 +241,7 @@ class Cluster:
         spec = self.spec
         env = {k: v for k, v in os.environ.items() if not k.startswith("LORAPLANE_")}
         env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
-        env.update(_env_of(self.settings.model_copy(update={
+        env.update(env_of(self.settings.model_copy(update={
             "registry_election": "lease", "lease_interval_s": spec.lease_interval_s,
             "lease_ttl_s": spec.lease_ttl_s, "registry_write_timeout_s": spec.write_timeout_s,
             "stale_lease_threshold_s": spec.version_wall_s,

@@ -42,7 +42,15 @@ from services.registry.erasure import resume_erasures
 from services.registry.gate_sweeper import GateSweeper
 from services.registry.metrics import RegistryMetrics
 from services.registry.node import RegistryNode, WritesUnavailable
-from services.registry.routes import adapters, aliases, base_models, blobs, health, purges, release
+from services.registry.routes import (
+    adapters,
+    aliases,
+    base_models,
+    blobs,
+    gates_rollouts,
+    health,
+    purges,
+)
 from services.registry.validation import UploadRejected
 
 log = logging.getLogger("loraplane.registry")
@@ -152,7 +160,7 @@ def create_app(settings: Settings, *, registry_id: str | None = None) -> FastAPI
     app.state.blobs = LocalBlobStore(settings.blob_root)
     if not len(app.state.tokens):
         log.warning("no LORAPLANE_AUTH_TOKENS configured: every API call will answer 401")
-    for module in (adapters, base_models, aliases, purges, release, blobs, health):
+    for module in (adapters, base_models, aliases, purges, gates_rollouts, blobs, health):
         app.include_router(module.router)
 
     install_problems(app, pattern_words=PATTERN_WORDS)

@@ -1,7 +1,7 @@
 """The registry's commands: each reads the folded catalog and decides one event.
 
 No I/O here. Every command function reads a `CatalogState` (the one fold of the log, in
-`services.catalog.state`), refuses with a `Refusal` or returns the one `Decision`
+`services.catalog.state`), refuses with a `Refusal` or returns the one `CommandEvent`
 (payload, stream, seq, tenant) the caller then publishes. The same fold runs at start-up
 replay and for the registry's own writes read back, so "state after a restart equals
 state before" is a property of the fold alone.
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-from services.catalog.release import GateSpec, gate_baseline, gate_request, release_refusal
+from services.catalog.release_rule import GateSpec, gate_baseline, gate_request, release_refusal
 from services.catalog.serving import purged_reason
 from services.catalog.state import (
     LEASE_STREAM,
@@ -46,7 +46,7 @@ from services.contracts.events import (
 
 
 @dataclass(frozen=True)
-class Decision:
+class CommandEvent:
     """The one event a command produces, before it has an envelope."""
 
     payload: Payload
@@ -59,19 +59,21 @@ class Decision:
 # --- commands ------------------------------------------------------------------------------
 
 
-def _check_expected(kind: str, name: str, current_seq: int, expected: int | None) -> None:
+def check_expected(kind: str, name: str, current_seq: int, expected: int | None) -> None:
+    """Refuse a write whose If-Match names another version of the stream (every command
+    that takes `expected` checks it here, so they all answer alike)."""
     if expected is not None and expected != current_seq:
         raise Refusal("precondition", f"{kind} {name!r} is at version {current_seq}, "
                                       f"If-Match expected {expected}")
 
 
 def register_base_model(state: CatalogState, name: str, digest: str, config: dict[str, Any],
-                        idempotency_key: str | None = None) -> Decision:
+                        idempotency_key: str | None = None) -> CommandEvent:
     if name in state.base_models:
         raise Refusal("conflict", f"base model {name!r} is already registered")
     payload = BaseModelRegistered(name=name, digest=digest, config=config,
                                   idempotency_key=idempotency_key)
-    return Decision(payload, base_model_stream(name), 1)
+    return CommandEvent(payload, base_model_stream(name), 1)
 
 
 @dataclass(frozen=True)
@@ -99,7 +101,7 @@ class PublishRequest:
     qos_tier: Literal["platinum", "gold", "silver", "bronze"] = "silver"
     rollback_to: int | None = None
     gate_required: bool = False
-    """No traffic before a passed gate or an override (`services.catalog.release`)."""
+    """No traffic before a passed gate or an override (`services.catalog.release_rule`)."""
     gate: GateSpec | None = None
     """A regression set uploaded with the version: its gate is requested by the publish."""
 
@@ -113,7 +115,7 @@ def precheck_publish(state: CatalogState, request: PublishRequest,
         raise foreign("adapter", request.adapter_id, adapter.tenant, answer_kind="conflict",
                       answer=f"adapter id {request.adapter_id!r} is taken: adapter ids are "
                              "unique across tenants")
-    _check_expected("adapter", request.adapter_id, adapter.seq if adapter else 0, expected)
+    check_expected("adapter", request.adapter_id, adapter.seq if adapter else 0, expected)
     if adapter is not None:
         taken = adapter.label_taken(request.label)
         if taken is not None:
@@ -134,7 +136,7 @@ def precheck_publish(state: CatalogState, request: PublishRequest,
 
 def publish_version(state: CatalogState, request: PublishRequest, facts: ArtifactFacts,
                     expected: int | None = None,
-                    idempotency_key: str | None = None) -> Decision:
+                    idempotency_key: str | None = None) -> CommandEvent:
     base = precheck_publish(state, request, expected)
     adapter = state.adapters.get(request.adapter_id)
     number = (adapter.latest_version if adapter else 0) + 1
@@ -164,18 +166,20 @@ def publish_version(state: CatalogState, request: PublishRequest, facts: Artifac
         gate_required=request.gate_required or gate is not None,
         quality_gate=gate,
     )
-    return Decision(payload, adapter_stream(request.adapter_id),
+    return CommandEvent(payload, adapter_stream(request.adapter_id),
                     (adapter.seq if adapter else 0) + 1, request.tenant)
 
 
-def _adapter_decision(adapter: Adapter, payload: Payload) -> Decision:
-    return Decision(payload, adapter_stream(adapter.adapter_id), adapter.seq + 1, adapter.tenant)
+def adapter_event(adapter: Adapter, payload: Payload) -> CommandEvent:
+    """The next event on an existing adapter's stream (the release commands write there too)."""
+    return CommandEvent(payload, adapter_stream(adapter.adapter_id), adapter.seq + 1,
+                        adapter.tenant)
 
 
 def switch_active(state: CatalogState, adapter_id: str, to_version: int,
-                  expected: int | None = None, idempotency_key: str | None = None) -> Decision:
+                  expected: int | None = None, idempotency_key: str | None = None) -> CommandEvent:
     adapter = state.adapter(adapter_id)
-    _check_expected("adapter", adapter_id, adapter.seq, expected)
+    check_expected("adapter", adapter_id, adapter.seq, expected)
     target = adapter.versions.get(to_version)
     if target is None:
         raise Refusal("invalid", f"adapter {adapter_id!r} has no version {to_version}")
@@ -189,15 +193,15 @@ def switch_active(state: CatalogState, adapter_id: str, to_version: int,
     refused = release_refusal(adapter, to_version, target)
     if refused:
         raise Refusal("conflict", refused)
-    return _adapter_decision(adapter, AdapterVersionSwitched(
+    return adapter_event(adapter, AdapterVersionSwitched(
         adapter_id=adapter_id, from_version=adapter.active_version, to_version=to_version,
         idempotency_key=idempotency_key))
 
 
 def roll_back(state: CatalogState, adapter_id: str, to_version: int | None, reason: str,
-              expected: int | None = None, idempotency_key: str | None = None) -> Decision:
+              expected: int | None = None, idempotency_key: str | None = None) -> CommandEvent:
     adapter = state.adapter(adapter_id)
-    _check_expected("adapter", adapter_id, adapter.seq, expected)
+    check_expected("adapter", adapter_id, adapter.seq, expected)
     current = adapter.active_version
     if current is None:
         raise Refusal("conflict", f"adapter {adapter_id!r} has no active version to roll back")
@@ -216,16 +220,16 @@ def roll_back(state: CatalogState, adapter_id: str, to_version: int | None, reas
         raise Refusal("conflict", f"version {to_version} is disabled")
     if to_version == current:
         raise Refusal("conflict", f"version {to_version} is already active")
-    return _adapter_decision(adapter, AdapterRolledBack(
+    return adapter_event(adapter, AdapterRolledBack(
         adapter_id=adapter_id, from_version=current, to_version=to_version, reason=reason,
         idempotency_key=idempotency_key))
 
 
 def set_disabled(state: CatalogState, adapter_id: str, version: int, disabled: bool,
                  reason: str, expected: int | None = None,
-                 idempotency_key: str | None = None) -> Decision:
+                 idempotency_key: str | None = None) -> CommandEvent:
     adapter = state.adapter(adapter_id)
-    _check_expected("adapter", adapter_id, adapter.seq, expected)
+    check_expected("adapter", adapter_id, adapter.seq, expected)
     found = state.version(adapter_id, version)
     if found.disabled == disabled:
         raise Refusal("conflict", f"version {version} is already "
@@ -236,19 +240,19 @@ def set_disabled(state: CatalogState, adapter_id: str, version: int, disabled: b
         if disabled else
         AdapterEnabled(adapter_id=adapter_id, version=version, reason=reason,
                        idempotency_key=idempotency_key))
-    return _adapter_decision(adapter, payload)
+    return adapter_event(adapter, payload)
 
 
 def set_split(state: CatalogState, alias: str, split: Iterable[SplitEntry],
               expected: int | None = None, idempotency_key: str | None = None, *,
-              usable: Callable[[TenantRef | None], bool] | None = None) -> Decision:
+              usable: Callable[[TenantRef | None], bool] | None = None) -> CommandEvent:
     """A traffic split: weights sum to 100, every version exists and is enabled, one tenant.
 
     `usable` says whose adapters the caller may put in a split: another tenant's entry is
     refused exactly as a missing one (`foreign`), at the same point of the checks."""
     entries = tuple(split)
     current = state.aliases.get(alias)
-    _check_expected("alias", alias, current.seq if current else 0, expected)
+    check_expected("alias", alias, current.seq if current else 0, expected)
     if not entries:
         raise Refusal("invalid", "a split needs at least one entry")
     total = sum(e.weight for e in entries)
@@ -292,12 +296,12 @@ def set_split(state: CatalogState, alias: str, split: Iterable[SplitEntry],
     payload = TrafficSplitChanged(alias=alias, split=list(entries),
                                   previous=list(current.split) if current else [],
                                   idempotency_key=idempotency_key)
-    return Decision(payload, alias_stream(alias), (current.seq if current else 0) + 1, tenant)
+    return CommandEvent(payload, alias_stream(alias), (current.seq if current else 0) + 1, tenant)
 
 
 def request_purge(state: CatalogState, tenant: TenantRef, purge_id: str, deadline_s: float,
                   hard: bool = True, idempotency_key: str | None = None,
-                  now: datetime | None = None) -> Decision:
+                  now: datetime | None = None) -> CommandEvent:
     """The workers live `now` are written into the event: they are the ones that must ack."""
     if purge_id in state.purges:
         raise Refusal("conflict", f"purge {purge_id!r} already exists")
@@ -306,13 +310,13 @@ def request_purge(state: CatalogState, tenant: TenantRef, purge_id: str, deadlin
     payload = TenantPurgeRequested(purge_id=purge_id, deadline_s=deadline_s, hard=hard,
                                    expected_workers=list(expected),
                                    idempotency_key=idempotency_key)
-    return Decision(payload, stream, state.tenant_seqs.get(stream, 0) + 1, tenant)
+    return CommandEvent(payload, stream, state.tenant_seqs.get(stream, 0) + 1, tenant)
 
 
 def renew_lease(state: CatalogState, registry_id: str, epoch: int,
-                expires_at: datetime) -> Decision:
+                expires_at: datetime) -> CommandEvent:
     payload = RegistryLease(registry_id=registry_id, epoch=epoch, expires_at=expires_at)
-    return Decision(payload, LEASE_STREAM, (state.lease.seq if state.lease else 0) + 1)
+    return CommandEvent(payload, LEASE_STREAM, (state.lease.seq if state.lease else 0) + 1)
 
 
 def next_epoch(state: CatalogState) -> int:

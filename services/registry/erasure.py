@@ -34,7 +34,7 @@ from typing import IO
 from services.catalog.state import CatalogState, Purge, Refusal, tenant_stream
 from services.contracts.events import TenantBlobsDeleted
 from services.registry.blobstore import BlobStore
-from services.registry.domain import ArtifactFacts, Decision
+from services.registry.domain import ArtifactFacts, CommandEvent
 from services.registry.node import Committed, RegistryNode, WritesUnavailable
 
 log = logging.getLogger("loraplane.registry")
@@ -59,7 +59,7 @@ def erasure_candidates(state: CatalogState, purge: Purge) -> tuple[set[str], set
     return mine, mine & live
 
 
-def _erase(state: CatalogState, blobs: BlobStore, purge_id: str) -> Decision:
+def _erase(state: CatalogState, blobs: BlobStore, purge_id: str) -> CommandEvent:
     purge = state.purges.get(purge_id)
     if purge is None or purge.tenant is None:
         raise Refusal("not_found", f"purge {purge_id!r} does not exist")
@@ -71,7 +71,7 @@ def _erase(state: CatalogState, blobs: BlobStore, purge_id: str) -> Decision:
     deleted = sorted(d for d in mine - kept if not blobs.exists(d))
     payload = TenantBlobsDeleted(purge_id=purge_id, deleted=deleted, kept=sorted(kept))
     stream = tenant_stream(purge.tenant)
-    return Decision(payload, stream, state.tenant_seqs.get(stream, 0) + 1, purge.tenant)
+    return CommandEvent(payload, stream, state.tenant_seqs.get(stream, 0) + 1, purge.tenant)
 
 
 def restore_upload(blobs: BlobStore, facts: ArtifactFacts, config: bytes,

@@ -1,7 +1,7 @@
 """The registry's clock for quality gates: a gate that cannot complete becomes FAILED.
 
 Every `gate_sweep_interval_s` the sweeper looks for pending gates with no worker, past
-their deadline, or whose worker stopped heartbeating (`services.catalog.release.
+their deadline, or whose worker stopped heartbeating (`services.catalog.release_rule.
 overdue_gates`) and writes one `QualityGateExpired` for each through the ordinary command
 path, so the expiry is an event like any other decision, with the registry as its actor.
 """
@@ -12,10 +12,10 @@ import logging
 import threading
 from datetime import UTC, datetime
 
-from services.catalog.release import overdue_gates
+from services.catalog.release_rule import overdue_gates
 from services.catalog.state import Refusal
 from services.registry.node import RegistryNode, WritesUnavailable
-from services.registry.release import expire_gate
+from services.registry.release_commands import expire_gate
 
 log = logging.getLogger("loraplane.registry.gates")
 

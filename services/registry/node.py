@@ -79,7 +79,7 @@ from services.eventlog import (
     ensure_topics,
 )
 from services.eventlog.follower import FollowerHalted, LogFollower
-from services.registry.domain import Decision, next_epoch, renew_lease
+from services.registry.domain import CommandEvent, next_epoch, renew_lease
 from services.registry.metrics import RegistryMetrics
 
 log = logging.getLogger("loraplane.registry")
@@ -487,7 +487,7 @@ class RegistryNode:
 
     # --- writes --------------------------------------------------------------------------
 
-    def execute(self, command: str, decide: Callable[[CatalogState], Decision], *,
+    def execute(self, command: str, decide: Callable[[CatalogState], CommandEvent], *,
                 actor: str, idempotency_key: str | None = None,
                 expect: tuple[str, str] | None = None, request_sha256: str | None = None,
                 trace_id: str | None = None, deadline: Deadline | None = None) -> Committed:

@@ -1,9 +1,10 @@
-"""Release safety: quality gates on adapter versions and canary rollouts.
+"""Release safety's processes and operator tools: the canary controller (`canary_app`, the
+`loraplane serve canary` process; `controller`, what it asks the registry to do now;
+`metrics`), the operator's `deploy` (publish, gate, canary) and the gate `report`.
 
-Pure parts (no I/O): `regression` (the JSONL regression set and its checks), `gate`
-(a gate run over the engine's outputs, and the verdict the registry recomputes),
-`canary` (figures from request traces, a stage's verdict, rollout plans). Wiring:
-`gate_runner` (runs a gate through an `Engine`), `controller` and `canary_app` (the
-`loraplane serve canary` process). The rule "may this version get traffic" lives in
-`services.catalog.release`, where the registry and the serving rule both read it.
+The rules they apply are shared with the registry and the worker, so they live below both
+in `services.catalog`: `gates` (who runs a gate, when a result passes), `regression` (the
+JSONL regression set and its checks), `canary` (figures from request traces, a stage's
+verdict) and `release_rule` (may this version get traffic). The worker runs gates with
+`services.worker.gate_runner`.
 """

@@ -31,13 +31,13 @@ import httpx
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 
 from services import tls
+from services.catalog.canary import TraceBook
 from services.catalog.state import CatalogState
 from services.config import Settings
 from services.contracts.events import RequestServed
 from services.endpoints import registry_client
 from services.eventlog import EventConsumer, Record
 from services.eventlog.client import consumer_config
-from services.release.canary import TraceBook
 from services.release.controller import ControllerStep, next_steps
 from services.release.metrics import CanaryMetrics
 

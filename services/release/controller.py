@@ -5,7 +5,7 @@ adapter-events) and the request traces (`TraceBook`, from RequestServed on
 worker-events) and returns at most one step per running rollout:
 - `halt` when the rollout can no longer be judged: its canary or baseline version became
   unservable by other means (disabled, rolled back by hand) — a human decides then;
-- `rollback` / `advance` when `services.release.canary.judge` says so over the stage's
+- `rollback` / `advance` when `services.catalog.canary.judge` says so over the stage's
   window (the stage's last `window_s`, ending `settle_s` ago so late trace batches are
   not missed);
 - nothing while the verdict is `wait`.
@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Literal
 
+from services.catalog.canary import TraceBook, arm_figures, judge
 from services.catalog.serving import unservable_reason
 from services.catalog.state import CatalogState, Rollout
 from services.contracts.events import Judgement
-from services.release.canary import TraceBook, arm_figures, judge
 
 StepKind = Literal["advance", "rollback", "halt"]
 

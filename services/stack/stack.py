@@ -279,7 +279,7 @@ class Stack:
 
     def _service_env(self, settings: Settings, **values: object) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("LORAPLANE_")}
-        env.update(_env_of(settings.model_copy(update=values)))
+        env.update(env_of(settings.model_copy(update=values)))
         return env
 
     def _start_services(self, settings: Settings) -> None:
@@ -545,8 +545,9 @@ def _redact(url: str) -> str:
     return url
 
 
-def _env_of(settings: Settings) -> dict[str, str]:
-    """The settings as LORAPLANE_* variables, for the service subprocesses."""
+def env_of(settings: Settings) -> dict[str, str]:
+    """The settings as LORAPLANE_* variables, for the service subprocesses (the local stack's
+    and the cluster's, which start the same services)."""
     env = {}
     for name, value in settings.model_dump(mode="json", exclude_none=True).items():
         text = value if isinstance(value, str) else json.dumps(value)

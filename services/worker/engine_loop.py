@@ -54,7 +54,6 @@ from services.contracts.events import (
     TrafficSplitChanged,
     WorkerHeartbeat,
 )
-from services.release.gate_runner import GateRun
 from services.worker.engine import (
     AdapterDigest,
     AdapterNotLoadedError,
@@ -70,6 +69,7 @@ from services.worker.engine import (
 )
 from services.worker.events import WorkerEvents
 from services.worker.follower import CatalogFollower
+from services.worker.gate_runner import GateRun
 from services.worker.intake import WorkItem
 from services.worker.lifecycle import AdapterState
 from services.worker.merged import MergedServing, digest_of

@@ -1,4 +1,4 @@
-"""Quality gates on this worker: the release module's `GateDuty` says which gates are this
+"""Quality gates on this worker: `gate_runner.GateDuty` says which gates are this
 worker's and builds their jobs; the runs go through the engine loop between serving steps.
 
 A gate thread (nothing here blocks the engine loop or the log follower for long):
@@ -27,9 +27,9 @@ import threading
 from collections.abc import Callable
 
 from services.contracts.events import Payload, QualityGateCompleted
-from services.release.gate_runner import BlobMissing, DueGate, GateDuty, GateRun
 from services.worker.engine import AdapterDigest, Engine, LoraAdapter
 from services.worker.follower import CatalogFollower
+from services.worker.gate_runner import DueGate, GateDuty, GateRun
 from services.worker.pool import blobs as blob_tier
 from services.worker.pool.loader import AdapterLoader
 
@@ -62,12 +62,9 @@ class GateWork:
 
     def _fetch(self, digest: str) -> bytes:
         """A blob by digest, checked; `BlobMissing` when the registry cannot have it."""
-        try:
-            data = self.blobs.fetch(digest)
-        except blob_tier.BlobMissing as exc:
-            raise BlobMissing(str(exc)) from exc
+        data = self.blobs.fetch(digest)
         if hashlib.sha256(data).hexdigest() != digest:
-            raise BlobMissing(f"blob {digest} does not match its digest")
+            raise blob_tier.BlobMissing(f"blob {digest} does not match its digest")
         return data
 
     def start(self) -> None:

@@ -16,7 +16,7 @@ from datetime import UTC, datetime, timedelta
 import grpc
 import pytest
 
-from services.catalog.release import gate_baseline
+from services.catalog.release_rule import gate_baseline
 from services.catalog.serving import (
     MergeSpec,
     erased_blob_reason,
@@ -46,9 +46,9 @@ from services.contracts.events import (
 from services.contracts.grpc import inference_pb2 as pb
 from services.registry.auth import Principal
 from services.registry.domain import roll_back, set_split, switch_active
-from services.release.gate_runner import gates_to_run
 from services.router.dispatch import Asked, Dispatcher, RouteError
 from services.router.prewarm import RecentAdapter
+from services.worker.gate_runner import gates_to_run
 
 ACME = TenantRef(org="acme", team="search", project="prod")
 RIVAL = TenantRef(org="rival", team="x", project="y")

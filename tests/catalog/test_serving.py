@@ -22,7 +22,7 @@ from services.catalog.state import CatalogState, LogPosition, Refusal
 from services.contracts.events import Envelope, SplitEntry, TenantPurgeRequested, TenantRef
 from services.registry.domain import (
     ArtifactFacts,
-    Decision,
+    CommandEvent,
     PublishRequest,
     publish_version,
     register_base_model,
@@ -38,7 +38,7 @@ BASE = "b" * 64
 _offsets = itertools.count()
 
 
-def commit(state: CatalogState, decision: Decision) -> None:
+def commit(state: CatalogState, decision: CommandEvent) -> None:
     state.apply(Envelope.new(decision.payload, stream=decision.stream, seq=decision.seq,
                              actor="admin:x", tenant=decision.tenant),
                 LogPosition("t", 0, next(_offsets)))

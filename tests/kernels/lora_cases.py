@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from loraplane_kernels import PagedLora, Segments
+from loraplane_kernels import PooledLora, Segments
 
 #: Allowed ``max|got - oracle| / max|oracle|`` per dtype. fp16/bf16 round x, A, B on input
 #: (the oracle sees the same rounded values), round h to the weight dtype before the
@@ -121,7 +121,7 @@ def naive_apply(p: Problem) -> Tensor:
     return y
 
 
-def paged(p: Problem) -> PagedLora:
+def pooled(p: Problem) -> PooledLora:
     """The same weights packed rank-granular into one pool, in reverse slot order and with
     garbage between extents, so reads at a wrong offset or past a rank show up."""
     k, n = p.a_slab.shape[2], p.b_slab.shape[1]
@@ -129,7 +129,7 @@ def paged(p: Problem) -> PagedLora:
     gap = 7
     pool = torch.full((sum(r * (k + n) + 2 * gap for r in ranks) + gap,), 1e4,
                       dtype=p.a_slab.dtype)
-    w = PagedLora(pool, k, n, len(ranks))
+    w = PooledLora(pool, k, n, len(ranks))
     cursor = gap
     for s in reversed(range(len(ranks))):
         r = ranks[s]

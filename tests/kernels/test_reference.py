@@ -13,19 +13,19 @@ from lora_cases import (
     TOLERANCE,
     build,
     naive_apply,
-    paged,
+    pooled,
     relative_error,
 )
 
 from loraplane_kernels import (
     Segments,
     lora_apply,
-    lora_apply_paged,
+    lora_apply_pooled,
     lora_expand,
     lora_shrink,
     reference,
 )
-from loraplane_kernels.paged import runs_of
+from loraplane_kernels.rank_pool import runs_of
 
 
 @pytest.mark.parametrize("spec", CASES, ids=CASE_IDS)
@@ -147,23 +147,23 @@ def test_apply_rejects_unpaired_slabs() -> None:
 
 @pytest.mark.parametrize("spec", CASES, ids=CASE_IDS)
 @pytest.mark.parametrize("dtype", [torch.float64, *DTYPES], ids=str)
-def test_paged_pool_matches_per_token_loop(spec, dtype) -> None:
+def test_rank_pool_matches_per_token_loop(spec, dtype) -> None:
     """The rank-granular pool (no padding, slots at arbitrary offsets) on the torch path,
     routed by indices, by segments and by host runs."""
     p = build(spec, seed=5).to(dtype)
-    w = paged(p)
+    w = pooled(p)
     want = naive_apply(p.to(torch.float64))
     tol = 1e-12 if dtype == torch.float64 else TOLERANCE[dtype]
     for routing in ({"segments": p.segments}, {"runs": runs_of(p.indices)}, {}):
         y = p.y.clone()
-        lora_apply_paged(y, p.x, w, p.indices, out_offset=p.out_offset, **routing)
+        lora_apply_pooled(y, p.x, w, p.indices, out_offset=p.out_offset, **routing)
         assert relative_error(y, want) < max(tol, 1e-12), routing
 
 
-def test_paged_rejects_mismatched_activations() -> None:
+def test_rank_pool_rejects_mismatched_activations() -> None:
     p = build(CASES[1], seed=6)
-    w = paged(p)
+    w = pooled(p)
     with pytest.raises(ValueError, match=r"^x\b"):
-        lora_apply_paged(p.y.clone(), p.x[:, :-1], w, p.indices)
+        lora_apply_pooled(p.y.clone(), p.x[:, :-1], w, p.indices)
     with pytest.raises(ValueError, match=r"^out_offset\b"):
-        lora_apply_paged(p.y.clone(), p.x, w, p.indices, out_offset=10_000)
+        lora_apply_pooled(p.y.clone(), p.x, w, p.indices, out_offset=10_000)

@@ -26,7 +26,7 @@ from services.contracts.events import (
 )
 from services.registry.domain import (
     ArtifactFacts,
-    Decision,
+    CommandEvent,
     PublishRequest,
     register_base_model,
     request_purge,
@@ -45,7 +45,7 @@ _offsets = itertools.count()
 Log = list[tuple[Envelope, LogPosition]]
 
 
-def commit(state: CatalogState, decision: Decision, actor: str = "admin:x",
+def commit(state: CatalogState, decision: CommandEvent, actor: str = "admin:x",
            at: datetime | None = None, log: Log | None = None) -> Envelope:
     envelope = Envelope.new(decision.payload, stream=decision.stream, seq=decision.seq,
                             actor=actor, tenant=decision.tenant, occurred_at=at)

@@ -1,7 +1,7 @@
 """Real services for release tests: registry, a gate-running worker, traffic, controller.
 
 - `GateWorker` is the gate part of a worker: it heartbeats on its base model's digest,
-  folds the log and hands it to `services.release.gate_runner.GateDuty`, which runs the
+  folds the log and hands it to `services.worker.gate_runner.GateDuty`, which runs the
   gates assigned to it through the real engine with the regression set and adapter files
   fetched from the registry's blob store by digest, and writes `QualityGateCompleted` on
   worker-events.
@@ -41,8 +41,9 @@ from services.contracts.events import (
 )
 from services.eventlog import EventConsumer, EventProducer
 from services.registry.auth import token_hash
-from services.release.gate_runner import BlobMissing, GateDuty
 from services.worker.engine import Engine
+from services.worker.gate_runner import GateDuty
+from services.worker.pool.blobs import BlobMissing
 from tests.registry.conftest import TOKENS
 
 TENANT = TenantRef(org="acme", team="search", project="prod")

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
+from services.catalog.canary import TraceBook, TraceSample
 from services.catalog.state import CatalogState
 from services.contracts.events import AdapterDisabled
-from services.registry.release import advance_rollout, start_rollout
-from services.release.canary import TraceBook, TraceSample
+from services.registry.release_commands import advance_rollout, start_rollout
 from services.release.controller import next_steps
 from tests.catalog.test_release import at, event
 from tests.release.test_rollout_commands import PLAN, apply, ready_state

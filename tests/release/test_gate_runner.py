@@ -5,12 +5,13 @@ from __future__ import annotations
 import hashlib
 import json
 
+from services.catalog.gates import result_failures
+from services.catalog.regression import parse_regression_set
 from services.catalog.state import CatalogState
 from services.contracts.events import GateRequest, QualityGateCompleted
-from services.release.gate import result_failures
-from services.release.gate_runner import BlobMissing, GateDuty, GateJob, GateRun, run_gate
-from services.release.regression import parse_regression_set
 from services.worker.engine import AdapterFiles, Engine
+from services.worker.gate_runner import GateDuty, GateJob, GateRun, run_gate
+from services.worker.pool.blobs import BlobMissing
 from tests.release.model import PROMPT, NumberModel, first_tokens
 
 
@@ -114,8 +115,8 @@ def test_a_run_that_cannot_finish_is_a_failure_not_a_pass(numbers: NumberModel) 
 
 def duty_state(numbers: NumberModel, engine: Engine, data: bytes) -> CatalogState:
     """bot@1 published with a gate assigned to w1 (an adapter's first version)."""
+    from services.catalog.regression import parse_regression_set as parse
     from services.contracts.events import AdapterVersionPublished, Envelope
-    from services.release.regression import parse_regression_set as parse
 
     files = numbers.adapters["good"]
     request = GateRequest(gate_id="g1", regression_set_sha256=parse(data).sha256,

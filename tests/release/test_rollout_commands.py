@@ -6,6 +6,7 @@ from datetime import datetime, timedelta
 
 import pytest
 
+from services.catalog.canary import judge
 from services.catalog.serving import resolve_pinned, resolve_reference
 from services.catalog.state import CatalogState, Refusal
 from services.contracts.events import (
@@ -16,8 +17,8 @@ from services.contracts.events import (
     RolloutPlan,
     SplitEntry,
 )
-from services.registry.domain import Decision, set_split
-from services.registry.release import (
+from services.registry.domain import CommandEvent, set_split
+from services.registry.release_commands import (
     advance_rollout,
     halt_rollout,
     override_release,
@@ -25,14 +26,13 @@ from services.registry.release import (
     roll_back_rollout,
     start_rollout,
 )
-from services.release.canary import judge
 from tests.catalog.test_release import TENANT, at, completed, event, published, request
 
 PLAN = RolloutPlan(stages=[5, 50, 100], min_stage_s=10, window_s=10, max_error_ratio=1.5,
                    min_requests=10, max_p95_ms=1000)
 
 
-def apply(state: CatalogState, decision: Decision, when: datetime) -> Envelope:
+def apply(state: CatalogState, decision: CommandEvent, when: datetime) -> Envelope:
     envelope = Envelope.new(decision.payload, stream=decision.stream, seq=decision.seq,
                             actor="canary:c1", tenant=decision.tenant, occurred_at=when)
     state.apply(envelope)

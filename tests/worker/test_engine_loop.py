@@ -250,7 +250,7 @@ def test_a_version_the_router_just_switched_to_is_served_once_the_log_is_read(
 
     from services.contracts.grpc import inference_pb2 as pb
     from services.worker.intake import PromptRules, work_item
-    from services.worker.server import Gate, InferenceService
+    from services.worker.server import CATCH_UP_S, Gate, InferenceService
 
     rig.publish("bot", 1, seed=1)
     rig.switch("bot", 1)
@@ -266,6 +266,11 @@ def test_a_version_the_router_just_switched_to_is_served_once_the_log_is_read(
         request.token_ids.ids.extend([5, 6, 7])
         return work_item(request, PromptRules(96, 1024, 8))
 
+    class NoDeadline:  # a call without a deadline waits the whole catch-up bound
+        @staticmethod
+        def time_remaining() -> None:
+            return None
+
     reads: list[float] = []
 
     def read_to_the_end(timeout_s: float) -> bool:  # the switch to v2 is already in the log
@@ -273,10 +278,10 @@ def test_a_version_the_router_just_switched_to_is_served_once_the_log_is_read(
         rig.switch("bot", 2)
         return True
 
-    monkeypatch.setattr(rig.follower.follower, "sync", read_to_the_end)
-    assert asyncio.run(service._refusal(pinned(2))) is None
-    assert reads == [1.0]
-    refused = asyncio.run(service._refusal(pinned(1)))  # superseded: still refused
+    monkeypatch.setattr(rig.follower, "sync", read_to_the_end)
+    assert asyncio.run(service._refusal(pinned(2), NoDeadline())) is None
+    assert reads == [CATCH_UP_S]
+    refused = asyncio.run(service._refusal(pinned(1), NoDeadline()))  # superseded: still refused
     assert refused is not None and refused.kind == "precondition"
     assert "neither the active version" in refused.message
 
@@ -286,7 +291,7 @@ def test_a_version_the_router_just_switched_to_is_served_once_the_log_is_read(
         rig.switch("bot", 3)
         return True
 
-    monkeypatch.setattr(rig.follower.follower, "sync", publish_and_switch)
-    assert asyncio.run(service._refusal(pinned(3))) is None
-    missing = asyncio.run(service._refusal(pinned(9)))
+    monkeypatch.setattr(rig.follower, "sync", publish_and_switch)
+    assert asyncio.run(service._refusal(pinned(3), NoDeadline())) is None
+    missing = asyncio.run(service._refusal(pinned(9), NoDeadline()))
     assert missing is not None and missing.kind == "not_found"

@@ -29,7 +29,7 @@ from services.registry.deps import (
     writable_adapter,
 )
 from services.registry.domain import (
-    Decision,
+    CommandEvent,
     PublishRequest,
     precheck_publish,
     publish_version,
@@ -39,7 +39,7 @@ from services.registry.domain import (
 )
 from services.registry.erasure import restore_upload
 from services.registry.node import Committed, Deadline
-from services.registry.routes.release import fits_context, gate_spec, read_regression_set
+from services.registry.routes.gates_rollouts import fits_context, gate_spec, read_regression_set
 from services.registry.validation import (
     MAX_CONFIG_BYTES,
     UnpackedAdapter,
@@ -142,7 +142,7 @@ def publish(
         description="a .tar.gz of the adapter directory, instead of the two files")] = None,
     regression_set: Annotated[UploadFile | None, File(
         description="JSONL regression set: the version gets traffic only once it passes "
-                    "(services/release/regression.py)")] = None,
+                    "(services/catalog/regression.py)")] = None,
 ) -> VersionView:
     """Validate a PEFT LoRA adapter, store it by digest, emit AdapterVersionPublished.
 
@@ -198,7 +198,7 @@ def publish(
         request = replace(request, gate=gate_spec(*checked_set, blobs, settings))
     node.metrics.upload_bytes.inc(facts.size_bytes)
 
-    def decide(state: CatalogState) -> Decision:
+    def decide(state: CatalogState) -> CommandEvent:
         restore_upload(blobs, facts, files.config, files.weights)  # a purge erased them?
         return publish_version(state, request, facts, expected, key)
 

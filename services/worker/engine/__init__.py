@@ -8,7 +8,7 @@ KV control) and reads `TokenEvent` / `GenerationResult` values back.
 from .adapter import AdapterDigest, AdapterFiles, LoraAdapter, parse_adapter
 from .adapter_pool import AdapterPool, AdapterSlotInfo
 from .checkpoint import checkpoint_digest
-from .compat import CacheScope, Decision, SharingPolicy, decide
+from .compat import CacheScope, KvReuse, SharingPolicy, decide
 from .config import ModelConfig
 from .engine import Engine, EngineConfig, EngineStats
 from .errors import (
@@ -47,7 +47,6 @@ __all__ = [
     "CacheScope",
     "CheckpointError",
     "ChoiceResult",
-    "Decision",
     "DecoderModel",
     "Engine",
     "EngineConfig",
@@ -57,6 +56,7 @@ __all__ = [
     "GenerationRequest",
     "GenerationResult",
     "InvalidationResult",
+    "KvReuse",
     "LlamaModel",
     "LoraAdapter",
     "ModelConfig",

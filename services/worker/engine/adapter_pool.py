@@ -34,12 +34,12 @@ from .config import ModelConfig
 from .errors import AdapterError, AdapterNotLoadedError, AdapterPoolFullError
 from .extent import aligned, one_thread
 from .lora_ops import (
-    PagedLora,
+    PooledLora,
     Runs,
     Segments,
     SlotTables,
     base_lora_fused,
-    lora_apply_paged,
+    lora_apply_pooled,
 )
 
 MAX_SLOTS = 4096
@@ -124,13 +124,13 @@ class AdapterPool:
         self.pool = torch.zeros(self.capacity, dtype=dtype, device=device)
         self.tables = SlotTables.zeros(cfg.num_hidden_layers * len(self.modules) + 2,
                                        self.num_slots, self.pool.device)
-        self.weights: list[dict[str, PagedLora]] = [
-            {m: PagedLora(self.pool, *self.shapes[m], self.num_slots, self.tables,
+        self.weights: list[dict[str, PooledLora]] = [
+            {m: PooledLora(self.pool, *self.shapes[m], self.num_slots, self.tables,
                           self._row(layer, m))
              for m in self.modules}
             for layer in range(cfg.num_hidden_layers)
         ]
-        self.vocab_lora = {m: PagedLora(self.pool, *self.shapes[m], self.num_slots,
+        self.vocab_lora = {m: PooledLora(self.pool, *self.shapes[m], self.num_slots,
                                         self.tables, self._row(-1, m))
                            for m in (EMBED, LM_HEAD)}
         """LoRA on embed_tokens (A [r, vocab], B.T [r, hidden]) and lm_head, by slot."""
@@ -336,7 +336,7 @@ class AdapterPool:
         runs: Runs | None = None,
     ) -> None:
         """Add every token's adapter delta for one projection into `y` in place."""
-        lora_apply_paged(y, x, self.weights[layer][module], indices, out_offset=out_offset,
+        lora_apply_pooled(y, x, self.weights[layer][module], indices, out_offset=out_offset,
                          segments=segments, runs=runs)
 
     def apply_fused_base(self, layer: int, module: str, y: torch.Tensor, x: torch.Tensor,
@@ -478,7 +478,7 @@ class AdapterPool:
             return self.cfg.num_hidden_layers * len(self.modules) + (module == LM_HEAD)
         return layer * len(self.modules) + self.modules.index(module)
 
-    def _paged(self, layer: int, module: str) -> PagedLora:
+    def _pooled(self, layer: int, module: str) -> PooledLora:
         return self.vocab_lora[module] if layer < 0 else self.weights[layer][module]
 
     def _place(self, slot: int, res: _Resident) -> None:
@@ -491,7 +491,7 @@ class AdapterPool:
                 self.replaced.setdefault(slot, {})[module] = self.pool[start:start + size].view(
                     self.cfg.vocab_size, self.cfg.hidden_size)
                 continue
-            self._paged(layer, module).point(slot, res.start + a_off, res.start + b_off,
+            self._pooled(layer, module).point(slot, res.start + a_off, res.start + b_off,
                                              rank, scale)
             rows.append(self._row(layer, module))
             a_offsets.append(res.start + a_off)
@@ -506,7 +506,7 @@ class AdapterPool:
         self.replaced.pop(slot, None)
         for layer, module in res.layout:
             if layer != REPLACED:
-                self._paged(layer, module).unpoint(slot)
+                self._pooled(layer, module).unpoint(slot)
         self.tables.clear(slot)
         self.pool[res.start:res.start + res.length].zero_()
         self._free.append(slot)

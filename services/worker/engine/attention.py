@@ -2,10 +2,10 @@
 
 A step holds decode tokens (one query per sequence) and prefill chunks (many queries per
 sequence). On the CPU in fp32 or bf16, a step's decodes attend in one compiled call per
-layer that reads the paged cache in place (`loraplane_kernels.host.decode_attention`). Elsewhere
-they are batched, in a few groups of similar context length, into grouped matmuls over
-their gathered block tables. Each prefill chunk is one SDPA call (flash path when it has
-no cached prefix). There is no per-token Python loop.
+layer that reads the paged cache in place (`loraplane_kernels.cpu_decode.decode_attention`).
+Elsewhere they are batched, in a few groups of similar context length, into grouped
+matmuls over their gathered block tables. Each prefill chunk is one SDPA call (flash path
+when it has no cached prefix). There is no per-token Python loop.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from loraplane_kernels import host
+from loraplane_kernels import cpu_decode
 
 from .workspace import Workspace
 
-HOST_DECODE = host.AVAILABLE
+HOST_DECODE = cpu_decode.AVAILABLE
 """CPU decodes in fp32 or bf16 take the compiled kernel; tests and the bench switch it off
 to pin it to (or time it against) the torch path."""
 
@@ -100,7 +100,7 @@ class AttentionMetadata:
     decode_rows: torch.Tensor | None = None  # [B] rows of all decode tokens
     decodes: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillSpan] = field(default_factory=list)
-    host_decodes: host.DecodePlan | None = None
+    host_decodes: cpu_decode.DecodePlan | None = None
     """All decodes for the compiled CPU kernel (then `decodes` stays empty)."""
 
     def finalize(
@@ -125,8 +125,8 @@ class AttentionMetadata:
         if not decode_rows:
             return
         self.decode_rows = torch.tensor(decode_rows, dtype=torch.long)
-        if HOST_DECODE and dtype in host.DTYPES and (device is None or device.type == "cpu"):
-            self.host_decodes = host.DecodePlan(decode_rows, decode_tables, decode_lens,
+        if HOST_DECODE and dtype in cpu_decode.DTYPES and (device is None or device.type == "cpu"):
+            self.host_decodes = cpu_decode.DecodePlan(decode_rows, decode_tables, decode_lens,
                                                 block_size)
             return
         order = sorted(range(len(decode_rows)), key=lambda i: decode_lens[i])
@@ -215,7 +215,7 @@ def paged_attention(
                                                enable_gqa=True)
         out[rows] = o[0].transpose(0, 1)
     if meta.host_decodes is not None:
-        host.decode_attention(q, k_cache, v_cache, out, meta.host_decodes, scale, window,
+        cpu_decode.decode_attention(q, k_cache, v_cache, out, meta.host_decodes, scale, window,
                               softcap)
     for g in meta.decodes:
         b = g.rows.shape[0]

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from .adapter import AdapterDigest
 
 
-class Decision(enum.Enum):
+class KvReuse(enum.Enum):
     """What to do with a cached block for a given request."""
 
     REUSE = "reuse"
@@ -70,7 +70,7 @@ class CacheScope:
         return "\x1f".join((self.base_digest, adapter, owner)).encode()
 
 
-def decide(block_scope: CacheScope, request_scope: CacheScope, policy: SharingPolicy) -> Decision:
+def decide(block_scope: CacheScope, request_scope: CacheScope, policy: SharingPolicy) -> KvReuse:
     """Decide whether a block computed under `block_scope` may serve `request_scope`.
 
     Rules, in order:
@@ -81,16 +81,16 @@ def decide(block_scope: CacheScope, request_scope: CacheScope, policy: SharingPo
        and only if both tenants declared the same non-empty sharing scope; else RECOMPUTE.
     """
     if block_scope.base_digest != request_scope.base_digest:
-        return Decision.REJECT
+        return KvReuse.REJECT
     if block_scope.adapter_digest != request_scope.adapter_digest:
-        return Decision.RECOMPUTE
+        return KvReuse.RECOMPUTE
     if block_scope.tenant_key == request_scope.tenant_key:
-        return Decision.REUSE
+        return KvReuse.REUSE
     if (
         policy is SharingPolicy.SHARED_BASE_PREFIX
         and request_scope.adapter_digest is None
         and block_scope.sharing_scope is not None
         and block_scope.sharing_scope == request_scope.sharing_scope
     ):
-        return Decision.REUSE
-    return Decision.RECOMPUTE
+        return KvReuse.REUSE
+    return KvReuse.RECOMPUTE

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .compat import CacheScope, Decision, SharingPolicy, decide
+from .compat import CacheScope, KvReuse, SharingPolicy, decide
 
 ROOT_HASH = b"\x00" * 32
 
@@ -188,7 +188,7 @@ class BlockPool:
             return None
         scope = self.blocks[bid].scope
         assert scope is not None
-        if decide(scope, request_scope, self.policy) is not Decision.REUSE:
+        if decide(scope, request_scope, self.policy) is not KvReuse.REUSE:
             return None
         self.hits += 1
         self.hits_by_tenant[request_scope.tenant_key] += 1
@@ -203,7 +203,7 @@ class BlockPool:
             return None
         scope = self.blocks[bid].scope
         assert scope is not None
-        return bid if decide(scope, request_scope, self.policy) is Decision.REUSE else None
+        return bid if decide(scope, request_scope, self.policy) is KvReuse.REUSE else None
 
     def forget_hits(self, request_scope: CacheScope, hits: int) -> None:
         """Take back the hits of a match that was undone (a deferred admission re-matches

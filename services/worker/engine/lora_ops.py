@@ -7,15 +7,15 @@ dispatches per device (Triton on GPU, its torch reference on CPU).
 
 from __future__ import annotations
 
-from loraplane_kernels import PagedLora, Runs, Segments, SlotTables, lora_apply_paged
+from loraplane_kernels import PooledLora, Runs, Segments, SlotTables, lora_apply_pooled
 from loraplane_kernels.dispatch import base_fusion_threshold, base_lora_fused
 
 __all__ = [
-    "PagedLora",
+    "PooledLora",
     "Runs",
     "Segments",
     "SlotTables",
     "base_fusion_threshold",
     "base_lora_fused",
-    "lora_apply_paged",
+    "lora_apply_pooled",
 ]

@@ -28,7 +28,8 @@ class BlobUnavailable(Exception):
 
 
 class BlobMissing(Exception):
-    """The registry has no such blob, or refuses this worker's token: retrying won't help."""
+    """The registry has no such blob, refuses this worker's token, or sent bytes that do not
+    hash to the digest asked for: retrying won't help (a gate that needs it fails)."""
 
 
 class BlobCorrupted(Exception):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lora_cases import CASES, DTYPES, TOLERANCE, build, naive_apply, paged, relative_error
+from lora_cases import CASES, DTYPES, TOLERANCE, build, naive_apply, pooled, relative_error
 
-from loraplane_kernels import dispatch, lora_apply, lora_apply_paged, lora_shrink
+from loraplane_kernels import dispatch, lora_apply, lora_apply_pooled, lora_shrink
 from loraplane_kernels.tuning_table import TuningFallbackWarning
 
 
@@ -39,11 +39,11 @@ def test_triton_path_rejects_float64_naming_x() -> None:
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "separate"])
 @pytest.mark.parametrize("segmented", [False, True], ids=["bgmv", "sgmv"])
-def test_paged_pool_on_triton(dtype, fused, segmented: bool) -> None:
+def test_rank_pool_on_triton(dtype, fused, segmented: bool) -> None:
     """Every kernel reads slots at their pool offsets with B stored transposed."""
     p = build(CASES[5], seed=23, shuffle_tokens=not segmented).to(dtype)
     want = naive_apply(p.to(torch.float64))
     y = p.y.clone()
-    lora_apply_paged(y, p.x, paged(p), p.indices, out_offset=p.out_offset,
+    lora_apply_pooled(y, p.x, pooled(p), p.indices, out_offset=p.out_offset,
                      segments=p.segments if segmented else None, fused=fused)
     assert relative_error(y, want) < TOLERANCE[dtype]

@@ -11,7 +11,7 @@ from lora_cases import (
     TOLERANCE,
     Problem,
     build,
-    paged,
+    pooled,
     relative_error,
 )
 
@@ -137,7 +137,7 @@ def test_fused_base_and_lora(spec, dtype) -> None:
     reference.lora_expand(want, h, q.b_slab, q.ranks, q.scales, q.indices,
                           out_offset=q.out_offset)
     y = p.y.clone()
-    fused_base.sgmv_base_fused(y, p.x, weight, paged(p), p.segments, out_offset=p.out_offset,
+    fused_base.sgmv_base_fused(y, p.x, weight, pooled(p), p.segments, out_offset=p.out_offset,
                                block_m=16, block_n=32, block_k=16)
     inside = slice(p.out_offset, p.out_offset + n)
     assert torch.equal(y[:, :p.out_offset], p.y[:, :p.out_offset])

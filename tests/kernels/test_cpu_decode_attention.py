@@ -1,4 +1,4 @@
-"""The compiled decode attention (`loraplane_kernels.host.decode_attention`) against the
+"""The compiled decode attention (`loraplane_kernels.cpu_decode.decode_attention`) against the
 torch path it replaces, inside `paged_attention`'s mixed steps: same rows, same values but
 for the order of fp32 accumulations (fp32) or the torch path's bf16 roundings of scores and
 probabilities (bf16, where the kernel rounds only its output)."""
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from loraplane_kernels import host
+from loraplane_kernels import cpu_decode
 from services.worker.engine import attention
 from services.worker.engine.attention import AttentionMetadata, PrefillSpan, paged_attention
 from services.worker.engine.workspace import Workspace
@@ -137,7 +137,7 @@ def test_every_thread_count_gives_the_same_bits(dtype: torch.dtype) -> None:
 
 def test_shares_cover_every_decode_once_balanced_by_context() -> None:
     lens = [700, 3, 3, 3, 400, 400, 2, 90, 1, 650]
-    plan = host.DecodePlan(range(10), [[0] * 44] * 10, lens, 16)
+    plan = cpu_decode.DecodePlan(range(10), [[0] * 44] * 10, lens, 16)
     for threads in (1, 2, 3, 4, 16):
         cuts = plan.cuts(threads)
         assert cuts[0] == 0 and cuts[-1] == len(lens) and cuts == sorted(set(cuts))
@@ -161,7 +161,7 @@ def test_a_nan_in_one_context_stays_in_that_decode() -> None:
 def test_the_vectorisable_exp_is_within_one_ulp() -> None:
     import numba
 
-    from loraplane_kernels._host_jit import exp_nonpositive
+    from loraplane_kernels._cpu_decode_numba import exp_nonpositive
 
     @numba.njit
     def exps(x: np.ndarray, y: np.ndarray) -> None:

@@ -51,14 +51,14 @@ def kernel() -> Callable[..., None]:
     """The compiled LoRA pass (one signature per dtype), built or loaded from numba's cache
     on first use: importing numba costs about half a second, which processes that never
     decode on the CPU do not pay."""
-    from loraplane_kernels._host_jit import runs
+    from loraplane_kernels._cpu_decode_numba import runs
 
     return runs
 
 
 @functools.cache
 def _attention() -> Callable[..., None]:
-    from loraplane_kernels._host_jit import decode_attention as compiled
+    from loraplane_kernels._cpu_decode_numba import decode_attention as compiled
 
     return compiled
 

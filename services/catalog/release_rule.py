@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Literal
 
+from services.catalog.gates import assign_worker
 from services.catalog.state import Adapter, AdapterVersion, CatalogState
 from services.contracts.events import GateRequest
-from services.release.gate import assign_worker
 
 
 def release_refusal(adapter: Adapter, number: int, version: AdapterVersion) -> str | None:

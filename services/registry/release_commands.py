@@ -6,7 +6,7 @@ written on the alias's stream as `TrafficSplitChanged` carrying a `RolloutStep` 
 every reader that follows splits follows rollouts unchanged); completion is the
 `AdapterVersionSwitched` that makes the canary the active version. A step the canary
 controller asks for is re-judged here from the figures it sends, under the rollout's own
-plan (`services.release.canary.same_verdict`): a step the figures do not justify is
+plan (`services.catalog.canary.same_verdict`): a step the figures do not justify is
 refused.
 """
 
@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from services.catalog.release import (
+from services.catalog.canary import same_verdict
+from services.catalog.release_rule import (
     GateSpec,
     Overdue,
     gate_baseline,
@@ -36,19 +37,18 @@ from services.contracts.events import (
     SplitEntry,
     TrafficSplitChanged,
 )
-from services.registry.domain import Decision, _adapter_decision, _check_expected
-from services.release.canary import same_verdict
+from services.registry.domain import CommandEvent, adapter_event, check_expected
 
 # --- quality gates ---------------------------------------------------------------------------
 
 
 def request_gate(state: CatalogState, adapter_id: str, number: int, spec: GateSpec, *,
                  reason: str, now: datetime, expected: int | None = None,
-                 idempotency_key: str | None = None) -> Decision:
+                 idempotency_key: str | None = None) -> CommandEvent:
     """A new gate run for a version that is not serving (a serving version is gated by
     publishing a new one: re-judging it could only cut traffic with no fallback)."""
     adapter = state.adapter(adapter_id)
-    _check_expected("adapter", adapter_id, adapter.seq, expected)
+    check_expected("adapter", adapter_id, adapter.seq, expected)
     version = state.version(adapter_id, number)
     if adapter.active_version == number or _in_split(state, adapter_id, number):
         raise Refusal("conflict", f"{adapter_id}@{number} is serving traffic; publish a new "
@@ -59,7 +59,7 @@ def request_gate(state: CatalogState, adapter_id: str, number: int, spec: GateSp
                                   "is still pending")
     request = gate_request(state, spec, version.published.base_model_digest,
                            gate_baseline(adapter, number), now)
-    return _adapter_decision(adapter, QualityGateRequested(
+    return adapter_event(adapter, QualityGateRequested(
         adapter_id=adapter_id, version=number, gate=request, reason=reason,
         idempotency_key=idempotency_key))
 
@@ -69,29 +69,29 @@ def _in_split(state: CatalogState, adapter_id: str, number: int) -> bool:
                for alias in state.aliases.values() for e in alias.split)
 
 
-def expire_gate(state: CatalogState, overdue: Overdue) -> Decision:
+def expire_gate(state: CatalogState, overdue: Overdue) -> CommandEvent:
     """Record that a gate cannot complete: it is FAILED from now on."""
     gate = state.gate(overdue.gate_id)
     if gate is None or gate.status != "pending":
         raise Refusal("conflict", f"quality gate {overdue.gate_id} is not pending")
     adapter = state.adapter(overdue.adapter_id)
-    return _adapter_decision(adapter, QualityGateExpired(
+    return adapter_event(adapter, QualityGateExpired(
         adapter_id=overdue.adapter_id, version=overdue.version, gate_id=overdue.gate_id,
         cause=overdue.cause, reason=overdue.reason[:1024]))
 
 
 def override_release(state: CatalogState, adapter_id: str, number: int, reason: str, *,
                      expected: int | None = None,
-                     idempotency_key: str | None = None) -> Decision:
+                     idempotency_key: str | None = None) -> CommandEvent:
     """An admin clears a version for traffic; refused when nothing blocks it."""
     adapter = state.adapter(adapter_id)
-    _check_expected("adapter", adapter_id, adapter.seq, expected)
+    check_expected("adapter", adapter_id, adapter.seq, expected)
     version = state.version(adapter_id, number)
     refused = release_refusal(adapter, number, version)
     if refused is None:
         raise Refusal("conflict", f"{adapter_id}@{number} may already get traffic; nothing to "
                                   "override")
-    return _adapter_decision(adapter, ReleaseOverridden(
+    return adapter_event(adapter, ReleaseOverridden(
         adapter_id=adapter_id, version=number, reason=reason, lifted=[refused[:1024]],
         idempotency_key=idempotency_key))
 
@@ -109,11 +109,11 @@ def _arms(adapter_id: str, canary: int, baseline: int, weight: int) -> list[Spli
 def start_rollout(state: CatalogState, alias: str, adapter_id: str, canary: int,
                   plan: RolloutPlan, rollout_id: str, *, baseline: int | None = None,
                   reason: str = "", expected: int | None = None,
-                  idempotency_key: str | None = None) -> Decision:
+                  idempotency_key: str | None = None) -> CommandEvent:
     """Put the canary on the alias at the plan's first stage, the baseline taking the rest."""
     adapter = state.adapter(adapter_id)
     current = state.aliases.get(alias)
-    _check_expected("alias", alias, current.seq if current else 0, expected)
+    check_expected("alias", alias, current.seq if current else 0, expected)
     if current is not None and current.tenant is not None and current.tenant != adapter.tenant:
         raise Refusal("conflict", f"alias {alias!r} belongs to tenant {current.tenant.key}")
     running = state.rollouts.get(alias)
@@ -142,7 +142,7 @@ def start_rollout(state: CatalogState, alias: str, adapter_id: str, canary: int,
     payload = TrafficSplitChanged(alias=alias, split=_arms(adapter_id, canary, baseline, weight),
                                   previous=list(current.split) if current else [],
                                   rollout=step, idempotency_key=idempotency_key)
-    return Decision(payload, alias_stream(alias), (current.seq if current else 0) + 1,
+    return CommandEvent(payload, alias_stream(alias), (current.seq if current else 0) + 1,
                     adapter.tenant)
 
 
@@ -205,7 +205,7 @@ def _refuse_unservable(state: CatalogState, adapter: Adapter, number: int) -> No
 
 def advance_rollout(state: CatalogState, alias: str, rollout_id: str, from_stage: int,
                     judgement: Judgement, *, now: datetime, automatic: bool = True,
-                    idempotency_key: str | None = None) -> Decision:
+                    idempotency_key: str | None = None) -> CommandEvent:
     """Next stage; at the last stage, completion (the canary becomes the active version)."""
     rollout = _rollout(state, alias, rollout_id, from_stage)
     judged = _check_judgement(rollout, judgement, "advance", now)
@@ -214,7 +214,7 @@ def advance_rollout(state: CatalogState, alias: str, rollout_id: str, from_stage
     reason = "; ".join(judged.reasons)
     if rollout.final_stage:
         step = _step(rollout, "completed", rollout.stage, judged, automatic, reason)
-        return _adapter_decision(adapter, AdapterVersionSwitched(
+        return adapter_event(adapter, AdapterVersionSwitched(
             adapter_id=adapter.adapter_id, from_version=adapter.active_version,
             to_version=rollout.canary_version, alias=alias, rollout=step,
             idempotency_key=idempotency_key))
@@ -226,7 +226,7 @@ def advance_rollout(state: CatalogState, alias: str, rollout_id: str, from_stage
 def roll_back_rollout(state: CatalogState, alias: str, rollout_id: str, from_stage: int, *,
                       reason: str, judgement: Judgement | None, now: datetime,
                       automatic: bool = True,
-                      idempotency_key: str | None = None) -> Decision:
+                      idempotency_key: str | None = None) -> CommandEvent:
     """All traffic back to the baseline; the canary is never served by the split again.
 
     The controller's rollback must carry figures that give `rollback`; an operator's
@@ -256,7 +256,7 @@ def _step(rollout: Rollout, action: str, stage: int, judgement: Judgement | None
 
 
 def _split_step(state: CatalogState, rollout: Rollout, step: RolloutStep,
-                idempotency_key: str | None) -> Decision:
+                idempotency_key: str | None) -> CommandEvent:
     current = state.aliases[rollout.alias]
     split = _arms(rollout.adapter_id, rollout.canary_version, rollout.baseline_version,
                   step.weight) if step.weight else [
@@ -264,26 +264,26 @@ def _split_step(state: CatalogState, rollout: Rollout, step: RolloutStep,
     payload = TrafficSplitChanged(alias=rollout.alias, split=split,
                                   previous=list(current.split), rollout=step,
                                   idempotency_key=idempotency_key)
-    return Decision(payload, alias_stream(rollout.alias), current.seq + 1, rollout.tenant)
+    return CommandEvent(payload, alias_stream(rollout.alias), current.seq + 1, rollout.tenant)
 
 
 def halt_rollout(state: CatalogState, alias: str, rollout_id: str, from_stage: int, *,
                  reason: str, automatic: bool = False, judgement: Judgement | None = None,
-                 idempotency_key: str | None = None) -> Decision:
+                 idempotency_key: str | None = None) -> CommandEvent:
     rollout = _rollout(state, alias, rollout_id, from_stage)
     current = state.aliases[alias]
-    return Decision(RolloutHalted(alias=alias, rollout_id=rollout_id, stage=rollout.stage,
+    return CommandEvent(RolloutHalted(alias=alias, rollout_id=rollout_id, stage=rollout.stage,
                                   reason=reason, automatic=automatic, judgement=judgement,
                                   idempotency_key=idempotency_key),
                     alias_stream(alias), current.seq + 1, rollout.tenant)
 
 
 def resume_rollout(state: CatalogState, alias: str, rollout_id: str, from_stage: int, *,
-                   reason: str = "", idempotency_key: str | None = None) -> Decision:
+                   reason: str = "", idempotency_key: str | None = None) -> CommandEvent:
     rollout = _rollout(state, alias, rollout_id, from_stage, ("halted",))
     adapter = state.adapter(rollout.adapter_id)
     _refuse_unservable(state, adapter, rollout.canary_version)
     current = state.aliases[alias]
-    return Decision(RolloutResumed(alias=alias, rollout_id=rollout_id, stage=rollout.stage,
+    return CommandEvent(RolloutResumed(alias=alias, rollout_id=rollout_id, stage=rollout.stage,
                                    reason=reason, idempotency_key=idempotency_key),
                     alias_stream(alias), current.seq + 1, rollout.tenant)

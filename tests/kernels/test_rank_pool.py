@@ -1,18 +1,18 @@
 """`SlotTables`: many projections' device tables in one tensor per table, written per
-adapter in one go, read by each `PagedLora` as its own row."""
+adapter in one go, read by each `PooledLora` as its own row."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from loraplane_kernels import PagedLora, SlotTables
+from loraplane_kernels import PooledLora, SlotTables
 
 
 def test_one_write_points_every_row_and_clear_unpoints_them() -> None:
     pool = torch.arange(200, dtype=torch.float32)
     tables = SlotTables.zeros(3, 5, pool.device)
-    lora = [PagedLora(pool, 4, 6, 5, tables, row) for row in range(3)]
+    lora = [PooledLora(pool, 4, 6, 5, tables, row) for row in range(3)]
     assert all(w.a_offsets.shape == (5,) and w.a_offsets.data_ptr() % 16 == 0 for w in lora)
     tables.write(2, [0, 2], [10, 100], [30, 140], [2, 2], [0.5, 0.25])
     for row, a_off, b_off, scale in ((0, 10, 30, 0.5), (2, 100, 140, 0.25)):
@@ -30,7 +30,7 @@ def test_one_write_points_every_row_and_clear_unpoints_them() -> None:
 
 def test_a_projection_without_shared_tables_keeps_its_own() -> None:
     pool = torch.zeros(64)
-    w = PagedLora(pool, 4, 4, 2)
+    w = PooledLora(pool, 4, 4, 2)
     w.place(1, 0, 16, 3, 2.0)
     assert w.ranks.tolist() == [0, 3] and w.host_scales == [0.0, 2.0]
     w.clear(1)
@@ -40,12 +40,12 @@ def test_a_projection_without_shared_tables_keeps_its_own() -> None:
 def test_small_and_large_runs_both_land_and_the_thread_count_is_restored() -> None:
     """Runs under SMALL_RUN_ROWS take the one-thread pass, the rest the threaded one; each
     row gets exactly its own slot's delta, base rows and unadapted slots none."""
-    from loraplane_kernels.paged import SMALL_RUN_ROWS, apply_runs
+    from loraplane_kernels.rank_pool import SMALL_RUN_ROWS, apply_runs
 
     g = torch.Generator().manual_seed(0)
     fin, fout = 8, 6
     pool = torch.randn(1000, generator=g)
-    w = PagedLora(pool, fin, fout, 3)
+    w = PooledLora(pool, fin, fout, 3)
     w.point(0, 0, 100, 4, 0.5)
     w.point(2, 200, 300, 2, 2.0)
     big = SMALL_RUN_ROWS + 3
@@ -78,14 +78,14 @@ def test_many_small_runs_take_the_nested_pass_and_match_per_run_products(
     delta, as the per-run loop computes it, whether the runs are one block or not and
     whether the activations start at the front of their buffer or not. A torch without
     the private nested-view function takes the loop and gets the same rows."""
-    from loraplane_kernels.paged import GROUPED_MIN_RUNS, apply_runs
+    from loraplane_kernels.rank_pool import GROUPED_MIN_RUNS, apply_runs
 
-    monkeypatch.setattr("loraplane_kernels.paged.NESTED_VIEWS", nested)
+    monkeypatch.setattr("loraplane_kernels.rank_pool.NESTED_VIEWS", nested)
 
     g = torch.Generator().manual_seed(1)
     fin, fout, slots = 8, 6, 6
     pool = torch.randn(2000, generator=g).to(dtype)
-    w = PagedLora(pool, fin, fout, slots)
+    w = PooledLora(pool, fin, fout, slots)
     for slot, rank in enumerate((1, 3, 0, 4, 2, 5)):
         if rank:
             w.point(slot, 100 * slot, 100 * slot + 50, rank, 0.5 + slot)
@@ -125,7 +125,7 @@ def test_small_shrinks_leave_onednn_as_they_found_it(dtype: torch.dtype) -> None
     """Half-precision decode shrinks run without oneDNN (its per-call cost dwarfs a shrink
     of two rows); the switch is process-wide, so it is restored on the way out, failures
     included, and fp32 never touches it."""
-    from loraplane_kernels.paged import small_shrink_gemms
+    from loraplane_kernels.rank_pool import small_shrink_gemms
 
     assert torch._C._get_mkldnn_enabled()
     with small_shrink_gemms(dtype):

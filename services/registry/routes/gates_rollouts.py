@@ -21,7 +21,8 @@ from typing import Annotated, Any
 from fastapi import APIRouter, File, Form, Path, Response, UploadFile
 from pydantic import BaseModel, Field
 
-from services.catalog.release import GateSpec, release_refusal
+from services.catalog.regression import RegressionSet, RegressionSetError, parse_regression_set
+from services.catalog.release_rule import GateSpec, release_refusal
 from services.catalog.state import (
     Adapter,
     AdapterVersion,
@@ -62,7 +63,7 @@ from services.registry.deps import (
     writable_adapter,
 )
 from services.registry.node import Committed, RegistryNode
-from services.registry.release import (
+from services.registry.release_commands import (
     advance_rollout,
     halt_rollout,
     no_rollout,
@@ -73,7 +74,6 @@ from services.registry.release import (
     start_rollout,
 )
 from services.registry.views import EventRef, answer_headers, event_ref
-from services.release.regression import RegressionSet, RegressionSetError, parse_regression_set
 
 router = APIRouter(prefix="/v1", tags=["release"], dependencies=[Replayed])
 ERRORS = problem_responses(401, 403, 404, 409, 412, 413, 422, 503)

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from . import host
+from . import cpu_decode
 from .threads import one_thread
 
 warnings.filterwarnings("ignore", message="The PyTorch API of nested tensors",
@@ -66,7 +66,7 @@ class SlotTables:
 
     def write(self, slot: int, rows: list[int], a_offsets: list[int], b_offsets: list[int],
               ranks: list[int], scales: list[float]) -> None:
-        """Point `slot` of each row at its weights (the rows' `PagedLora.point` is the host
+        """Point `slot` of each row at its weights (the rows' `PooledLora.point` is the host
         side of the same change)."""
         dev = self.ranks.device
         index = torch.tensor(rows, dtype=torch.int64, device=dev)
@@ -80,7 +80,7 @@ class SlotTables:
 
 
 @dataclass
-class PagedLora:
+class PooledLora:
     """One projection's LoRA weights for every slot, as offsets into a shared pool.
 
     ``ranks[s] == 0`` means slot s does not adapt this projection. The device tables
@@ -187,7 +187,7 @@ class PagedLora:
         and again only if `pool` is replaced: 210 projections a SmolLM2 step each wrapped
         it anew."""
         if self._pool_array is None or self._pool_array[0] is not self.pool:
-            self._pool_array = (self.pool, host.as_array(self.pool))
+            self._pool_array = (self.pool, cpu_decode.as_array(self.pool))
         return self._pool_array[1]
 
     def adapts(self, slot: int) -> bool:
@@ -223,12 +223,12 @@ def ragged_view(buffer: Tensor, parts: list[Tensor]) -> Tensor:
     return torch._nested_view_from_buffer(buffer.view(-1), sizes, strides, offsets)
 
 
-def apply_runs(y: Tensor, x: Tensor, w: PagedLora, runs: Runs, out_offset: int = 0) -> None:
+def apply_runs(y: Tensor, x: Tensor, w: PooledLora, runs: Runs, out_offset: int = 0) -> None:
     """The torch path: per run of one slot, ``y += scale * ((x @ A.T) @ Bt)`` in place.
 
     Small runs (decodes: one or two rows per adapter) go first. In bf16 and fp32 on the
-    CPU they take one compiled call per projection (`loraplane_kernels.host`), free of the per-call
-    costs of BLAS and oneDNN; the step's runs are split once for all its projections
+    CPU they take one compiled call per projection (`loraplane_kernels.cpu_decode`), free of
+    the per-call costs of BLAS and oneDNN; the step's runs are split once for all its projections
     (`step_runs`). Otherwise (fp16, or no numba) they run in one thread
     (`SMALL_RUN_ROWS`) and all in two nested-tensor `bmm` calls (`_apply_grouped`): one
     Python-level call per projection instead of two per adapter, which on a step of 32
@@ -239,7 +239,7 @@ def apply_runs(y: Tensor, x: Tensor, w: PagedLora, runs: Runs, out_offset: int =
     if _host_pass(y, x, w):
         split = step_runs(runs)
         if split.small is not None:
-            host.apply_small_runs(y, x, w.host_pool(), out_offset, w.in_features,
+            cpu_decode.apply_small_runs(y, x, w.host_pool(), out_offset, w.in_features,
                                   w.out_features, w.host_table, w.host_scale_table, split.small)
         large = [r for r in split.large if w.a_views[r[0]] is not None]
         if large:
@@ -261,7 +261,7 @@ def apply_runs(y: Tensor, x: Tensor, w: PagedLora, runs: Runs, out_offset: int =
 class StepRuns:
     """A step's adapted runs split by size, once for every projection of the step."""
 
-    small: host.SmallRuns | None
+    small: cpu_decode.SmallRuns | None
     """Runs of fewer than `SMALL_RUN_ROWS` rows, for the compiled pass (None: there are
     none); each projection's call skips the slots it does not adapt."""
     large: Runs
@@ -280,19 +280,19 @@ def step_runs(runs: Runs) -> StepRuns:
         return _STEP_RUNS[0][1]
     adapted = [r for r in runs if r[0] >= 0 and r[2] > r[1]]
     small = [r for r in adapted if r[2] - r[1] < SMALL_RUN_ROWS]
-    split = StepRuns(host.SmallRuns(small) if small else None,
+    split = StepRuns(cpu_decode.SmallRuns(small) if small else None,
                      tuple(r for r in adapted if r[2] - r[1] >= SMALL_RUN_ROWS))
     _STEP_RUNS[:] = [(runs, split)]
     return split
 
 
-HOST_PASS = host.AVAILABLE
-"""bf16 and fp32 decodes on the CPU take the compiled pass (`loraplane_kernels.host`); tests switch
-it off to pin it to the torch path."""
+HOST_PASS = cpu_decode.AVAILABLE
+"""bf16 and fp32 decodes on the CPU take the compiled pass (`loraplane_kernels.cpu_decode`);
+tests switch it off to pin it to the torch path."""
 
 
-def _host_pass(y: Tensor, x: Tensor, w: PagedLora) -> bool:
-    return (HOST_PASS and x.dtype == y.dtype == w.pool.dtype and x.dtype in host.DTYPES
+def _host_pass(y: Tensor, x: Tensor, w: PooledLora) -> bool:
+    return (HOST_PASS and x.dtype == y.dtype == w.pool.dtype and x.dtype in cpu_decode.DTYPES
             and x.device.type == "cpu" and x.stride(-1) == 1 and y.stride(-1) == 1)
 
 
@@ -330,7 +330,7 @@ NESTED_VIEWS = hasattr(torch, "_nested_view_from_buffer")
 BLAS call pairs (same results, slower decodes) instead of failing."""
 
 
-def _apply(y: Tensor, x: Tensor, w: PagedLora, runs: list[tuple[int, int, int]],
+def _apply(y: Tensor, x: Tensor, w: PooledLora, runs: list[tuple[int, int, int]],
            out_offset: int, small: bool = False) -> None:
     out = y[:, out_offset:out_offset + w.out_features]
     for slot, start, end in runs:
@@ -339,7 +339,7 @@ def _apply(y: Tensor, x: Tensor, w: PagedLora, runs: list[tuple[int, int, int]],
         out[start:end].addmm_(h, w.bt_views[slot], alpha=w.host_scales[slot])
 
 
-def _apply_grouped(y: Tensor, x: Tensor, w: PagedLora, runs: list[tuple[int, int, int]],
+def _apply_grouped(y: Tensor, x: Tensor, w: PooledLora, runs: list[tuple[int, int, int]],
                    out_offset: int, step: Runs) -> None:
     """Every run's shrink in one ragged `bmm`, every expand in another, then one scaled
     add of the packed deltas into their rows (PEFT's order: ``(x @ A.T) @ B.T * scale``)."""

@@ -7,8 +7,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from pydantic import ValidationError
 
-from services.contracts.events import ArmFigures, RolloutPlan, ServedRequest, TenantRef
-from services.release.canary import (
+from services.catalog.canary import (
     TraceBook,
     TraceSample,
     arm_figures,
@@ -17,6 +16,7 @@ from services.release.canary import (
     same_verdict,
     sample_of,
 )
+from services.contracts.events import ArmFigures, RolloutPlan, ServedRequest, TenantRef
 
 T0 = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 PLAN = RolloutPlan(stages=[5, 25, 50, 100], min_stage_s=60, window_s=60, max_error_ratio=1.5,

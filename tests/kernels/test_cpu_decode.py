@@ -1,5 +1,5 @@
-"""The compiled decode pass (`loraplane_kernels.host`, bf16 and fp32) against the torch path it
-replaces: the same ops and, in bf16, the same roundings, so the same values but for the
+"""The compiled decode pass (`loraplane_kernels.cpu_decode`, bf16 and fp32) against the torch
+path it replaces: the same ops and, in bf16, the same roundings, so the same values but for the
 order of the fp32 accumulations."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraplane_kernels import PagedLora, host
-from loraplane_kernels.paged import apply_runs, step_runs
+from loraplane_kernels import PooledLora, cpu_decode
+from loraplane_kernels.rank_pool import apply_runs, step_runs
 
 pytest.importorskip("numba")
 
@@ -19,10 +19,10 @@ GAPPED = ((0, 0, 1), (-1, 1, 3), (3, 3, 5), (2, 5, 6), (4, 6, 7), (5, 7, 22), (0
 SPARSE = ((0, 0, 1), (1, 1, 2), (-1, 2, 40), (3, 40, 41), (4, 41, 42), (5, 42, 43))
 
 
-def paged(fin: int, fout: int, seed: int, dtype: torch.dtype = torch.bfloat16) -> PagedLora:
+def pooled(fin: int, fout: int, seed: int, dtype: torch.dtype = torch.bfloat16) -> PooledLora:
     g = torch.Generator().manual_seed(seed)
     pool = (torch.randn(100 * (fin + fout) + 40_000, generator=g) * 0.1).to(dtype)
-    w = PagedLora(pool, fin, fout, 6)
+    w = PooledLora(pool, fin, fout, 6)
     offset = 0
     for slot, rank in enumerate((1, 8, 0, 64, 3, 16)):
         if rank:
@@ -34,17 +34,17 @@ def paged(fin: int, fout: int, seed: int, dtype: torch.dtype = torch.bfloat16) -
 def compiled_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Counts the compiled pass's calls (so a silent fallback to torch cannot pass)."""
     calls: list[int] = []
-    real = host.apply_small_runs
+    real = cpu_decode.apply_small_runs
 
     def counted(*args: object) -> None:
         calls.append(1)
         real(*args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(host, "apply_small_runs", counted)
+    monkeypatch.setattr(cpu_decode, "apply_small_runs", counted)
     return calls
 
 
-def both_paths(w: PagedLora, runs: tuple[tuple[int, int, int], ...], x: torch.Tensor,
+def both_paths(w: PooledLora, runs: tuple[tuple[int, int, int], ...], x: torch.Tensor,
                y: torch.Tensor, monkeypatch: pytest.MonkeyPatch) -> tuple[torch.Tensor,
                                                                           torch.Tensor]:
     calls = compiled_calls(monkeypatch)
@@ -52,7 +52,7 @@ def both_paths(w: PagedLora, runs: tuple[tuple[int, int, int], ...], x: torch.Te
     apply_runs(host, x, w, runs, out_offset=3)
     assert calls  # the compiled pass ran, not a silent fallback
     with monkeypatch.context() as m:
-        m.setattr("loraplane_kernels.paged.HOST_PASS", False)
+        m.setattr("loraplane_kernels.rank_pool.HOST_PASS", False)
         torch_path = y.clone()
         apply_runs(torch_path, x, w, runs, out_offset=3)
     return host, torch_path
@@ -64,7 +64,7 @@ def both_paths(w: PagedLora, runs: tuple[tuple[int, int, int], ...], x: torch.Te
 def test_the_compiled_pass_lands_the_torch_paths_rows(
         runs: tuple[tuple[int, int, int], ...], fin: int, fout: int, dtype: torch.dtype,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    w = paged(fin, fout, seed=fin + fout, dtype=dtype)
+    w = pooled(fin, fout, seed=fin + fout, dtype=dtype)
     g = torch.Generator().manual_seed(7)
     rows = runs[-1][2]
     x = torch.randn(rows + 2, fin, generator=g).to(dtype)[2:]  # not at the buffer front
@@ -89,7 +89,7 @@ def test_the_compiled_pass_lands_the_torch_paths_rows(
 
 
 def test_a_nan_stays_in_its_row(monkeypatch: pytest.MonkeyPatch) -> None:
-    w = paged(64, 48, seed=3)
+    w = pooled(64, 48, seed=3)
     x = torch.randn(12, 64).to(torch.bfloat16)
     x[4, 10] = float("nan")
     y = torch.zeros(12, 54, dtype=torch.bfloat16)
@@ -104,7 +104,7 @@ def test_one_split_serves_every_projection_and_a_repointed_slot_counts_at_once(
     """The step's runs are split once; each projection's slots are read in the kernel, so
     a projection that does not adapt a slot skips it, and re-pointing a slot (a new rank,
     or cleared) changes the very next call, with no per-projection arrays to go stale."""
-    narrow, wide = paged(64, 48, seed=3, dtype=dtype), paged(64, 48, seed=4, dtype=dtype)
+    narrow, wide = pooled(64, 48, seed=3, dtype=dtype), pooled(64, 48, seed=4, dtype=dtype)
     wide.point(2, 35_000, 35_000 + 5 * 64, 5, 0.75)  # a slot only `wide` adapts
     runs = ((2, 0, 2), *BLOCK[1:])
     assert step_runs(runs) is step_runs(runs)
@@ -124,6 +124,6 @@ def test_one_split_serves_every_projection_and_a_repointed_slot_counts_at_once(
 
 def test_fp16_keeps_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = compiled_calls(monkeypatch)
-    w = paged(64, 48, seed=5, dtype=torch.float16)
+    w = pooled(64, 48, seed=5, dtype=torch.float16)
     apply_runs(torch.zeros(12, 54, dtype=torch.float16), torch.randn(12, 64).half(), w, BLOCK, 3)
     assert not calls

@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from services.catalog.release import GateSpec, gate_request, overdue_gates, release_refusal
+from services.catalog.release_rule import GateSpec, gate_request, overdue_gates, release_refusal
 from services.catalog.serving import resolve_pinned, resolve_reference
 from services.catalog.state import CatalogState, Refusal
 from services.contracts.events import (

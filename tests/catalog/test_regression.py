@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from services.release.regression import (
+from services.catalog.regression import (
     CaseOutput,
     RegressionSetError,
     case_passed,

@@ -1,5 +1,5 @@
-"""The numba code of `loraplane_kernels.host`, in a module of its own so that importing the kernels
-does not import numba (about half a second) where nothing decodes on the CPU.
+"""The numba code of `loraplane_kernels.cpu_decode`, in a module of its own so that importing
+the kernels does not import numba (about half a second) where nothing decodes on the CPU.
 
 Module-level functions, so numba caches their machine code across processes. Loops run
 over 1-D slices: indexing with computed offsets keeps numba's negative-index checks in

@@ -22,11 +22,8 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from services.catalog.serving import purged_reason
-from services.catalog.state import CatalogState, GateState
-from services.contracts.events import GateCaseResult, QualityGateCompleted
-from services.release.gate import gate_output
-from services.release.regression import (
+from services.catalog.gates import gate_output
+from services.catalog.regression import (
     CaseOutput,
     CaseRole,
     RegressionSet,
@@ -34,6 +31,9 @@ from services.release.regression import (
     evaluate,
     parse_regression_set,
 )
+from services.catalog.serving import purged_reason
+from services.catalog.state import CatalogState, GateState
+from services.contracts.events import GateCaseResult, QualityGateCompleted
 from services.worker.engine import (
     AdapterDigest,
     AdapterFiles,
@@ -44,6 +44,7 @@ from services.worker.engine import (
     QosTier,
     SamplingParams,
 )
+from services.worker.pool.blobs import BlobMissing
 
 
 @dataclass(frozen=True)
@@ -185,12 +186,7 @@ def run_gate(engine: Engine, job: GateJob,
             engine.unload_adapter(digest)
 
 
-log = logging.getLogger("loraplane.release.gates")
-
-
-class BlobMissing(Exception):
-    """A blob the registry does not have (or no longer matches its digest): the gate fails.
-    Any other fetch error is transient and the gate is tried again later."""
+log = logging.getLogger("loraplane.worker.gates")
 
 
 @dataclass(frozen=True)
@@ -208,7 +204,8 @@ class GateDuty:
     """A worker's part in quality gates: run each gate assigned to it once, emit the result.
 
     `fetch(digest)` returns a blob's bytes (raising `BlobMissing` for one that cannot
-    exist, anything else for a transient failure); `emit` writes the result on the
+    exist or does not match its digest: the gate fails; anything else is transient and
+    the gate is tried again later); `emit` writes the result on the
     worker's stream. `due` reads the fold (call it under the fold's lock); `run` does the
     work (outside it: it fetches and generates).
     """
