@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 CONSTRAINTS ?= constraints.txt
 PIN    := $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 
-.PHONY: setup demo test lint up kafka-jars clean bench bench-report chaos
+.PHONY: setup demo test lint up kafka-jars clean bench bench-report chaos docs
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +50,11 @@ bench: setup
 
 bench-report: $(STAMP)
 	$(BIN)/python bench/report.py
+
+# The generated pages of docs/reference/ (settings, CLI, metrics, APIs, events); a test
+# fails while a committed page differs from what the code renders.
+docs: $(STAMP)
+	$(BIN)/python -m services.docs
 
 # Every fault scenario on a multi-host cluster of network namespaces (root), each checked:
 # bench/results/chaos.json, then the report. Fails when the checker found an anomaly.

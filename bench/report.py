@@ -149,7 +149,8 @@ def render(results: Path) -> str:
              "Each ratio is value / baseline, both measured in the same run on the same "
              "machine: the ratio is what carries over to another machine, the raw figures do "
              "not. Quick-mode figures use reduced sizes (said in each command and setting); "
-             "run a bench without `--quick` for the full figures.", ""]
+             "run a bench without `--quick` for the full figures. How each bench measures: "
+             "[METHOD.md](METHOD.md).", ""]
     lines += ["| bench | mode | figures | targets met | seconds |", "|---|---|---|---|---|"]
     for name in names:
         doc = docs[name]

@@ -532,7 +532,7 @@ def rollback(
     """Roll the adapter back (to the previous stable version unless --to says)."""
     with _registry() as registry:
         answer = registry.rollback(adapter, reason, to)
-    console.print(f"{adapter}: rolled back to v{answer.get('version', to)}")
+    console.print(f"{adapter}: rolled back to v{answer.get('to_version') or to}")
 
 
 @app.command()

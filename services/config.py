@@ -53,22 +53,28 @@ class Settings(BaseSettings):
     )
     kafka_version: str = Field("4.1.1", description="Apache Kafka version fetched for KRaft.")
     kafka_heap: str = Field("512m", description="JVM heap of the embedded Apache Kafka broker.")
-    adapter_events_topic: str = "loraplane.adapter-events"
-    worker_events_topic: str = "loraplane.worker-events"
-    dead_letter_topic: str = "loraplane.dead-letter"
+    adapter_events_topic: str = Field(
+        "loraplane.adapter-events",
+        description="The registry's commands: the system of record, chained by the audit store.")
+    worker_events_topic: str = Field(
+        "loraplane.worker-events",
+        description="Worker acknowledgements and request traces.")
+    dead_letter_topic: str = Field(
+        "loraplane.dead-letter", description="Records that failed validation, with the reason.")
     liveness_topic: str = Field(
         "loraplane.liveness",
         description="Registry leases and worker heartbeats: compacted by stream and deleted "
                     "after `liveness_retention_ms`; never part of the audit record.")
-    topic_partitions: int = Field(8, ge=1, le=1024)
-    topic_replication: int = Field(1, ge=1)
+    topic_partitions: int = Field(8, ge=1, le=1024, description="Partitions of each event topic.")
+    topic_replication: int = Field(1, ge=1, description="Replicas of each event topic.")
     adapter_events_retention_ms: int = Field(
         -1, description="The adapter log is the system of record: kept forever by default."
     )
     worker_events_retention_ms: int = Field(
         30 * 24 * 3600 * 1000, description="Worker events are projected into Postgres."
     )
-    dead_letter_retention_ms: int = 30 * 24 * 3600 * 1000
+    dead_letter_retention_ms: int = Field(
+        30 * 24 * 3600 * 1000, description="How long dead letters stay on their topic.")
     liveness_retention_ms: int = Field(
         3600 * 1000, ge=60_000,
         description="How long leases and heartbeats stay on the liveness topic (the newest "
@@ -95,8 +101,8 @@ class Settings(BaseSettings):
     )
 
     # --- registry ------------------------------------------------------------------------
-    registry_host: str = "127.0.0.1"
-    registry_port: int = 8780
+    registry_host: str = Field("127.0.0.1", description="Registry REST listener address.")
+    registry_port: int = Field(8780, description="Registry REST listener port.")
     registry_url: str | None = Field(
         None, description="How other processes reach the registry (default from host/port); "
         "several URLs separated by commas for an active registry and its standbys: clients "
@@ -113,7 +119,8 @@ class Settings(BaseSettings):
         "writer role when it starts, fencing any other (one registry). lease: an instance "
         "starts as a standby serving reads and takes over, fencing the old writer, once "
         "nothing from the writer was read for `lease_ttl_s` (an active and standbys).")
-    lease_interval_s: float = Field(2.0, gt=0)
+    lease_interval_s: float = Field(
+        2.0, gt=0, description="The writing registry leases every interval.")
     lease_ttl_s: float = Field(
         5.0, gt=0, description="A lease's validity; under lease election, how long a standby "
         "waits for a sign of the writer before it takes over.")
@@ -123,7 +130,8 @@ class Settings(BaseSettings):
     blob_dir: Path | None = Field(
         None, description="Content-addressed blob store (sha256/ab/abcd…); default STATE_DIR/blobs."
     )
-    max_upload_bytes: int = Field(512 * 1024 * 1024, ge=1)
+    max_upload_bytes: int = Field(
+        512 * 1024 * 1024, ge=1, description="Largest adapter upload the registry accepts.")
     allowed_dtypes: list[str] = Field(
         default_factory=lambda: list(ENGINE_DTYPES), min_length=1,
         description="Adapter dtypes the registry accepts and workers load (one capacity "
@@ -142,8 +150,8 @@ class Settings(BaseSettings):
         "safetensors, tokenizer.json). Its digest must be registered before the worker serves.")
     worker_id: str | None = Field(
         None, description="Stable name of this worker in events; default worker-HOST-PORT.")
-    worker_host: str = "127.0.0.1"
-    worker_port: int = 8781
+    worker_host: str = Field("127.0.0.1", description="Worker gRPC listener address.")
+    worker_port: int = Field(8781, description="Worker gRPC listener port.")
     worker_address: str | None = Field(
         None, description="host:port the router dials (default WORKER_HOST:WORKER_PORT).")
     worker_token: str | None = Field(
@@ -158,10 +166,11 @@ class Settings(BaseSettings):
     worker_max_lora_rank: int = Field(
         64, ge=1, description="The largest LoRA rank a worker's adapter pool holds; the "
         "registry refuses a higher one at publish (it shares this setting).")
-    worker_kv_blocks: int = Field(2048, ge=1)
-    worker_block_size: int = Field(16, ge=1)
+    worker_kv_blocks: int = Field(2048, ge=1, description="Paged KV cache: blocks.")
+    worker_block_size: int = Field(16, ge=1, description="Paged KV cache: tokens per block.")
     worker_max_running: int = Field(64, ge=1, description="Sequences batched at once.")
-    worker_max_tokens_per_step: int = Field(2048, ge=1)
+    worker_max_tokens_per_step: int = Field(
+        2048, ge=1, description="Tokens one engine step computes at most.")
     worker_max_model_len: int | None = Field(
         None, ge=1, description="Prompt + completion tokens per request (default: the "
         "model's max_position_embeddings).")
@@ -172,8 +181,10 @@ class Settings(BaseSettings):
         32 * 1024**3, ge=0, description="Disk tier under STATE_DIR/adapter-cache.")
     worker_page_in_timeout_host_s: float = Field(
         2.0, gt=0, description="How long a request waits for its adapter to page in from host.")
-    worker_page_in_timeout_disk_s: float = Field(10.0, gt=0)
-    worker_page_in_timeout_blob_s: float = Field(60.0, gt=0)
+    worker_page_in_timeout_disk_s: float = Field(
+        10.0, gt=0, description="How long a request waits for its adapter from the disk tier.")
+    worker_page_in_timeout_blob_s: float = Field(
+        60.0, gt=0, description="How long a request waits for its adapter from the registry.")
     worker_merge: str | None = Field(
         None, pattern=MERGE_PATTERN, description="Merged mode (`serve worker --merge`): "
         "ADAPTER_ID@VERSION serves that version merged into the base weights while it is "
@@ -202,7 +213,7 @@ class Settings(BaseSettings):
         "refuses requests (UNAVAILABLE) rather than serve a possibly stale version.")
 
     # --- router / audit -----------------------------------------------------------------
-    router_host: str = "127.0.0.1"
+    router_host: str = Field("127.0.0.1", description="Router listener address (gRPC and HTTP).")
     router_port: int = Field(8782, description="gRPC loraplane.v1.Inference (and health).")
     router_http_port: int = Field(
         8784, description="OpenAI-compatible HTTP API, /metrics, /healthz and /readyz.")
@@ -211,7 +222,8 @@ class Settings(BaseSettings):
         None, description="host:port of routers a client may use, separated by commas "
         "(default ROUTER_HOST:ROUTER_PORT): any router serves any request, and a client "
         "moves on to the next when one does not answer.")
-    router_missed_heartbeats: int = Field(3, ge=1)
+    router_missed_heartbeats: int = Field(
+        3, ge=1, description="Heartbeats a worker may miss before it leaves the ring.")
     router_heartbeat_stall_grace_s: float = Field(
         15.0, ge=0, description="A worker whose heartbeats stop while nothing at all is read "
         "from the partition carrying them (its leader failing over) stays in the ring this "
@@ -306,7 +318,9 @@ class Settings(BaseSettings):
     canary_window_s: float | None = Field(
         None, gt=0, description="Traces judged: the stage's last window_s (default: the "
         "stage's minimum time).")
-    canary_max_error_ratio: float = Field(1.5, gt=0)
+    canary_max_error_ratio: float = Field(
+        1.5, gt=0, description="Roll back when the canary's error rate is above this times the "
+                                "baseline's (or the floor).")
     canary_error_rate_floor: float = Field(
         0.0, ge=0, le=1, description="A canary error rate up to this never fails the ratio.")
     canary_min_requests: int = Field(50, ge=1, description="Per arm and window, to judge.")
@@ -356,8 +370,8 @@ class Settings(BaseSettings):
     kafka_ssl_key_file: Path | None = Field(None, description="ssl.key.location")
     kafka_sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = Field(
         None, description="sasl.mechanism (with a SASL_* protocol)")
-    kafka_sasl_username: str | None = None
-    kafka_sasl_password: str | None = None
+    kafka_sasl_username: str | None = Field(None, description="sasl.username")
+    kafka_sasl_password: str | None = Field(None, description="sasl.password")
 
     # --- PostgreSQL TLS (added to database_url's libpq parameters) ----------------------
     database_sslmode: Literal["disable", "allow", "prefer", "require", "verify-ca",
@@ -367,7 +381,7 @@ class Settings(BaseSettings):
     database_sslcert: Path | None = Field(None, description="libpq sslcert (client certificate)")
     database_sslkey: Path | None = Field(None, description="libpq sslkey")
 
-    log_level: str = "INFO"
+    log_level: str = Field("INFO", description="Python logging level of every process.")
 
     @model_validator(mode="before")
     @classmethod

@@ -44,7 +44,7 @@ ROLE_PERMISSIONS: dict[Role, frozenset[Permission]] = {
     "inference": frozenset({Permission.INFER}),
     "canary": frozenset({Permission.STEP_ROLLOUT}),
 }
-"""Role → what it may do. The README's table of roles is this one."""
+"""Role → what it may do. docs/registry.md's table of roles is this one."""
 
 ROLES: tuple[Role, ...] = tuple(ROLE_PERMISSIONS)
 TENANT_SCOPED: tuple[Role, ...] = ("publisher", "inference")

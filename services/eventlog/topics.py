@@ -1,6 +1,6 @@
 """Explicit topic creation (no broker auto-create: partitions and retention are decisions).
 
-What each topic holds and for how long (the README repeats this):
+What each topic holds and for how long (docs/event-log.md repeats this):
 
 - adapter events: the registry's commands, one event each. Kept forever (system of record).
 - worker events: loads, unloads, KV invalidations, purge acks, request traces. 30 days

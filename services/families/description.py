@@ -142,9 +142,9 @@ class Family:
 
     model_type: str
     title: str
-    """How people call it (the README's model table)."""
+    """How people call it (the model table of docs/families.md)."""
     variants: str
-    """The released models it covers, for the README's table."""
+    """The released models it covers, for docs/families.md's table."""
     keys: Mapping[str, KeyRule]
     """The family's own config keys (beside `COMMON_KEYS`), each classified."""
     windows: WindowRule

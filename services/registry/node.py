@@ -1,6 +1,6 @@
 """One registry instance: its transactional producer, its fold of the log, its lease.
 
-The command path (`execute`) is the single-writer discipline of ARCHITECTURE.md:
+The command path (`execute`) is the single-writer discipline of docs/registry.md ("One writer"):
   idempotency check → decide one event on the folded state → publish it in its own
   transaction → wait until this instance's own follower has folded it → answer.
 Commands are serialised by one lock, so every decision sees the previous command's event

@@ -1,6 +1,6 @@
 """The OpenAI request bodies the HTTP front accepts, and what it does with every field.
 
-`PARAMETERS` is the table, and README's API section lists it. Each field of
+`PARAMETERS` is the table, and docs/router.md lists it. Each field of
 `/v1/completions` and `/v1/chat/completions` (OpenAI's, and the vLLM extras clients send
 in `extra_body`) is
 

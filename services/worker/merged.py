@@ -20,7 +20,7 @@ leaves through its usual transition (switch, rollback, disable: in-flight reques
 finish, then its KV is invalidated; purge: aborted now), and its slot is freed only after
 the base weights are restored (`Residency._unload`, `Engine.unload_adapter`).
 
-What it serves, decided here and documented in the README: only its target, merged. A
+What it serves, decided here and documented in docs/worker.md: only its target, merged. A
 request for another adapter, another version of this one, or the bare base model is
 refused with FAILED_PRECONDITION naming what this worker serves: merged weights would
 give wrong output, and the router, which applies the same rule to the heartbeat's

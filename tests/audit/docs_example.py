@@ -1,7 +1,7 @@
 """Project `scenario.story()` through real Kafka and PostgreSQL and print each compliance
 view's example query with its output, and the auditor's walk-through (fetch a checkpoint,
 verify inclusion and consistency proofs with the stand-alone verifier, verify the store
-against a kept checkpoint and Kafka, read a purge proof), as shown in README.md.
+against a kept checkpoint and Kafka, read a purge proof), as shown in docs/audit.md.
 
     python -m tests.audit.docs_example
 """
@@ -86,7 +86,7 @@ def _short(document: dict, keep: int = 48) -> dict:
 
 def auditors(settings: Settings, engine: Engine, projector: AuditProjector,
              events: list, workdir: Path) -> None:
-    """The auditor's walk-through of the README: real commands, real output."""
+    """The auditor's walk-through of docs/audit.md: real commands, real output."""
     endpoint = HttpEndpoint("127.0.0.1", 0, http_app(projector.folder,
                                                      projector.metrics.registry))
     try:

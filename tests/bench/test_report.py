@@ -68,3 +68,16 @@ def test_the_chaos_result_renders_one_row_per_scenario_and_every_anomaly(
     assert "300.0 / 410.0 ms" in row and "| 5.4 s |" in row and row.endswith("| 1 |")
     assert "- registry-kafka-partition: writes: lost key k1" in report
     assert "Harness start-up: 46.30 s (network 0.9 s)" in report
+
+
+def test_report_links_the_method_of_every_bench_it_lists() -> None:
+    """The figures page says how they were measured: METHOD.md, linked from its head, names
+    every bench `make bench` runs."""
+    repo = Path(__file__).resolve().parents[2]
+    report = render(repo / "bench" / "results")
+    assert "[METHOD.md](METHOD.md)" in report.split("\n\n")[1]
+    method = (repo / "bench" / "METHOD.md").read_text()
+    make = (repo / "Makefile").read_text()
+    benches = next(line for line in make.splitlines() if line.startswith("BENCHES"))
+    for name in benches.split(":=")[1].split():
+        assert f"`python bench/{name}.py" in method, name

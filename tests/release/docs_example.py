@@ -1,4 +1,4 @@
-"""One gated canary release on real services, printed step by step (README "Release safety").
+"""One gated canary release on real services, printed step by step (docs/release.md).
 
     python -m tests.release.docs_example
 

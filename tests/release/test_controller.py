@@ -9,7 +9,7 @@ from services.catalog.state import CatalogState
 from services.contracts.events import AdapterDisabled
 from services.registry.release_commands import advance_rollout, start_rollout
 from services.release.controller import next_steps
-from tests.catalog.test_release import at, event
+from tests.catalog.test_release_rule import at, event
 from tests.release.test_rollout_commands import PLAN, apply, ready_state
 
 

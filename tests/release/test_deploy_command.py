@@ -34,10 +34,10 @@ def stack(settings: Settings, tmp_path: Path, engine: Engine,
         built.close()
 
 
-def run(stack: Stack, *args: str) -> tuple[int, str, str]:
+def run(stack: Stack, *args: str, role: str = "publisher") -> tuple[int, str, str]:
     """`loraplane ARGS` as an operator runs it against this registry, piped (80 columns)."""
     env = {"LORAPLANE_REGISTRY_URL": stack.registry.url,
-           "LORAPLANE_API_TOKEN": TOKENS["publisher"][0],
+           "LORAPLANE_API_TOKEN": TOKENS[role][0],
            "LORAPLANE_STATE_DIR": str(stack.settings.state_dir / "no-stack"),
            "COLUMNS": "80"}
     result = CliRunner().invoke(app, list(args), env=env)
@@ -124,3 +124,20 @@ def test_read_verbs_print_tables_records_and_json_and_errors_on_stderr(
     code, out, err = run(stack, "adapters", "show", "nope")
     assert code == 1 and out == "", out
     assert err.startswith("error: GET /v1/adapters/nope: 404") and len(err.splitlines()) == 1
+
+
+def test_switch_and_rollback_name_the_version_they_made_active(stack: Stack) -> None:
+    """The rollback's answer carries the version in `to_version`; the CLI used to print
+    the empty `version` field ("rolled back to vNone")."""
+    assert stack.publish("v1", "first").status_code == 201
+    assert stack.publish("good", "second").status_code == 201
+    for version in ("1", "2"):
+        code, out, err = run(stack, "override", "bot", version, "--reason", "no set",
+                             role="admin")
+        assert code == 0, err
+        code, out, err = run(stack, "switch", "bot", version)
+        assert code == 0 and out.strip() == f"bot: active version is now v{version}", err
+    code, out, err = run(stack, "rollback", "bot", "--reason", "second is worse")
+    assert code == 0, err
+    assert out.strip() == "bot: rolled back to v1"
+    assert stack.publisher.get("/v1/adapters/bot").json()["active_version"] == 1

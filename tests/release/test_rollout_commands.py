@@ -26,7 +26,7 @@ from services.registry.release_commands import (
     roll_back_rollout,
     start_rollout,
 )
-from tests.catalog.test_release import TENANT, at, completed, event, published, request
+from tests.catalog.test_release_rule import TENANT, at, completed, event, published, request
 
 PLAN = RolloutPlan(stages=[5, 50, 100], min_stage_s=10, window_s=10, max_error_ratio=1.5,
                    min_requests=10, max_p95_ms=1000)

@@ -258,10 +258,11 @@ def test_neutral_values_of_refused_fields_ask_for_nothing_and_pass(router) -> No
                 _send(api, endpoint, fields, extra)  # raises on a refusal
 
 
-def test_the_readme_lists_the_table() -> None:
-    """README's API section names every row of the table, in the list of its kind."""
-    text = (REPO / "README.md").read_text()
-    section = text[text.index("### OpenAI-compatible HTTP"):text.index("## Worker (")]
+def test_the_router_page_lists_the_table() -> None:
+    """The router page's OpenAI section names every row of the table, in the list of its
+    kind."""
+    text = (REPO / "docs" / "router.md").read_text()
+    section = text[text.index("### OpenAI-compatible HTTP"):text.index("### gRPC")]
     lists = {kind: section[section.index(f"- {heading}"):] for kind, heading in (
         ("honoured", "honoured:"), ("no_effect", "accepted, no effect"),
         ("refused", "refused unless neutral:"))}
