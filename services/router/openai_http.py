@@ -34,7 +34,6 @@ from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, TypeVar
 
-import grpc
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -73,13 +72,13 @@ from services.router.openai_schema import (
 bearer = HTTPBearer(auto_error=False, description="An inference token (stored hashed).")
 
 _STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRECONDITION: 400,
-    grpc.StatusCode.OUT_OF_RANGE: 400, grpc.StatusCode.UNAUTHENTICATED: 401,
-    grpc.StatusCode.PERMISSION_DENIED: 403, grpc.StatusCode.NOT_FOUND: 404,
-    grpc.StatusCode.ALREADY_EXISTS: 409, grpc.StatusCode.ABORTED: 409,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.CANCELLED: 499,
-    grpc.StatusCode.UNIMPLEMENTED: 501, grpc.StatusCode.UNAVAILABLE: 503,
-    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+    "INVALID_ARGUMENT": 400, "FAILED_PRECONDITION": 400,
+    "OUT_OF_RANGE": 400, "UNAUTHENTICATED": 401,
+    "PERMISSION_DENIED": 403, "NOT_FOUND": 404,
+    "ALREADY_EXISTS": 409, "ABORTED": 409,
+    "RESOURCE_EXHAUSTED": 429, "CANCELLED": 499,
+    "UNIMPLEMENTED": 501, "UNAVAILABLE": 503,
+    "DEADLINE_EXCEEDED": 504,
 }
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 409: "conflict_error", 429: "rate_limit_error",
@@ -181,7 +180,10 @@ def listed_models(catalog: CatalogState, tenant: TenantRef) -> list[dict[str, An
 
 
 @dataclass(frozen=True)
-class Caller:
+class HttpCaller:
+    """An HTTP caller once its token is checked: who, the tenant signature its headers
+    make, and the tenant that signature authorises."""
+
     principal: Principal
     signature: pb.TenantSignature
     tenant: TenantRef
@@ -193,7 +195,7 @@ class Front:
     def __init__(self, dispatcher: Dispatcher) -> None:
         self.dispatcher = dispatcher
 
-    def requests(self, caller: Caller, body: OpenAIBody, base: str | None, ref: pb.AdapterRef,
+    def requests(self, caller: HttpCaller, body: OpenAIBody, base: str | None, ref: pb.AdapterRef,
                  prompts: Sequence[str | list[int] | list[ChatMessage]], default_max: int | None
                  ) -> list[pb.GenerateRequest]:
         sampling = body.sampling(default_max)
@@ -221,7 +223,7 @@ class Front:
             built.append(request)
         return built
 
-    async def open_streams(self, caller: Caller, requests: list[pb.GenerateRequest],
+    async def open_streams(self, caller: HttpCaller, requests: list[pb.GenerateRequest],
                            base: str | None
                            ) -> list[tuple[pb.GenerateResponse, AsyncIterator[Any]]]:
         """Start every request and wait for its first response, so that an error before
@@ -353,7 +355,7 @@ class Allowed:
         tenant: Annotated[str | None, Header(alias="X-Loraplane-Tenant")] = None,
         scope: Annotated[str | None, Header(alias="X-Loraplane-Compliance-Scope")] = None,
         region: Annotated[str | None, Header(alias="X-Loraplane-Region")] = None,
-    ) -> Caller:
+    ) -> HttpCaller:
         dispatcher: Dispatcher = request.app.state.dispatcher
         tokens: TokenBook = request.app.state.tokens
         principal = tokens.resolve(credentials.credentials) if credentials else None
@@ -369,7 +371,7 @@ class Allowed:
 
 
 def caller(dispatcher: Dispatcher, principal: Principal, tenant: str | None,
-           scope: str | None, region: str | None) -> Caller:
+           scope: str | None, region: str | None) -> HttpCaller:
     """The tenant signature the token and the headers give."""
     parts = tenant.split("/") if tenant else ["", "", ""]
     if len(parts) != 3:
@@ -382,10 +384,10 @@ def caller(dispatcher: Dispatcher, principal: Principal, tenant: str | None,
     except RouteError as error:
         dispatcher.metrics.rejections.labels(error.reason).inc()
         raise OpenAIError.of(error) from None
-    return Caller(principal, signature, ref)
+    return HttpCaller(principal, signature, ref)
 
 
-Who = Annotated[Caller, Depends(Allowed(Permission.INFER))]
+Who = Annotated[HttpCaller, Depends(Allowed(Permission.INFER))]
 
 
 def create_http_app(dispatcher: Dispatcher, tokens: TokenBook) -> FastAPI:
