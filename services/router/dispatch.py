@@ -37,7 +37,7 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 
@@ -78,6 +78,10 @@ RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN,
 """Worker failures worth one more try elsewhere; the rest would fail there too."""
 MIN_RETRY_BUDGET_S = 0.05
 """A retry is not started with less time than this left before the deadline."""
+CATCH_UP_S = 2.0
+"""The longest a refused request waits for the fold to catch up with the log."""
+CATCH_UP_CODES = frozenset({"NOT_FOUND", "FAILED_PRECONDITION"})
+"""Refusals that a write the fold has not read yet may lift (unknown, or not active)."""
 HINT_EVERY_S = 2.0
 """The same prefetch hint is not repeated to the same worker more often than this."""
 
@@ -164,6 +168,14 @@ class Dispatcher:
         self._tasks: set[asyncio.Task[None]] = set()
         self.witness: CutWitness | None = None
         """Traces requests cut mid-stream (set by the app; None: not traced)."""
+        self.catch_up: Callable[[float], Awaitable[bool]] | None = None
+        """Folds everything committed to the log before the call, within the seconds given
+        (set by the app; None: the fold is fed directly, as in tests of the fold)."""
+
+    def reset(self, catalog: CatalogState | None = None) -> None:
+        """Start the fold again from `catalog` (a snapshot's) or from nothing: before the
+        router is ready, when its reader restarts its replay."""
+        self.routing = Routing(self.settings, catalog)
 
     # the routing state, as the fronts and tests read it
     @property
@@ -249,6 +261,28 @@ class Dispatcher:
 
     # --- the request path ------------------------------------------------------------------
 
+    async def decide_caught_up(self, principal: Principal, asked: Asked, started: float,
+                               deadline: float) -> RouteDecision:
+        """`Routing.decide`, reading the caller's own writes: a refusal of an adapter,
+        alias, version or base model this router's fold does not know or hold active
+        (NOT_FOUND, FAILED_PRECONDITION) stands only once the fold holds everything
+        committed to the log before the call (`catch_up`, at most `CATCH_UP_S` and within
+        the deadline): a publish or switch the registry has just answered may still be on
+        its way here. Only such refusals pay for the look at the log's ends."""
+        try:
+            return self.routing.decide(principal, asked, started)
+        except RouteError as error:
+            if error.code not in CATCH_UP_CODES or self.catch_up is None:
+                raise
+            refused = error
+        finally:
+            self.metrics.route_seconds.observe(self.clock() - started)
+        limit = min(CATCH_UP_S, deadline - self.clock() - 0.1)
+        if limit <= 0:
+            raise refused
+        await self.catch_up(limit)
+        return self.routing.decide(principal, asked, self.clock())
+
     async def generate(self, principal: Principal, request: pb.GenerateRequest, *,
                        timeout_s: float | None, front: str, base_model: str | None = None
                        ) -> AsyncIterator[pb.GenerateResponse]:
@@ -266,10 +300,7 @@ class Dispatcher:
         tenant_label = adapter_label = "-"
         try:
             _checked(check_generate, request)
-            try:
-                decision = self.routing.decide(principal, asked, started)
-            finally:
-                self.metrics.route_seconds.observe(self.clock() - started)
+            decision = await self.decide_caught_up(principal, asked, started, deadline)
             limits = self.routing.model_limits(decision.base_digest)
             if limits is not None:
                 _checked(check_limits, request, limits)

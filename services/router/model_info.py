@@ -27,8 +27,9 @@ async def on_worker(dispatcher: Dispatcher, principal: Principal, signature: pb.
                     adapter: pb.AdapterRef, base_model: str | None, method: str,
                     request: Any, timeout_s: float = 30.0) -> Any:
     """Resolve the model for the caller and ask one of its workers (RouteError else)."""
-    decision = dispatcher.decide(principal, asked_of(signature, adapter, base_model or None),
-                                 dispatcher.clock())
+    now = dispatcher.clock()
+    decision = await dispatcher.decide_caught_up(
+        principal, asked_of(signature, adapter, base_model or None), now, now + timeout_s)
     worker = decision.placement.worker
     address = dispatcher.membership.address(worker)
     stub = pb_grpc.InferenceStub(dispatcher._channel(worker, address))
