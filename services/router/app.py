@@ -33,7 +33,7 @@ from services.registry.auth import TokenBook
 from services.router.dispatch import Dispatcher
 from services.router.fold import RouterFold
 from services.router.metrics import RouterMetrics
-from services.router.openai_http import create_http_app
+from services.router.openai_routes import create_http_app
 from services.router.server import RouterHealth, build_server
 from services.router.witness import CutWitness
 
