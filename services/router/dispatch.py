@@ -3,7 +3,12 @@
 gRPC (`services.router.server`) and the OpenAI HTTP API (`services.router.openai_http`)
 hand every request to `Dispatcher.generate`, so both get the same resolution, placement,
 limits and failover. State is folded from the log on the event loop's thread
-(`services.router.app`), so nothing here takes a lock: one decision sees one state.
+(`services.router.fold`), so nothing here takes a lock: one decision sees one state.
+Steps 1-4 below are the pure routing decision (`services.router.routing.Routing.decide`,
+no I/O, no wire types); this module is the forwarder around it: the fold's effects on
+the ring, step 5, the channel pool, prefetch hints, route traces. A refusal of an unknown
+or inactive adapter stands only once the fold has caught up with the log
+(`Dispatcher.decide_caught_up`).
 
 Steps of a request (after `services.contracts.generate`'s check of the request, the one
 the workers make too; its base model's limits are checked once step 2 knows the model):
