@@ -68,8 +68,9 @@ from services.contracts.grpc import inference_pb2 as pb  # noqa: E402
 from services.contracts.grpc import inference_pb2_grpc as pb_grpc  # noqa: E402
 from services.eventlog import ensure_topics  # noqa: E402
 from services.registry.auth import Principal  # noqa: E402
-from services.router.dispatch import Asked, Dispatcher  # noqa: E402
+from services.router.dispatch import Dispatcher, asked_of  # noqa: E402
 from services.router.ring import Ring, ring_key  # noqa: E402
+from services.router.routing import Asked  # noqa: E402
 from services.stack.brokers import ApacheKafka  # noqa: E402
 from tests.router.conftest import (  # noqa: E402
     CatalogWriter,
@@ -229,8 +230,8 @@ def decisions(count: int, tenants: int = 10_000, workers: int = 64) -> dict[str,
     frozen_gc_ms = (time.perf_counter() - started) * 1000
 
     def ask(principal: Principal, name: str) -> Ask:
-        return principal, Asked(pb.TenantSignature(user_id=f"u{rnd.randrange(10**6)}"),
-                                pb.AdapterRef(alias=name))
+        return principal, asked_of(pb.TenantSignature(user_id=f"u{rnd.randrange(10**6)}"),
+                                  pb.AdapterRef(alias=name))
 
     firsts = [ask(principal, name) for principal, name in callers]
     rnd.shuffle(firsts)

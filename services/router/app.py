@@ -7,11 +7,13 @@ calls, and the calls in flight, streams included, get `router_drain_s` to finish
 the process exits (clients with another router fail over to it).
 
 Start-up: both servers listen at once (gRPC health NOT_SERVING, HTTP `/readyz` 503, and
-requests answered UNAVAILABLE / 503 with a retry hint), while the log is replayed to
-its end in a worker thread; then the router is ready. A broker that
-is down at start is retried every second. A broker that goes down later leaves the router
-serving from the state it has; workers are not expired while the log cannot be read
-(their heartbeats would not be seen), only once it is read again.
+requests answered UNAVAILABLE / 503 with a retry hint), while the shared log follower
+(`services.eventlog.follower`) folds the log to its end from the newest snapshot of the
+router's fold (`services.router.fold`) in its own thread; then the router is ready. A
+broker that is down at start is retried. A broker that goes down later leaves the router
+serving from the state it has; a worker whose heartbeats cannot be read is not taken out
+for that (`services.router.membership`: only once its partition is read again, or after
+the stall grace).
 """
 
 from __future__ import annotations
@@ -26,16 +28,19 @@ import uvicorn
 
 from services import tls
 from services.config import Settings
-from services.eventlog import Record
+from services.eventlog.follower import FollowerHalted, LogFollower
 from services.registry.auth import TokenBook
 from services.router.dispatch import Dispatcher
-from services.router.follower import LogFollower
+from services.router.fold import RouterFold
 from services.router.metrics import RouterMetrics
-from services.router.openai_http import create_http_app
+from services.router.openai_routes import create_http_app
 from services.router.server import RouterHealth, build_server
 from services.router.witness import CutWitness
 
 log = logging.getLogger("loraplane.router")
+
+TICK_S = 0.1
+"""How often silent workers are looked for (and unused channels closed)."""
 
 
 class _EmbeddedUvicorn(uvicorn.Server):
@@ -56,12 +61,15 @@ class RouterApp:
         self.witness = CutWitness(settings, self.router_id)
         self.dispatcher.witness = self.witness
         self.tokens = TokenBook.from_setting(settings.auth_tokens)
-        self.follower = LogFollower(settings, self.router_id)
+        self.fold = RouterFold(self.dispatcher, self.witness)
+        self.follower = LogFollower(settings, self.fold, reader_id=self.router_id,
+                                    snapshot_name="router", on_ready=self._caught_up)
+        self.dispatcher.catch_up = self._catch_up
         self.grpc_port = settings.router_port if grpc_port is None else grpc_port
         self.http_port = settings.router_http_port if http_port is None else http_port
         self.health = RouterHealth()
-        self.last_error: str | None = None
         self._stop: asyncio.Event | None = None
+        self._replayed: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._http: _EmbeddedUvicorn | None = None
 
@@ -73,6 +81,7 @@ class RouterApp:
     async def run(self, on_listening: Callable[[], None] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
+        self._replayed = asyncio.Event()
         host = self.settings.router_host
         grpc_server, self.grpc_port = build_server(self.dispatcher, self.tokens, self.health,
                                                    f"{host}:{self.grpc_port}", self.settings)
@@ -112,55 +121,42 @@ class RouterApp:
             await http_task
             await self.dispatcher.close()
             await asyncio.to_thread(self.witness.stop)
-            await asyncio.to_thread(self.follower.close)
+            await asyncio.to_thread(self.follower.stop)
             self.metrics.ready.set(0)
 
     async def _follow(self) -> None:
         d = self.dispatcher
-        while True:
-            try:
-                count = await asyncio.to_thread(self.follower.open, self._fold_replayed)
-                break
-            except Exception as exc:
-                self.last_error = f"start-up: {exc}"
-                log.warning("router cannot replay the log yet, retrying: %s", exc)
-                await asyncio.sleep(1.0)
+        assert self._replayed is not None
+        self.follower.start()
+        await self._replayed.wait()
         d.tick()
         self.witness.start()
         d.start_serving()
         self.metrics.ready.set(1)
         await self.health.set(True)
-        log.info("router %s ready: %d events replayed, %d workers in the ring",
-                 self.router_id, count, len(d.ring))
-        healthy = True
+        status = self.follower.status()
+        log.info("router %s ready: from the %s, %d events folded, %d workers in the ring",
+                 self.router_id, status["started_from"], status["folded"], len(d.ring))
         while True:
-            try:
-                records = await asyncio.to_thread(self.follower.poll, 0.1)
-            except Exception as exc:
-                if healthy:
-                    log.warning("router cannot read the log, serving from memory: %s", exc)
-                self.last_error = f"fold: {exc}"
-                healthy = False
-                await asyncio.sleep(0.5)
-                continue
-            healthy = True
-            self._fold_live(records)
+            await asyncio.sleep(TICK_S)
             d.tick()
 
-    def _fold_replayed(self, envelope: object, seen_at: float,
-                       source: tuple[str, int] | None = None) -> None:
-        # Runs in the replay thread before the router is ready: nothing reads the state yet.
-        self.dispatcher.fold(envelope, seen_at, source)  # type: ignore[arg-type]
-        self.witness.observe(envelope)  # type: ignore[arg-type]
+    def _caught_up(self) -> None:
+        """The follower's `on_ready` (its thread): the replay is folded; from now on records
+        are folded on the event loop, which then starts serving."""
+        assert self._loop is not None and self._replayed is not None
+        self.fold.go_live(self._loop)
+        self._loop.call_soon_threadsafe(self._replayed.set)
 
-    def _fold_live(self, records: list[Record]) -> None:
-        now = self.dispatcher.clock()
-        for record in records:
-            try:
-                self.dispatcher.fold(record.envelope, now, (record.topic, record.partition))
-            except Exception:  # a fold bug must not stop the router from reading
-                log.exception("cannot fold %s %s", record.envelope.type,
-                              record.envelope.event_id)
+    async def _catch_up(self, timeout_s: float) -> bool:
+        """Fold everything committed to the log before this call (at most `timeout_s`):
+        True once it is folded."""
+        try:
+            caught = await asyncio.to_thread(self.follower.sync, timeout_s)
+        except FollowerHalted:
+            return False
+        self.fold.drain()
+        return caught
 
 
 def serve(settings: Settings) -> None:

@@ -3,7 +3,12 @@
 gRPC (`services.router.server`) and the OpenAI HTTP API (`services.router.openai_http`)
 hand every request to `Dispatcher.generate`, so both get the same resolution, placement,
 limits and failover. State is folded from the log on the event loop's thread
-(`services.router.app`), so nothing here takes a lock: one decision sees one state.
+(`services.router.fold`), so nothing here takes a lock: one decision sees one state.
+Steps 1-4 below are the pure routing decision (`services.router.routing.Routing.decide`,
+no I/O, no wire types); this module is the forwarder around it: the fold's effects on
+the ring, step 5, the channel pool, prefetch hints, route traces. A refusal of an unknown
+or inactive adapter stands only once the fold has caught up with the log
+(`Dispatcher.decide_caught_up`).
 
 Steps of a request (after `services.contracts.generate`'s check of the request, the one
 the workers make too; its base model's limits are checked once step 2 knows the model):
@@ -31,53 +36,46 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import gc
 import json
 import logging
-import re
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
-from typing import NamedTuple
 
 import grpc
 
 from services import tls
-from services.catalog.serving import (
-    MergeSpec,
-    Resolution,
-    ResolutionCache,
-    ServingChoice,
-    merge_target,
-    purged_reason,
-)
-from services.catalog.state import CatalogState, Refusal
+from services.catalog.serving import purged_reason
+from services.catalog.state import CatalogState
 from services.config import Settings
-from services.contracts.events import SLUG_PATTERN, Envelope, ServedRequest, TenantRef
-from services.contracts.generate import (
-    InvalidArgument,
-    ModelLimits,
-    check_generate,
-    check_limits,
-)
+from services.contracts.events import Envelope, ServedRequest, TenantRef
+from services.contracts.generate import InvalidArgument, check_generate, check_limits
 from services.contracts.grpc import inference_pb2 as pb
 from services.contracts.grpc import inference_pb2_grpc as pb_grpc
-from services.contracts.qos import TIER_TO_PROTO, lower_tier, tier_of
-from services.contracts.roles import TENANT_SCOPED, Permission
+from services.contracts.qos import TIER_TO_PROTO
 from services.registry.auth import Principal
-from services.router.limits import DEFAULT_TIER, Admission, Limits
+from services.router.limits import Limits
 from services.router.membership import Membership
 from services.router.metrics import RouterMetrics
 from services.router.prewarm import RecentAdapter, RecentUse, plan
-from services.router.ring import Placement, Ring, Tier, place_on, ring_key
+from services.router.ring import Ring
+from services.router.routing import (
+    Asked,
+    RouteDecision,
+    RouteError,
+    Routing,
+    authorize_tenant,
+)
 from services.router.witness import CutWitness
 
 log = logging.getLogger("loraplane.router")
 trace_log = logging.getLogger("loraplane.router.trace")
+
+__all__ = ["Asked", "Dispatcher", "RouteError", "RouteTrace", "asked_of", "authorize"]
 
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN,
                        grpc.StatusCode.INTERNAL, grpc.StatusCode.ABORTED,
@@ -85,36 +83,12 @@ RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN,
 """Worker failures worth one more try elsewhere; the rest would fail there too."""
 MIN_RETRY_BUDGET_S = 0.05
 """A retry is not started with less time than this left before the deadline."""
+CATCH_UP_S = 2.0
+"""The longest a refused request waits for the fold to catch up with the log."""
+CATCH_UP_CODES = frozenset({"NOT_FOUND", "FAILED_PRECONDITION"})
+"""Refusals that a write the fold has not read yet may lift (unknown, or not active)."""
 HINT_EVERY_S = 2.0
 """The same prefetch hint is not repeated to the same worker more often than this."""
-
-_SLUG = re.compile(SLUG_PATTERN)
-_REFUSAL_CODES = {"not_found": grpc.StatusCode.NOT_FOUND,
-                  "precondition": grpc.StatusCode.FAILED_PRECONDITION,
-                  "invalid": grpc.StatusCode.INVALID_ARGUMENT,
-                  "conflict": grpc.StatusCode.FAILED_PRECONDITION}
-
-
-class RouteError(Exception):
-    """A request the router answers with an error; both fronts map it to their own shape."""
-
-    def __init__(self, code: grpc.StatusCode, message: str, reason: str, *,
-                 retry_after_s: float | None = None, retry_after: str | None = None,
-                 after_first_token: bool = False, field: str | None = None,
-                 audit: str | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.reason = reason
-        self.field = field
-        """The request field at fault (its proto path), where one is."""
-        self.audit = audit
-        """The real reason where the caller is told less (another tenant's adapter or
-        alias, answered as a missing one): logged to the route trace log, never sent."""
-        self.retry_after_s = retry_after_s
-        self.retry_after = retry_after
-        """Whole seconds for HTTP `Retry-After` / gRPC `retry-after` metadata."""
-        self.after_first_token = after_first_token
 
 
 @dataclass
@@ -150,154 +124,26 @@ class RouteTrace:
         return asdict(self)
 
 
-class Decision(NamedTuple):
-    """What `Dispatcher.decide` chose (one per request: a tuple, the cheapest to build)."""
-
-    tenant: TenantRef
-    tier: str
-    key: str
-    choice: ServingChoice | None
-    base_digest: str | None
-    placement: Placement
-
-
-@dataclass(frozen=True)
-class Asked:
-    """What a request asks for, in the fronts' common terms."""
-
-    signature: pb.TenantSignature
-    adapter: pb.AdapterRef
-    base_model: str | None = None
-    """The base model the caller named (HTTP `model`); None = any base (gRPC)."""
-
-
-def _on_device(_: str) -> Tier:
-    """Where a request without an adapter finds it: nothing to load, every worker is warm."""
-    return "device"
+def asked_of(signature: pb.TenantSignature, adapter: pb.AdapterRef,
+             base_model: str | None = None) -> Asked:
+    """A request's tenant signature and adapter reference as the routing decision takes
+    them (plain values)."""
+    which = adapter.WhichOneof("ref")
+    named: str | tuple[str, int] | None = None
+    if which == "alias":
+        named = adapter.alias
+    elif which is not None:
+        pinned = adapter.pinned
+        named = (pinned.adapter_id, pinned.version)
+    return Asked(signature.org_id, signature.team_id, signature.project_id,
+                 signature.qos_tier, signature.compliance_scope, signature.region_hint,
+                 signature.user_id, named, base_model)
 
 
 def authorize(principal: Principal, signature: pb.TenantSignature) -> TenantRef:
     """The tenant a request runs as: the token's scope, filled in (where `*`) by the request."""
-    return _authorize(principal, signature.org_id, signature.team_id, signature.project_id)
-
-
-@functools.lru_cache(maxsize=65536)
-def _authorize(principal: Principal, *asked: str) -> TenantRef:
-    """Cached per token and asked tenant: the same callers ask again and again, and a refusal
-    (an exception) is never cached."""
-    names = ("org", "team", "project")
-    if not principal.holds(Permission.INFER):
-        raise RouteError(grpc.StatusCode.PERMISSION_DENIED,
-                         f"role {principal.role} may not run inference", "forbidden")
-    if principal.role not in TENANT_SCOPED:
-        if not all(asked):
-            raise RouteError(grpc.StatusCode.INVALID_ARGUMENT,
-                             f"an {principal.role} token must name the tenant (org, team, "
-                             "project)", "invalid")
-        values = list(asked)
-    else:
-        assert principal.tenant_pattern is not None  # TokenBook gives scoped roles one
-        values = []
-        for name, scope, value in zip(names, principal.tenant_pattern, asked, strict=True):
-            if scope != "*":
-                if value and value != scope:
-                    raise RouteError(grpc.StatusCode.PERMISSION_DENIED,
-                                     f"token is scoped to {name} {scope!r}, not {value!r}",
-                                     "forbidden")
-                values.append(scope)
-            elif not value:
-                raise RouteError(grpc.StatusCode.INVALID_ARGUMENT,
-                                 f"token covers any {name}: name the {name} in the request",
-                                 "invalid")
-            else:
-                values.append(value)
-    return _tenant(values[0], values[1], values[2])
-
-
-class Caller(NamedTuple):
-    """Who a request runs as, and the names the request path keys on."""
-
-    tenant: TenantRef
-    tenant_key: str
-    """`tenant.key`: the limits' and metrics' name of the tenant."""
-    tier: str
-    """The QoS tier: the token's, or lower where the request asks for less."""
-    ring_key: str
-
-
-@functools.lru_cache(maxsize=65536)
-def _caller(principal: Principal, org: str, team: str, project: str, qos_tier: int,
-            compliance_scope: str, region_hint: str) -> Caller:
-    """Steps that depend only on the token and the signature, done once per distinct pair
-    (a refusal, an exception, is never cached)."""
-    tenant = _authorize(principal, org, team, project)
-    tier = lower_tier(principal.qos_tier or DEFAULT_TIER, tier_of(qos_tier))
-    return Caller(tenant, tenant.key, tier, ring_key(tenant.org, tenant.team, tenant.project,
-                                                     compliance_scope, region_hint))
-
-
-@functools.lru_cache(maxsize=65536)
-def _tenant(org: str, team: str, project: str) -> TenantRef:
-    """Validated once per tenant: requests repeat the same few tenants many times."""
-    for name, value in (("org", org), ("team", team), ("project", project)):
-        if not _SLUG.match(value):
-            raise RouteError(grpc.StatusCode.INVALID_ARGUMENT, f"bad {name} {value!r}",
-                             "invalid")
-    return TenantRef(org=org, team=team, project=project)
-
-
-MAX_ROUTES = 65_536
-"""Callers' routes kept at most (then all are dropped and rebuilt as callers come back)."""
-
-
-class Target(NamedTuple):
-    """What one caller's requests that resolve to the same outcome share."""
-
-    choice: ServingChoice | None
-    sha256: str | None
-    """`choice.sha256`, kept here: one object fewer to read per request."""
-    base_digest: str | None
-    pool: tuple[frozenset[str], list[int]]
-    """`Membership.pool_entry` of the base model: eligible workers, [their in-flight sum]."""
-    merged: bool
-    """Workers in merged mode serve this adapter: placement takes the long way."""
-    admission: Admission
-    recent: RecentAdapter | None
-
-
-class CallerRoute:
-    """Everything a request's decision reuses from the previous request of the same caller
-    (token, tenant signature less the user, adapter reference, base model). Built again when
-    the ring or the worker pools change or another principal comes with the token id;
-    resolved again when the fold's serving generation moves; `Limits` re-binds its buckets
-    itself. `targets` follow the resolution's `outcomes` (each built on first use)."""
-
-    __slots__ = ("base_digest", "key", "order", "outcomes", "pools", "principal",
-                 "resolution", "ring", "serving", "targets", "tenant", "tenant_key", "tier")
-
-    def __init__(self, principal: Principal, serving: int, ring: int, pools: int,
-                 tenant: TenantRef, tenant_key: str, tier: str, key: str,
-                 order: tuple[str, ...]) -> None:
-        self.principal = principal
-        self.serving, self.ring, self.pools = serving, ring, pools
-        self.tenant, self.tenant_key, self.tier, self.key = tenant, tenant_key, tier, key
-        self.order = order
-        """The ring's walk from `key`."""
-        self.base_digest: str | None = None
-        """The base model the request named (None = any)."""
-        self.resolution: Resolution | None = None
-        """The canary line users are placed on; None where every user gets `outcomes[0]`."""
-        self.outcomes: tuple[ServingChoice | Refusal | None, ...] = ()
-        self.targets: list[Target | None] = []
-
-
-def _same(kept: tuple[object, ...], fresh: tuple[object, ...]) -> bool:
-    """Do two resolutions' outcomes give every user the same target? (A refusal is never
-    the same: its target is not kept anyway.)"""
-    return len(kept) == len(fresh) and all(
-        (a is None and b is None) or (isinstance(a, ServingChoice) and isinstance(
-            b, ServingChoice) and a == b and a.base_model_digest == b.base_model_digest)
-        for a, b in zip(kept, fresh, strict=True))
+    return authorize_tenant(principal, signature.org_id, signature.team_id,
+                            signature.project_id)
 
 
 def _checked(check: Callable[..., None], *args: object) -> None:
@@ -306,62 +152,68 @@ def _checked(check: Callable[..., None], *args: object) -> None:
     try:
         check(*args)
     except InvalidArgument as exc:
-        raise RouteError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), "invalid",
+        raise RouteError("INVALID_ARGUMENT", str(exc), "invalid",
                          field=exc.field) from None
 
 
-def _refused(refusal: Refusal) -> RouteError:
-    """The serving rule's refusal as the caller is answered (`Refusal.public`: another
-    tenant's name reads as a missing one), the real reason kept in `audit`; `not_found`
-    (no such adapter, alias or version, or one a purge erased) is OpenAI's
-    `model_not_found` on the HTTP front."""
-    answer = refusal.public()
-    reason = "model_not_found" if answer.kind == "not_found" else answer.kind
-    return RouteError(_REFUSAL_CODES[answer.kind], answer.message, reason,
-                      audit=refusal.message if answer is not refusal else None)
-
-
-def _no_worker(pooled: bool, interval_s: float) -> RouteError:
-    """No worker for the request: none live on its base model, or (`pooled`) live ones
-    the ring does not have yet."""
-    if not pooled:
-        return RouteError(grpc.StatusCode.UNAVAILABLE, "no live worker serves this base "
-                          "model", "no_worker", retry_after_s=interval_s, retry_after="1")
-    return RouteError(grpc.StatusCode.UNAVAILABLE, "no worker in the ring serves this base "
-                      "model yet", "no_worker", retry_after_s=1.0, retry_after="1")
-
 
 class Dispatcher:
-    """The router's state (catalog, membership, ring) and its request path."""
+    """The router's request path over its `Routing` state: fold, forwarding, failover,
+    the channel pool, prefetch hints and trace logging."""
 
     def __init__(self, settings: Settings, metrics: RouterMetrics | None = None, *,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings
         self.metrics = metrics or RouterMetrics()
         self.clock = clock
-        self.catalog = CatalogState(stale_after_s=settings.stale_lease_threshold_s)
-        self.resolutions = ResolutionCache(self.catalog)
-        self._epsilon = settings.router_load_epsilon
-        self._window = settings.router_affinity_window
-        self.membership = Membership(stall_grace_s=settings.router_heartbeat_stall_grace_s,
-                                     interval_s=settings.heartbeat_interval_s,
-                                     misses=settings.router_missed_heartbeats)
-        self.ring = Ring(vnodes=settings.router_ring_vnodes)
-        self.limits = Limits(tenant_rate=settings.router_tenant_rate,
-                             adapter_rate=settings.router_adapter_rate,
-                             cold_load_rate=settings.router_cold_load_rate,
-                             burst_s=settings.router_burst_s,
-                             overrides=settings.router_rate_overrides)
-        self.recent = RecentUse(per_key=settings.router_recent_adapters)
-        self.ready = False
+        self.routing = Routing(settings)
         self.traces: deque[RouteTrace] = deque(maxlen=2000)
         self._channels: dict[str, tuple[str, grpc.aio.Channel]] = {}
         self._hinted: dict[tuple[str, str, int], float] = {}
         self._tasks: set[asyncio.Task[None]] = set()
-        self._routes: dict[tuple[object, ...], CallerRoute] = {}
-        self._limits: dict[str, ModelLimits] = {}
         self.witness: CutWitness | None = None
         """Traces requests cut mid-stream (set by the app; None: not traced)."""
+        self.catch_up: Callable[[float], Awaitable[bool]] | None = None
+        """Folds everything committed to the log before the call, within the seconds given
+        (set by the app; None: the fold is fed directly, as in tests of the fold)."""
+
+    def reset(self, catalog: CatalogState | None = None) -> None:
+        """Start the fold again from `catalog` (a snapshot's) or from nothing: before the
+        router is ready, when its reader restarts its replay."""
+        self.routing = Routing(self.settings, catalog)
+
+    # the routing state, as the fronts and tests read it
+    @property
+    def catalog(self) -> CatalogState:
+        return self.routing.catalog
+
+    @property
+    def membership(self) -> Membership:
+        return self.routing.membership
+
+    @property
+    def ring(self) -> Ring:
+        return self.routing.ring
+
+    @property
+    def limits(self) -> Limits:
+        return self.routing.limits
+
+    @property
+    def recent(self) -> RecentUse:
+        return self.routing.recent
+
+    @property
+    def ready(self) -> bool:
+        return self.routing.ready
+
+    @ready.setter
+    def ready(self, value: bool) -> None:
+        self.routing.ready = value
+
+    def decide(self, principal: Principal, asked: Asked, now: float) -> RouteDecision:
+        """`Routing.decide`: steps 1-4 of the module doc, no I/O; raises `RouteError`."""
+        return self.routing.decide(principal, asked, now)
 
     def start_serving(self) -> None:
         """The log is replayed: answer requests from now on. The replayed state is most of the
@@ -414,173 +266,27 @@ class Dispatcher:
 
     # --- the request path ------------------------------------------------------------------
 
-    def decide(self, principal: Principal, asked: Asked, now: float) -> Decision:
-        """Steps 1-4 of the module doc: no I/O; raises `RouteError`. Every request of both
-        fronts pays for this, so a caller that asked before (same token, signature, adapter
-        reference and base model) costs one lookup of its `CallerRoute`, then straight-line
-        code: the user's pick on a canary line, the walk, one admission, tuples."""
-        if not self.ready:
-            raise RouteError(grpc.StatusCode.UNAVAILABLE, "router is replaying the log",
-                             "not_ready", retry_after_s=1.0, retry_after="1")
-        sig = asked.signature
-        ref = asked.adapter
-        which = ref.WhichOneof("ref")
-        named: str | tuple[str, int] | None = None
-        if which == "alias":
-            named = ref.alias
-        elif which is not None:
-            pinned = ref.pinned
-            named = (pinned.adapter_id, pinned.version)
-        key = (principal.token_id, sig.org_id, sig.team_id, sig.project_id, sig.qos_tier,
-               sig.compliance_scope, sig.region_hint, named, asked.base_model)
-        route = self._routes.get(key)
-        membership = self.membership
-        if (route is None or route.principal is not principal or route.ring != self.ring.version
-                or route.pools != membership.generation):
-            route = self._route(principal, asked, key)
-        elif route.serving != self.catalog.serving_generation:
-            self._resolve(route, asked)
-        resolution = route.resolution
-        index = 0 if resolution is None else resolution.entry(sig.user_id)
-        target = route.targets[index]
-        if target.__class__ is not Target:
-            target = self._target(route, index, now)
-        choice, sha256, base_digest, (eligible, in_pool), merged, admission, recent = target
-        placement = None
-        if eligible:
-            placement = place_on(route.order, eligible=eligible.__contains__,
-                                 loads=membership.in_flight,
-                                 holding=_on_device if sha256 is None else
-                                 membership.holding(sha256, now),
-                                 epsilon=self._epsilon, window=self._window,
-                                 eligible_count=len(eligible), total_in_flight=in_pool[0])
-        if merged:
-            placement = self._merged_placement(route, choice, placement, bool(eligible))
-        elif placement is None:
-            raise _no_worker(bool(eligible), membership.interval_s)
-        refusal = self.limits.admit_with(now, admission, placement.cold)
-        if refusal is not None:
-            raise RouteError(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal.message,
-                             refusal.reason, retry_after_s=refusal.retry_after_s,
-                             retry_after=refusal.retry_after_header)
-        if recent is not None:
-            self.recent.touch(route.key, recent)
-        return Decision(route.tenant, route.tier, route.key, choice, base_digest, placement)
-
-    def _route(self, principal: Principal, asked: Asked, key: tuple[object, ...]
-               ) -> CallerRoute:
-        """Build (and keep) a caller's route: tenant from the token, the version by
-        `services.catalog.serving`'s rule for every user at once, the ring's walk. A
-        refusal raises here and is not kept."""
-        sig = asked.signature
-        tenant, tenant_key, tier, ring_key_ = _caller(
-            principal, sig.org_id, sig.team_id, sig.project_id, sig.qos_tier,
-            sig.compliance_scope, sig.region_hint)
-        ring = self.ring
-        route = CallerRoute(principal, -1, ring.version, self.membership.generation, tenant,
-                            tenant_key, tier, ring_key_,
-                            ring.order(ring_key_) if ring.members else ())
-        self._resolve(route, asked)
-        if len(self._routes) >= MAX_ROUTES:
-            self._routes.clear()
-        self._routes[key] = route
-        return route
-
-    def _resolve(self, route: CallerRoute, asked: Asked) -> None:
-        """(Re)resolve the route's version on the fold as it is now. Any catalog event moves
-        the serving generation, and most leave this caller's outcomes as they were: its
-        targets (pools, admissions) are kept then."""
-        base_digest = None
-        if asked.base_model is not None:
-            base = self.catalog.base_models.get(asked.base_model)
-            if base is None:
-                raise RouteError(grpc.StatusCode.NOT_FOUND,
-                                 f"base model {asked.base_model!r} does not exist", "not_found")
-            base_digest = base.digest
-        ref = asked.adapter
-        which = ref.WhichOneof("ref")
-        resolution = None
-        outcomes: tuple[ServingChoice | Refusal | None, ...] = (None,)
+    async def decide_caught_up(self, principal: Principal, asked: Asked, started: float,
+                               deadline: float) -> RouteDecision:
+        """`Routing.decide`, reading the caller's own writes: a refusal of an adapter,
+        alias, version or base model this router's fold does not know or hold active
+        (NOT_FOUND, FAILED_PRECONDITION) stands only once the fold holds everything
+        committed to the log before the call (`catch_up`, at most `CATCH_UP_S` and within
+        the deadline): a publish or switch the registry has just answered may still be on
+        its way here. Only such refusals pay for the look at the log's ends."""
         try:
-            if which == "alias":
-                found = self.resolutions.resolution(route.tenant, ref.alias,
-                                                    base_digest=base_digest)
-                outcomes = found.outcomes
-                resolution = found if found.edges else None
-            elif which is not None:
-                pinned = ref.pinned
-                if pinned.version == 0:
-                    raise Refusal("invalid", "a pinned version starts at 1")
-                outcomes = (self.resolutions.pinned(route.tenant, pinned.adapter_id,
-                                                    pinned.version, base_digest=base_digest),)
-        except Refusal as refusal:
-            raise _refused(refusal) from None
-        if base_digest != route.base_digest or not _same(route.outcomes, outcomes):
-            route.targets = [None] * len(outcomes)
-        route.base_digest, route.resolution, route.outcomes = base_digest, resolution, outcomes
-        route.serving = self.catalog.serving_generation
-
-    def _target(self, route: CallerRoute, index: int, now: float) -> Target:
-        """What the route's requests with outcome `index` share (built on the first)."""
-        outcome = route.outcomes[index]
-        if isinstance(outcome, Refusal):
-            raise _refused(outcome)
-        membership = self.membership
-        if outcome is None:
-            target = Target(None, None, route.base_digest, membership.pool_entry(route.base_digest),
-                            False, self.limits.admission(now, tenant=route.tenant_key,
-                                                         tenant_tier=route.tier), None)
-        else:
-            digest = outcome.base_model_digest
-            target = Target(outcome, outcome.sha256, digest, membership.pool_entry(digest),
-                            bool(membership.merged_for(outcome.adapter_id)),
-                            self.limits.admission(now, tenant=route.tenant_key,
-                                                  tenant_tier=route.tier,
-                                                  adapter=outcome.adapter_id,
-                                                  adapter_tier=outcome.qos_tier),
-                            RecentAdapter(outcome.adapter_id, outcome.version, outcome.sha256,
-                                          digest or ""))
-        route.targets[index] = target
-        return target
-
-    def _merged_placement(self, route: CallerRoute, choice: ServingChoice | None,
-                          general: Placement | None, pooled: bool) -> Placement:
-        """Placement when workers in merged mode serve the adapter: those of them that serve
-        this version now take it, the general placement is their fallback."""
-        assert choice is not None
-        merged = self._merged_workers(choice)
-        if not merged:
-            if general is None:
-                raise _no_worker(pooled, self.membership.interval_s)
-            return general
-        in_flight = self.membership.in_flight
-        placement = place_on(route.order, eligible=frozenset(merged).__contains__,
-                             loads=in_flight, holding=_on_device, epsilon=self._epsilon,
-                             window=1, eligible_count=len(merged),
-                             total_in_flight=sum(in_flight.get(w, 0) for w in merged))
-        if placement is not None and placement.fallback is None and general is not None:
-            placement = placement._replace(fallback=general.worker)
-        placement = placement or general
-        if placement is None:
-            raise _no_worker(True, self.membership.interval_s)
-        return placement
-
-    def _merged_workers(self, choice: ServingChoice) -> tuple[str, ...]:
-        """Live workers in merged mode that serve this version now, by the merge rule on
-        this router's fold (a switch moves the traffic without waiting for heartbeats)."""
-        found = []
-        for worker in self.membership.merged_for(choice.adapter_id):
-            view = self.membership.workers[worker]
-            dedication = view.dedication
-            assert dedication is not None
-            try:
-                target = merge_target(self.catalog, MergeSpec(*dedication),
-                                      base_digest=view.base_digest)
-            except Refusal:
-                continue
-            if target.version == choice.version:
-                found.append(worker)
-        return tuple(found)
+            return self.routing.decide(principal, asked, started)
+        except RouteError as error:
+            if error.code not in CATCH_UP_CODES or self.catch_up is None:
+                raise
+            refused = error
+        finally:
+            self.metrics.route_seconds.observe(self.clock() - started)
+        limit = min(CATCH_UP_S, deadline - self.clock() - 0.1)
+        if limit <= 0:
+            raise refused
+        await self.catch_up(limit)
+        return self.routing.decide(principal, asked, self.clock())
 
     async def generate(self, principal: Principal, request: pb.GenerateRequest, *,
                        timeout_s: float | None, front: str, base_model: str | None = None
@@ -595,15 +301,12 @@ class Dispatcher:
                               else self.settings.router_request_timeout_s)
         request_id = request.request_id or uuid.uuid4().hex
         trace_id = request.trace_id or uuid.uuid4().hex
-        asked = Asked(request.tenant, request.adapter, base_model)
+        asked = asked_of(request.tenant, request.adapter, base_model)
         tenant_label = adapter_label = "-"
         try:
             _checked(check_generate, request)
-            try:
-                decision = self.decide(principal, asked, started)
-            finally:
-                self.metrics.route_seconds.observe(self.clock() - started)
-            limits = self._model_limits(decision.base_digest)
+            decision = await self.decide_caught_up(principal, asked, started, deadline)
+            limits = self.routing.model_limits(decision.base_digest)
             if limits is not None:
                 _checked(check_limits, request, limits)
         except RouteError as error:
@@ -613,7 +316,7 @@ class Dispatcher:
             if error.audit is not None:  # the caller was told less: the real reason here
                 trace_log.info("%s", json.dumps({
                     "trace_id": trace_id, "request_id": request_id, "front": front,
-                    "tenant": authorize(principal, asked.signature).key,
+                    "tenant": authorize(principal, request.tenant).key,
                     "status": error.reason, "answered": error.message,
                     "reason": error.audit}))
             raise
@@ -636,7 +339,7 @@ class Dispatcher:
             outcome = "ok"
         except RouteError as error:
             outcome = error.reason
-            trace.error = f"{error.code.name}: {error.message}"
+            trace.error = f"{error.code}: {error.message}"
             if not error.after_first_token:
                 self.metrics.rejections.labels(error.reason).inc()
             raise
@@ -650,21 +353,7 @@ class Dispatcher:
             if trace_log.isEnabledFor(level):
                 trace_log.log(level, "%s", json.dumps(trace.as_dict(), default=str))
 
-    def _model_limits(self, digest: str | None) -> ModelLimits | None:
-        """The base model's limits from its registered config (kept per digest: a
-        registration never changes)."""
-        if digest is None:
-            return None
-        limits = self._limits.get(digest)
-        if limits is None:
-            base = next((b for b in self.catalog.base_models.values() if b.digest == digest),
-                        None)
-            if base is None:
-                return None
-            limits = self._limits[digest] = ModelLimits.from_config(base.config)
-        return limits
-
-    def _after_placement(self, decision: Decision) -> None:
+    def _after_placement(self, decision: RouteDecision) -> None:
         """Hints: a cold home prefetches what it is about to load; a cold home passed over
         for a warm neighbour prefetches into host memory so traffic can move back."""
         choice, placement = decision.choice, decision.placement
@@ -679,7 +368,7 @@ class Dispatcher:
             self._hint(placement.home, [adapter], pb.PREFETCH_TIER_HOST,
                        "warm neighbour serving")
 
-    def _forwarded(self, request: pb.GenerateRequest, decision: Decision, request_id: str,
+    def _forwarded(self, request: pb.GenerateRequest, decision: RouteDecision, request_id: str,
                    trace_id: str) -> pb.GenerateRequest:
         forwarded = pb.GenerateRequest()
         forwarded.CopyFrom(request)
@@ -694,13 +383,13 @@ class Dispatcher:
             forwarded.adapter.pinned.version = decision.choice.version
         return forwarded
 
-    async def _forward(self, request: pb.GenerateRequest, decision: Decision,
+    async def _forward(self, request: pb.GenerateRequest, decision: RouteDecision,
                        workers: list[str], deadline: float, trace: RouteTrace, started: float,
                        front: str) -> AsyncIterator[pb.GenerateResponse]:
         for index, worker in enumerate(workers):
             remaining = deadline - self.clock()
             if remaining <= 0:
-                raise RouteError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                raise RouteError("DEADLINE_EXCEEDED",
                                  "deadline passed before a worker answered", "deadline")
             address = self.membership.address(worker)
             attempt = Attempt(worker, address)
@@ -728,7 +417,7 @@ class Dispatcher:
                     tokens = attempt.responses - (response is not None
                                                   and response.HasField("final"))
                     self._witness_cut(request, decision, trace, worker, tokens)
-                    raise RouteError(code, detail, "worker_error",
+                    raise RouteError(code.name, detail, "worker_error",
                                      after_first_token=True) from None
                 attempt.outcome = "failed_before_first_token"
                 more = index + 1 < len(workers)
@@ -741,7 +430,7 @@ class Dispatcher:
                 reason = ("deadline" if code == grpc.StatusCode.DEADLINE_EXCEEDED else
                           "model_not_found" if code == grpc.StatusCode.NOT_FOUND else
                           "worker_error")
-                raise RouteError(code, f"worker {worker}: {detail}", reason) from None
+                raise RouteError(code.name, f"worker {worker}: {detail}", reason) from None
             except (asyncio.CancelledError, GeneratorExit):
                 attempt.outcome = "cancelled"
                 raise
@@ -750,7 +439,7 @@ class Dispatcher:
                 self.membership.release(worker)
                 self.metrics.in_flight.labels(worker).dec()
 
-    def _witness_cut(self, request: pb.GenerateRequest, decision: Decision, trace: RouteTrace,
+    def _witness_cut(self, request: pb.GenerateRequest, decision: RouteDecision, trace: RouteTrace,
                      worker: str, tokens: int) -> None:
         """Trace a request whose worker's stream broke after `tokens` tokens reached the
         client: the version this router pinned, the worker's base digest."""

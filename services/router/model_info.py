@@ -18,7 +18,7 @@ from services.contracts.events import TenantRef
 from services.contracts.grpc import inference_pb2 as pb
 from services.contracts.grpc import inference_pb2_grpc as pb_grpc
 from services.registry.auth import Principal
-from services.router.dispatch import Asked, Dispatcher, RouteError
+from services.router.dispatch import Dispatcher, RouteError, asked_of
 
 MAX_TOKENIZE_IDS = 1_000_000
 
@@ -27,15 +27,16 @@ async def on_worker(dispatcher: Dispatcher, principal: Principal, signature: pb.
                     adapter: pb.AdapterRef, base_model: str | None, method: str,
                     request: Any, timeout_s: float = 30.0) -> Any:
     """Resolve the model for the caller and ask one of its workers (RouteError else)."""
-    decision = dispatcher.decide(principal, Asked(signature, adapter, base_model or None),
-                                 dispatcher.clock())
+    now = dispatcher.clock()
+    decision = await dispatcher.decide_caught_up(
+        principal, asked_of(signature, adapter, base_model or None), now, now + timeout_s)
     worker = decision.placement.worker
     address = dispatcher.membership.address(worker)
     stub = pb_grpc.InferenceStub(dispatcher._channel(worker, address))
     try:
         return await getattr(stub, method)(request, timeout=timeout_s)
     except grpc.aio.AioRpcError as exc:
-        raise RouteError(exc.code(), f"worker {worker}: {exc.details() or ''}",
+        raise RouteError(exc.code().name, f"worker {worker}: {exc.details() or ''}",
                          "worker_error") from None
 
 

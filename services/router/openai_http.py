@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP front: `/v1/completions`, `/v1/chat/completions`, `/v1/models`.
 
 Requests become `GenerateRequest`s handed to the same `Dispatcher.generate` as gRPC, so
-resolution, placement, limits and failover are the same. Specifics:
+resolution, placement, limits and failover are the same. This module turns bodies into
+requests and answers into OpenAI's shapes; the routes are an `APIRouter` in
+`services.router.openai_routes`, whose `create_http_app` serves them. Specifics:
 
 - `model` is `base:adapter_or_alias`, `adapter@version` or `base:adapter@version` (pinned),
   a base model name alone (no adapter), or an adapter id / alias alone.
@@ -28,19 +30,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
-import grpc
-from fastapi import Depends, FastAPI, Header, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi import Depends, Header, Request
+from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.exceptions import HTTPException
 
 from services.catalog.serving import purged_reason, split_order
 from services.catalog.state import CatalogState
@@ -50,36 +47,26 @@ from services.contracts.grpc import inference_pb2 as pb
 from services.contracts.roles import Permission, holders
 from services.registry.auth import Principal, TokenBook
 from services.router.dispatch import Dispatcher, RouteError, authorize
-from services.router.model_info import on_worker
 from services.router.openai_answers import (
-    ChunkMaker,
     PromptAnswer,
-    chat_choices,
-    completion_choices,
 )
 from services.router.openai_schema import (
-    BodyError,
     ChatBody,
     ChatMessage,
-    CompletionBody,
-    DetokenizeBody,
     OpenAIBody,
-    TokenizeBody,
     http_param,
-    parse,
-    read_body,
 )
 
 bearer = HTTPBearer(auto_error=False, description="An inference token (stored hashed).")
 
 _STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRECONDITION: 400,
-    grpc.StatusCode.OUT_OF_RANGE: 400, grpc.StatusCode.UNAUTHENTICATED: 401,
-    grpc.StatusCode.PERMISSION_DENIED: 403, grpc.StatusCode.NOT_FOUND: 404,
-    grpc.StatusCode.ALREADY_EXISTS: 409, grpc.StatusCode.ABORTED: 409,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.CANCELLED: 499,
-    grpc.StatusCode.UNIMPLEMENTED: 501, grpc.StatusCode.UNAVAILABLE: 503,
-    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+    "INVALID_ARGUMENT": 400, "FAILED_PRECONDITION": 400,
+    "OUT_OF_RANGE": 400, "UNAUTHENTICATED": 401,
+    "PERMISSION_DENIED": 403, "NOT_FOUND": 404,
+    "ALREADY_EXISTS": 409, "ABORTED": 409,
+    "RESOURCE_EXHAUSTED": 429, "CANCELLED": 499,
+    "UNIMPLEMENTED": 501, "UNAVAILABLE": 503,
+    "DEADLINE_EXCEEDED": 504,
 }
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 409: "conflict_error", 429: "rate_limit_error",
@@ -181,7 +168,10 @@ def listed_models(catalog: CatalogState, tenant: TenantRef) -> list[dict[str, An
 
 
 @dataclass(frozen=True)
-class Caller:
+class HttpCaller:
+    """An HTTP caller once its token is checked: who, the tenant signature its headers
+    make, and the tenant that signature authorises."""
+
     principal: Principal
     signature: pb.TenantSignature
     tenant: TenantRef
@@ -193,7 +183,7 @@ class Front:
     def __init__(self, dispatcher: Dispatcher) -> None:
         self.dispatcher = dispatcher
 
-    def requests(self, caller: Caller, body: OpenAIBody, base: str | None, ref: pb.AdapterRef,
+    def requests(self, caller: HttpCaller, body: OpenAIBody, base: str | None, ref: pb.AdapterRef,
                  prompts: Sequence[str | list[int] | list[ChatMessage]], default_max: int | None
                  ) -> list[pb.GenerateRequest]:
         sampling = body.sampling(default_max)
@@ -221,7 +211,7 @@ class Front:
             built.append(request)
         return built
 
-    async def open_streams(self, caller: Caller, requests: list[pb.GenerateRequest],
+    async def open_streams(self, caller: HttpCaller, requests: list[pb.GenerateRequest],
                            base: str | None
                            ) -> list[tuple[pb.GenerateResponse, AsyncIterator[Any]]]:
         """Start every request and wait for its first response, so that an error before
@@ -329,7 +319,7 @@ def served(finals: Sequence[pb.FinalUsage | None]) -> list[dict[str, Any]]:
     return out
 
 
-def _sse(data: dict[str, Any]) -> bytes:
+def sse(data: dict[str, Any]) -> bytes:
     import json
 
     return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
@@ -353,7 +343,7 @@ class Allowed:
         tenant: Annotated[str | None, Header(alias="X-Loraplane-Tenant")] = None,
         scope: Annotated[str | None, Header(alias="X-Loraplane-Compliance-Scope")] = None,
         region: Annotated[str | None, Header(alias="X-Loraplane-Region")] = None,
-    ) -> Caller:
+    ) -> HttpCaller:
         dispatcher: Dispatcher = request.app.state.dispatcher
         tokens: TokenBook = request.app.state.tokens
         principal = tokens.resolve(credentials.credentials) if credentials else None
@@ -369,7 +359,7 @@ class Allowed:
 
 
 def caller(dispatcher: Dispatcher, principal: Principal, tenant: str | None,
-           scope: str | None, region: str | None) -> Caller:
+           scope: str | None, region: str | None) -> HttpCaller:
     """The tenant signature the token and the headers give."""
     parts = tenant.split("/") if tenant else ["", "", ""]
     if len(parts) != 3:
@@ -382,241 +372,7 @@ def caller(dispatcher: Dispatcher, principal: Principal, tenant: str | None,
     except RouteError as error:
         dispatcher.metrics.rejections.labels(error.reason).inc()
         raise OpenAIError.of(error) from None
-    return Caller(principal, signature, ref)
+    return HttpCaller(principal, signature, ref)
 
 
-Who = Annotated[Caller, Depends(Allowed(Permission.INFER))]
-
-
-def create_http_app(dispatcher: Dispatcher, tokens: TokenBook) -> FastAPI:
-    front = Front(dispatcher)
-    app = FastAPI(title="loraplane router (OpenAI-compatible)", version="1",
-                  docs_url=None, redoc_url=None)
-    app.state.dispatcher = dispatcher
-    app.state.tokens = tokens
-
-    @app.exception_handler(OpenAIError)
-    async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
-        return exc.response()
-
-    @app.exception_handler(ClientGone)
-    async def _gone(_: Request, __: ClientGone) -> Response:
-        return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
-
-    @app.exception_handler(BodyError)
-    async def _bad_body(_: Request, exc: BodyError) -> JSONResponse:
-        dispatcher.metrics.rejections.labels("invalid").inc()
-        return OpenAIError(exc.status, exc.message, param=exc.param, code=exc.code).response()
-
-    @app.exception_handler(HTTPException)
-    async def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        return OpenAIError(exc.status_code, str(exc.detail), code=code,
-                           headers=dict(exc.headers or {})).response()
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        loc = ".".join(str(p) for p in first.get("loc", ())[1:])
-        dispatcher.metrics.rejections.labels("invalid").inc()
-        return OpenAIError(400, f"{loc or 'body'}: {first.get('msg', 'invalid request')}",
-                           param=loc or None, code="invalid_request").response()
-
-
-    def _ready() -> None:
-        if not dispatcher.ready:
-            raise OpenAIError(503, "router is replaying the log", code="not_ready",
-                              headers={"Retry-After": "1"})
-
-    @app.get("/v1/models")
-    async def models(who: Who) -> dict[str, Any]:
-        _ready()
-        return {"object": "list", "data": listed_models(dispatcher.catalog, who.tenant)}
-
-    @app.get("/v1/models/{model:path}")
-    async def model(model: str, who: Who) -> dict[str, Any]:
-        _ready()
-        for entry in listed_models(dispatcher.catalog, who.tenant):
-            if entry["id"] == model:
-                return entry
-        raise OpenAIError(404, f"model {model!r} does not exist", param="model",
-                          code="model_not_found")
-
-    @app.post("/v1/completions")
-    async def completions(request: Request, who: Who) -> Response:
-        _ready()
-        body: CompletionBody = parse(CompletionBody, await read_body(request))
-        base, ref = parse_model(body.model, dispatcher.catalog)
-        requests = front.requests(who, body, base, ref, body.prompts(), body.max_tokens)
-        opened = await _unless_gone(request, front.open_streams(who, requests, base))
-        logprobs = body.logprobs is not None
-        return await _respond(request, front, opened, body, f"cmpl-{requests[0].request_id}",
-                              ("text_completion", "text_completion"),
-                              ChunkMaker(False, body.n, body.echo, logprobs),
-                              lambda o: completion_choices(o, body.n, body.echo, logprobs))
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request, who: Who) -> Response:
-        _ready()
-        body: ChatBody = parse(ChatBody, await read_body(request))
-        base, ref = parse_model(body.model, dispatcher.catalog)
-        limit = body.max_completion_tokens if body.max_completion_tokens is not None \
-            else body.max_tokens
-        requests = front.requests(who, body, base, ref, [body.messages], limit)
-        opened = await _unless_gone(request, front.open_streams(who, requests, base))
-        return await _respond(request, front, opened, body,
-                              f"chatcmpl-{requests[0].request_id}",
-                              ("chat.completion.chunk", "chat.completion"),
-                              ChunkMaker(True, body.n, False, body.logprobs),
-                              lambda o: chat_choices(o, body.n, body.logprobs))
-
-    @app.post("/tokenize")
-    async def tokenize(request: Request, who: Who) -> dict[str, Any]:
-        """vLLM's route, tenant-scoped: the model resolves as for a completion."""
-        _ready()
-        body = parse(TokenizeBody, await read_body(request))
-        base, ref = parse_model(body.model, dispatcher.catalog)
-        ask = pb.TokenizeRequest(tenant=who.signature, adapter=ref, base_model=base or "")
-        if body.messages is not None:
-            ask.chat.messages.extend(pb.ChatMessage(role=m.role, content=m.text())
-                                     for m in body.messages)
-            ask.chat.tools.extend(ChatBody.tools_pb(body))  # type: ignore[arg-type]
-        else:
-            ask.text = body.prompt or ""
-        try:
-            reply = await on_worker(dispatcher, who.principal, who.signature, ref, base,
-                                    "Tokenize", ask)
-        except RouteError as error:
-            raise OpenAIError.of(error) from None
-        return {"count": reply.count, "max_model_len": reply.max_model_len,
-                "tokens": list(reply.token_ids)}
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request, who: Who) -> dict[str, Any]:
-        _ready()
-        body = parse(DetokenizeBody, await read_body(request))
-        base, ref = parse_model(body.model, dispatcher.catalog)
-        ask = pb.DetokenizeRequest(tenant=who.signature, adapter=ref, base_model=base or "",
-                                   token_ids=body.tokens)
-        try:
-            reply = await on_worker(dispatcher, who.principal, who.signature, ref, base,
-                                    "Detokenize", ask)
-        except RouteError as error:
-            raise OpenAIError.of(error) from None
-        return {"prompt": reply.text}
-
-    @app.get("/healthz")
-    async def healthz() -> dict[str, str]:
-        return {"status": "ok"}
-
-    @app.get("/readyz")
-    async def readyz() -> JSONResponse:
-        ready = dispatcher.ready
-        return JSONResponse({"ready": ready, "ring": sorted(dispatcher.ring.members)},
-                            status_code=200 if ready else 503)
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(dispatcher.metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/debug/traces")
-    async def traces(who: Who, trace_id: str | None = None, limit: int = 50
-                     ) -> dict[str, Any]:
-        """The router's recent route traces for the caller's tenant (all, for an admin)."""
-        found = [t.as_dict() for t in reversed(dispatcher.traces)
-                 if (who.principal.role == "admin" or t.tenant == who.tenant.key)
-                 and (trace_id is None or t.trace_id == trace_id)]
-        return {"traces": found[:max(1, min(limit, 500))]}
-
-    return app
-
-
-class ClientGone(Exception):
-    """The HTTP client disconnected before its answer was complete."""
-
-
-_T = TypeVar("_T")
-
-
-async def _unless_gone(request: Request, work: Awaitable[_T]) -> _T:
-    """`work`, cancelled as soon as the client disconnects (then `ClientGone`).
-
-    uvicorn does not cancel a handler whose client left, so without this a non-streamed
-    answer (and any answer still waiting for its first token) is generated to its end for
-    nobody. Cancelling `work` closes the request's streams: the router cancels the worker's
-    calls and the worker aborts the sequences before their next step. (A streamed answer
-    is stopped by Starlette itself, which listens for the disconnect while it streams.)"""
-    task = asyncio.ensure_future(work)
-
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    gone = asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-        gone.cancel()
-    if task.cancelled():
-        raise ClientGone()
-    return task.result()
-
-
-async def _respond(request: Request, front: Front,
-                   opened: list[tuple[pb.GenerateResponse, AsyncIterator[Any]]],
-                   body: OpenAIBody, rid: str, objects: tuple[str, str], chunk_choice: Any,
-                   full_choice: Any) -> Response:
-    """The answer in OpenAI's shape: SSE chunks (`objects[0]`) or one body (`objects[1]`)."""
-    created = int(time.time())
-    if body.stream:
-        head = {"id": rid, "object": objects[0], "created": created, "model": body.model}
-        return _stream(front, opened,
-                       lambda index, response: [{**head, "choices": [entry]} for entry in
-                                                chunk_choice.entries(index, response)],
-                       (lambda finals: {**head, "choices": [], "usage": usage_of(finals)})
-                       if body.include_usage else None, len(opened))
-    outcomes = await _unless_gone(request, front.gather(opened))
-    _raise_worker_errors(outcomes)
-    finals = [o.final for o in outcomes]
-    return JSONResponse({
-        "id": rid, "object": objects[1], "created": created, "model": body.model,
-        "system_fingerprint": fingerprint(finals),
-        "choices": [c for o in outcomes for c in full_choice(o)],
-        "usage": usage_of(finals), "loraplane": {"served": served(finals)}})
-
-
-def _raise_worker_errors(outcomes: list[PromptAnswer]) -> None:
-    for outcome in outcomes:
-        if outcome.final is not None and outcome.final.finish_reason == pb.FINISH_REASON_ERROR:
-            raise OpenAIError(502, f"the worker failed after {outcome.final.completion_tokens} "
-                                   f"tokens (trace {outcome.final.trace_id})",
-                              code="worker_error")
-
-
-def _stream(front: Front, opened: list[tuple[pb.GenerateResponse, AsyncIterator[Any]]],
-            chunk: Any, usage_chunk: Any, count: int) -> StreamingResponse:
-    async def body() -> AsyncIterator[bytes]:
-        finals: list[pb.FinalUsage | None] = [None] * count
-        try:
-            async for index, response in front.events(opened):
-                if response.HasField("final"):
-                    finals[index] = response.final
-                    if response.final.finish_reason == pb.FINISH_REASON_ERROR:
-                        raise OpenAIError(502, "the worker failed mid-stream (trace "
-                                               f"{response.final.trace_id})",
-                                          code="worker_error")
-                for piece in chunk(index, response):
-                    yield _sse(piece)
-            if usage_chunk is not None:
-                yield _sse(usage_chunk(finals))
-            yield b"data: [DONE]\n\n"
-        except RouteError as error:
-            yield _sse(OpenAIError.of(error).body())
-        except OpenAIError as error:
-            yield _sse(error.body())
-
-    return StreamingResponse(body(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+Who = Annotated[HttpCaller, Depends(Allowed(Permission.INFER))]

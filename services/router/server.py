@@ -85,7 +85,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                     ("retry-after", error.retry_after),
                     ("retry-after-ms", str(max(1, round(error.retry_after_s * 1000)))),
                 ))
-            await context.abort(error.code, error.message)
+            await context.abort(grpc.StatusCode[error.code], error.message)
 
 
     async def _unary(self, context: grpc.aio.ServicerContext, method: str, request: object,
@@ -97,7 +97,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                                    base_model or None, method, request,
                                    timeout_s=context.time_remaining() or 30.0)
         except RouteError as error:
-            await context.abort(error.code, error.message)
+            await context.abort(grpc.StatusCode[error.code], error.message)
 
     async def Tokenize(self, request: pb.TokenizeRequest,
                        context: grpc.aio.ServicerContext) -> pb.TokenizeReply:
@@ -119,7 +119,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         try:
             tenant = authorize(principal, request.tenant)
         except RouteError as error:
-            await context.abort(error.code, error.message)
+            await context.abort(grpc.StatusCode[error.code], error.message)
         catalog = self.dispatcher.catalog
         entries = model_entries(catalog, tenant, listed_models(catalog, tenant))
         if request.model:

@@ -57,6 +57,10 @@ class CutWitness:
         if envelope.stream == self.stream and envelope.seq > self._last_seq:
             self._last_seq = envelope.seq
 
+    def restart_numbering(self, last_seq: int) -> None:
+        """The stream's last number as a snapshot of the log says (before `start`)."""
+        self._last_seq = last_seq
+
     def record(self, worker_id: str, request: ServedRequest) -> None:
         """A request `worker_id` was serving when its stream broke (any thread)."""
         with self._lock:

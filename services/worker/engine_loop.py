@@ -12,9 +12,15 @@ Admission is authoritative here: the front resolves a request for quick refusals
 the loop resolves it again against the current fold before batching it, so a request
 that raced a switch gets the new version, never a version that is on its way out.
 
-In merged mode (`services.worker.merged`) the loop also asks `MergedServing` whether the
-request is for the one version this worker serves, and holds that version's requests
-until it is merged into the base weights.
+The loop's collaborators, each called only from its thread:
+- `Residency` (`services.worker.residency`): adapter loads, evictions, switch-outs;
+- `Parked` (`services.worker.tickets`): requests waiting for their adapter;
+- `TenantPurges` (`services.worker.tenant_purges`): hard and soft tenant purges;
+- `GatesInEngine` (`services.worker.gates_in_engine`): quality-gate runs among the traffic;
+- `prefetch` (`services.worker.prefetch`): the routers' hints;
+- `MergedServing` (`services.worker.merged`, merged mode only): whether a request is for
+  the one version this worker serves; that version's requests wait until it is merged
+  into the base weights.
 """
 
 from __future__ import annotations
@@ -25,7 +31,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -34,11 +39,10 @@ from loraplane_kernels.threads import compute_thread
 from services.catalog.serving import (
     MergeSpec,
     ServingChoice,
-    purged_reason,
     resolve_pinned,
     resolve_reference,
 )
-from services.catalog.state import CatalogState, Purge, Refusal
+from services.catalog.state import CatalogState, Refusal
 from services.config import Settings
 from services.contracts.events import (
     ADAPTER_TOPIC,
@@ -57,28 +61,40 @@ from services.contracts.events import (
 from services.worker.engine import (
     AdapterDigest,
     AdapterNotLoadedError,
-    ChoiceResult,
     Engine,
-    EngineError,
     GenerationRequest,
     GenerationResult,
     LoraAdapter,
     QosTier,
     RequestError,
-    TokenEvent,
 )
 from services.worker.events import WorkerEvents
 from services.worker.follower import CatalogFollower
 from services.worker.gate_runner import GateRun
+from services.worker.gates_in_engine import GateInFlight, GatesInEngine
 from services.worker.intake import WorkItem
 from services.worker.lifecycle import AdapterState
-from services.worker.merged import MergedServing, digest_of
+from services.worker.merged import MergedServing
 from services.worker.metrics import WorkerMetrics
 from services.worker.pool.disk import DiskCache
 from services.worker.pool.host import HostCache
 from services.worker.pool.loader import AdapterLoader, FetchResult
 from services.worker.pool.tiers import Tier
-from services.worker.residency import Residency, owner_choice, version_choice
+from services.worker.prefetch import PrefetchOutcome, prefetch
+from services.worker.residency import Residency, owner_choice
+from services.worker.tenant_purges import TenantPurges
+from services.worker.tickets import (
+    Deliver,
+    Finished,
+    Output,
+    Parked,
+    Refused,
+    Ticket,
+    deliver_to_queues,
+)
+
+__all__ = ["REFUSAL_CODE", "Deliver", "EngineLoop", "Finished", "Output", "PrefetchOutcome",
+           "Refused", "Ticket", "choose", "deliver_to_queues"]
 
 log = logging.getLogger("loraplane.worker.engine_loop")
 
@@ -101,90 +117,25 @@ def choose(catalog: CatalogState, work: WorkItem, base_digest: str) -> ServingCh
                              base_digest=base_digest)
 
 
-@dataclass(frozen=True)
-class Refused:
-    """The request ends with a gRPC error (code name, message, retry hint)."""
-
-    code: str
-    message: str
-    retry_after_s: float | None = None
-
-
-@dataclass(frozen=True)
-class Finished:
-    """The request ends normally (or aborted mid-stream): what goes into FinalUsage."""
-
-    reason: str
-    """length | stop | abort | error"""
-    prompt_tokens: int
-    completion_tokens: int
-    cached_prompt_tokens: int
-    choice: ServingChoice | None
-    ttft_ms: float
-    total_ms: float
-    choices: tuple[ChoiceResult, ...] = ()
-    """Every generated sequence's end (n, best_of)."""
-    durable: concurrent.futures.Future[None] | None = None
-    """Set once the request's trace is in the log: the front sends FinalUsage after it
-    (`worker_trace_durable`; None when off)."""
-
-
-Output = TokenEvent | Refused | Finished
-
-
-@dataclass(frozen=True)
-class PrefetchOutcome:
-    key: tuple[str, int]
-    accepted: bool
-    tier: str
-    detail: str
-
-
-@dataclass(eq=False)
-class Ticket:
-    """One request in flight, from the front's view and the loop's."""
-
-    work: WorkItem
-    sink: Any = None
-    """Where `deliver` puts this request's outputs (the front's queue)."""
-    time_limit_s: float | None = None
-    """The client's deadline, as seconds left when the request arrived."""
-    arrival: float = field(default_factory=time.monotonic)
-    started_at: datetime = field(default_factory=lambda: datetime.now(UTC))
-    choice: ServingChoice | None = None
-    digest: AdapterDigest | None = None
-    page_in_deadline: float = 0.0
-    page_in_tier: Tier | None = None
-    """The tier the adapter was paging in from when the request parked (its budget's tier)."""
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    completion_tokens: int = 0
-    status: str = "new"
-    """new → parked (waiting for its adapter) → running → done."""
-    cancelled: bool = False
-
-
-Deliver = Callable[[list[tuple[Ticket, list[Output]]]], None]
-
-
-@dataclass
-class GateInFlight:
-    """A quality-gate run inside the engine: its requests, their results, its slots."""
-
-    run: GateRun
-    adapters: dict[AdapterDigest, LoraAdapter]
-    done: Callable[[QualityGateCompleted], None]
-    results: dict[str, GenerationResult] = field(default_factory=dict)
-    pending: set[str] = field(default_factory=set)
-    placed: list[AdapterDigest] = field(default_factory=list)
-    held: list[AdapterDigest] = field(default_factory=list)
-
-
-def deliver_to_queues(batch: list[tuple[Ticket, list[Output]]]) -> None:
-    """Default `deliver`: each ticket's sink is a thread-safe queue (tests, benches)."""
-    for ticket, outputs in batch:
-        for output in outputs:
-            ticket.sink.put(output)
+def catalog_changes(batch: list[Envelope]) -> tuple[set[str], list[tuple[str, int]], list[str]]:
+    """What a folded batch asks of the loop: the adapters whose serving may have changed,
+    the versions published, the purges requested."""
+    touched: set[str] = set()
+    published: list[tuple[str, int]] = []
+    purges: list[str] = []
+    for envelope in batch:
+        p = envelope.payload
+        if isinstance(p, AdapterVersionPublished):
+            touched.add(p.adapter_id)
+            published.append((p.adapter_id, p.version))
+        elif isinstance(p, AdapterVersionSwitched | AdapterRolledBack | AdapterDisabled
+                        | AdapterEnabled):
+            touched.add(p.adapter_id)
+        elif isinstance(p, TrafficSplitChanged):
+            touched.update(e.adapter_id for e in (*p.split, *p.previous))
+        elif isinstance(p, TenantPurgeRequested):
+            purges.append(p.purge_id)
+    return touched, published, purges
 
 
 class EngineLoop:
@@ -211,14 +162,13 @@ class EngineLoop:
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._running: dict[str, Ticket] = {}
         self._unadmitted: dict[str, Ticket] = {}
-        self._parked: dict[AdapterDigest, list[Ticket]] = {}
-        self._draining: dict[str, Purge] = {}
+        self._parked = Parked()
         self._out: dict[int, tuple[Ticket, list[Output]]] = {}
-        self._gates: dict[str, GateInFlight] = {}
-        self._gate_requests: dict[str, str] = {}
-        self._gates_waiting: list[GateInFlight] = []
-        self._gates_tried = 0.0
         self._load_reported = 0.0
+        self.purges = TenantPurges(follower, self.residency, self._parked, self._refuse,
+                                   self._sweep)
+        self.gates = GatesInEngine(engine, self.residency, lambda: (
+            self.merge.gate_refusal(worker_id) if self.merge is not None else None))
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.synced = False
@@ -294,8 +244,7 @@ class EngineLoop:
         stats = self.engine.stats()
         ready = [key[0] for key, state in self.residency.states
                  if state is AdapterState.LOADED]
-        parked = [t.choice.adapter_id for ts in self._parked.values() for t in ts
-                  if t.choice is not None and not t.cancelled]
+        parked = self._parked.adapter_ids()
         self.metrics.vllm.load(
             running=stats.running, waiting=stats.waiting + len(parked),
             kv_usage=1.0 - stats.free_kv_blocks / max(1, stats.total_kv_blocks),
@@ -320,10 +269,8 @@ class EngineLoop:
         for rid, ticket in list(self._running.items()):
             self.engine.abort(rid)
             self._finish(ticket, self.engine.pop_result(rid))
-        for tickets in self._parked.values():
-            for ticket in tickets:
-                self._refuse(ticket, "UNAVAILABLE", "worker is shutting down", 1.0)
-        self._parked.clear()
+        for ticket in self._parked.take_all():
+            self._refuse(ticket, "UNAVAILABLE", "worker is shutting down", 1.0)
         self._flush()
 
     # --- outputs -------------------------------------------------------------------------
@@ -355,7 +302,7 @@ class EngineLoop:
             catalog, own = self.follower.state, self.follower.own
             self.residency.restore_failed(catalog, own.failed)
             for key in sorted(own.on_device):
-                if self.merge is not None and key[0] != self.merge.spec.adapter_id:
+                if self.merge is not None and not self.merge.serves(key[0]):
                     continue
                 try:
                     choice = owner_choice(catalog, key, self.base_digest)
@@ -378,21 +325,7 @@ class EngineLoop:
         self.post(lambda: self._apply_catalog(batch))
 
     def _apply_catalog(self, batch: list[Envelope]) -> None:
-        touched: set[str] = set()
-        published: list[tuple[str, int]] = []
-        purges: list[str] = []
-        for envelope in batch:
-            p = envelope.payload
-            if isinstance(p, AdapterVersionPublished):
-                touched.add(p.adapter_id)
-                published.append((p.adapter_id, p.version))
-            elif isinstance(p, AdapterVersionSwitched | AdapterRolledBack | AdapterDisabled
-                            | AdapterEnabled):
-                touched.add(p.adapter_id)
-            elif isinstance(p, TrafficSplitChanged):
-                touched.update(e.adapter_id for e in (*p.split, *p.previous))
-            elif isinstance(p, TenantPurgeRequested):
-                purges.append(p.purge_id)
+        touched, published, purges = catalog_changes(batch)
         if self.synced:
             with self.follower.lock:
                 catalog = self.follower.state
@@ -403,7 +336,7 @@ class EngineLoop:
                 for purge_id in purges:
                     purge = catalog.purges.get(purge_id)
                     if purge is not None:
-                        self._start_purge(catalog, purge)
+                        self.purges.start(catalog, purge)
                 self._follow_merge(catalog)
                 self._update_readiness(catalog)
             self._sweep()
@@ -442,41 +375,11 @@ class EngineLoop:
         if merge is None:
             return
         merge.advance()
-        if merge.serving and merge.target is not None:
-            for ticket in self._parked.pop(digest_of(merge.target), []):
+        ready = merge.ready()
+        if ready is not None:
+            for ticket in self._parked.take(ready):
                 if not ticket.cancelled:
                     self._start(ticket)
-
-    # --- purges ---------------------------------------------------------------------------
-
-    def _start_purge(self, catalog: CatalogState, purge: Purge) -> None:
-        if purge.tenant is None:
-            return
-        if purge.hard:
-            self._purge_now(catalog, purge)
-        else:  # let its sequences end, admit none of its requests meanwhile
-            self._draining[purge.tenant.key] = purge
-
-    def _purge_now(self, catalog: CatalogState, purge: Purge) -> None:
-        assert purge.tenant is not None
-        self._draining.pop(purge.tenant.key, None)
-        for digest, tickets in list(self._parked.items()):
-            for ticket in [t for t in tickets if t.work.tenant == purge.tenant]:
-                tickets.remove(ticket)
-                self._refuse(ticket, "ABORTED", f"tenant {purge.tenant.key} was purged")
-            if not tickets:
-                self._parked.pop(digest, None)
-        self.residency.purge(catalog, purge)
-        self._sweep()
-
-    def _soft_purges(self) -> None:
-        for key, purge in list(self._draining.items()):
-            busy = any(t.work.tenant.key == key for t in self._running.values())
-            late = (datetime.now(UTC) - purge.requested_at).total_seconds() > (
-                purge.deadline_s * 0.8)
-            if not busy or late:
-                with self.follower.lock:
-                    self._purge_now(self.follower.state, purge)
 
     # --- admission -------------------------------------------------------------------------
 
@@ -500,7 +403,7 @@ class EngineLoop:
                          1.0)
             return
         work = ticket.work
-        if work.tenant.key in self._draining:
+        if self.purges.draining(work.tenant.key):
             self._refuse(ticket, "UNAVAILABLE", f"tenant {work.tenant.key} is being purged",
                          1.0)
             return
@@ -540,17 +443,22 @@ class EngineLoop:
             self._refuse(ticket, "UNAVAILABLE", f"{choice.pinned} is leaving this worker", 1.0)
             return
         # not in a slot yet, or (merged mode) in one but not merged yet: wait for it
+        self._park(ticket, digest)
+        if state is AdapterState.LOADED:
+            self._advance_merge()
+        else:
+            self.residency.load(choice, urgent=True)
+
+    def _park(self, ticket: Ticket, digest: AdapterDigest) -> None:
+        """Wait for the adapter, within the page-in budget of the tier it comes from (and
+        the client's deadline)."""
         ticket.page_in_tier = self.residency.source_tier(digest)
         wait = self._page_in[ticket.page_in_tier]
         if ticket.time_limit_s is not None:
             wait = min(wait, max(0.0, ticket.time_limit_s - (time.monotonic() - ticket.arrival)))
         ticket.page_in_deadline = time.monotonic() + wait
         ticket.status = "parked"
-        self._parked.setdefault(digest, []).append(ticket)
-        if state is AdapterState.LOADED:
-            self._advance_merge()
-        else:
-            self.residency.load(choice, urgent=True)
+        self._parked.add(digest, ticket)
 
     def _start(self, ticket: Ticket) -> None:
         work = ticket.work
@@ -584,9 +492,7 @@ class EngineLoop:
             self.engine.abort(rid)
             self._finish(ticket, self.engine.pop_result(rid))
         elif ticket.status == "parked" and ticket.digest is not None:
-            waiting = self._parked.get(ticket.digest, [])
-            if ticket in waiting:
-                waiting.remove(ticket)
+            self._parked.remove(ticket)
             self._trace(ticket, "cancelled", 0, 0)
             ticket.status = "done"
             self.metrics.requests.labels("CANCELLED").inc()
@@ -605,7 +511,7 @@ class EngineLoop:
         if self.merge is not None:  # in a slot is not enough: it must be merged first
             self._advance_merge()
             return
-        for ticket in self._parked.pop(digest, []):
+        for ticket in self._parked.take(digest):
             if ticket.cancelled:
                 continue
             assert ticket.choice is not None
@@ -618,12 +524,12 @@ class EngineLoop:
 
     def adapter_unavailable(self, digest: AdapterDigest, code: str, message: str,
                             retry_after_s: float | None = None) -> None:
-        for ticket in self._parked.pop(digest, []):
+        for ticket in self._parked.take(digest):
             if not ticket.cancelled:
                 self._refuse(ticket, code, message, retry_after_s)
 
     def has_waiters(self, digest: AdapterDigest) -> bool:
-        return any(not t.cancelled for t in self._parked.get(digest, ()))
+        return self._parked.has_waiters(digest)
 
     def fetched(self, result: FetchResult) -> None:
         """The loader's callback (loader thread): hand the result to the loop."""
@@ -641,36 +547,25 @@ class EngineLoop:
 
     def _expire_parked(self) -> None:
         """Refuse every parked request whose page-in budget has run out."""
-        now = time.monotonic()
-        for digest, tickets in list(self._parked.items()):
-            late = [t for t in tickets if now > t.page_in_deadline or t.cancelled]
-            for ticket in late:
-                tickets.remove(ticket)
-                if not ticket.cancelled:
-                    tier = ticket.page_in_tier or self.residency.source_tier(digest)
-                    what = ticket.choice.pinned if ticket.choice else str(digest)
-                    if self.merge is not None and tier is Tier.DEVICE:
-                        why = (f"{what} was not merged into the base weights in time (requests "
-                               "of the previous version still running); retry")
-                    else:
-                        why = f"{what} did not page in from the {tier.value} tier in time; retry"
-                    self._refuse(ticket, "UNAVAILABLE", why, 1.0)
-            if not tickets:
-                self._parked.pop(digest, None)
+        for digest, ticket in self._parked.take_late(time.monotonic()):
+            if ticket.cancelled:
+                continue
+            tier = ticket.page_in_tier or self.residency.source_tier(digest)
+            what = ticket.choice.pinned if ticket.choice else str(digest)
+            if self.merge is not None and tier is Tier.DEVICE:
+                why = (f"{what} was not merged into the base weights in time (requests of "
+                       "the previous version still running); retry")
+            else:
+                why = f"{what} did not page in from the {tier.value} tier in time; retry"
+            self._refuse(ticket, "UNAVAILABLE", why, 1.0)
 
     def _service(self) -> None:
-        now = time.monotonic()
         self._expire_parked()
         self.residency.retry_slot_waits(self.settings.worker_page_in_timeout_blob_s)
-        if self._gates_waiting and now - self._gates_tried > 1.0:
-            self._gates_tried = now
-            waiting, self._gates_waiting = self._gates_waiting, []
-            for gate in waiting:
-                self._start_gate(gate)
+        self.gates.retry_waiting()
         self.residency.finish_switches()
         self._advance_merge()
-        if self._draining:
-            self._soft_purges()
+        self.purges.service(self._running.values())
 
     def _sweep(self) -> None:
         """Finish tickets whose sequence the engine ended outside a step (abort, purge)."""
@@ -678,10 +573,7 @@ class EngineLoop:
             result = self.engine.pop_result(rid)
             if result is not None:
                 self._finish(ticket, result)
-        for rid in list(self._gate_requests):
-            result = self.engine.pop_result(rid)
-            if result is not None:
-                self._gate_result(rid, result)
+        self.gates.sweep()
 
     def _step(self) -> None:
         started = time.monotonic()
@@ -705,10 +597,10 @@ class EngineLoop:
         for event in events:
             ticket = self._running.get(event.request_id)
             if ticket is None:
-                if event.finished and event.request_id in self._gate_requests:
+                if event.finished and self.gates.owns(event.request_id):
                     result = self.engine.pop_result(event.request_id)
                     if result is not None:
-                        self._gate_result(event.request_id, result)
+                        self.gates.finished(event.request_id, result)
                 continue
             if event.token_id is not None:
                 tokens += 1
@@ -771,121 +663,23 @@ class EngineLoop:
     def start_gate(self, run: GateRun, adapters: dict[AdapterDigest, LoraAdapter],
                    done: Callable[[QualityGateCompleted], None]) -> None:
         """Run a gate among the serving traffic (any thread); `done` gets the result."""
-        self.post(lambda: self._start_gate(GateInFlight(run, adapters, done)))
-
-    def _start_gate(self, gate: GateInFlight) -> None:
-        if self.merge is not None:
-            gate.done(gate.run.failed(
-                f"worker {self.worker_id} is in merged mode for {self.merge.spec}: its weights "
-                "hold that adapter, so it cannot run the base model or other versions"))
-            return
-        pools = self.engine.adapters
-        for digest, adapter in gate.adapters.items():
-            if not pools.is_loaded(digest):
-                if not self.residency.room_for_gate(adapter):
-                    self._release_gate(gate)  # no room it may take now: try again later
-                    self._gates_waiting.append(gate)
-                    return
-                try:
-                    pools.place(adapter)
-                except EngineError as exc:
-                    self._release_gate(gate)
-                    gate.done(gate.run.failed(f"{type(exc).__name__}: {exc}"))
-                    return
-                gate.placed.append(digest)
-            self.residency.hold(digest)
-            gate.held.append(digest)
-        try:
-            for request in gate.run.requests():
-                self.engine.submit(request)
-                gate.pending.add(request.request_id)
-                self._gate_requests[request.request_id] = gate.run.job.gate_id
-        except EngineError as exc:
-            for rid in gate.pending:
-                self.engine.abort(rid)
-                self.engine.pop_result(rid)
-                self._gate_requests.pop(rid, None)
-            self._release_gate(gate)
-            gate.done(gate.run.failed(f"{type(exc).__name__}: {exc}"))
-            return
-        self._gates[gate.run.job.gate_id] = gate
-
-    def _gate_result(self, rid: str, result: GenerationResult) -> None:
-        gate = self._gates.get(self._gate_requests.pop(rid, ""))
-        if gate is None:
-            return
-        gate.pending.discard(rid)
-        gate.results[rid] = result
-        if gate.pending:
-            return
-        del self._gates[gate.run.job.gate_id]
-        self._release_gate(gate)
-        try:
-            answer = gate.run.result(gate.results)
-        except Exception as exc:  # a check that cannot be evaluated fails the gate
-            log.exception("gate %s", gate.run.job.gate_id)
-            answer = gate.run.failed(f"{type(exc).__name__}: {exc}")
-        gate.done(answer)
-
-    def _release_gate(self, gate: GateInFlight) -> None:
-        """Let go of the gate's slots; unload those it placed that nothing else holds."""
-        for digest in gate.held:
-            self.residency.release(digest)
-        gate.held = []
-        for digest in gate.placed:
-            self.residency.drop_if_unheld(digest)
-        gate.placed = []
+        self.post(lambda: self.gates.start(GateInFlight(run, adapters, done)))
 
     # --- router hints ----------------------------------------------------------------------
 
     def prefetch(self, wanted: list[tuple[str, int]], device: bool) -> list[PrefetchOutcome]:
         """Bring versions into the host tier (or onto the device, when servable) ahead of
-        traffic; runs in the loop. Another base model's versions are refused."""
-        out = []
+        traffic (`services.worker.prefetch`); runs in the loop."""
         with self.follower.lock:
-            catalog = self.follower.state
-            for key in wanted:
-                if self.merge is not None and key[0] != self.merge.spec.adapter_id:
-                    out.append(PrefetchOutcome(key, False, "", f"merged mode: this worker serves "
-                                                              f"only {self.merge.spec}"))
-                    continue
-                adapter = catalog.adapters.get(key[0])
-                version = adapter.versions.get(key[1]) if adapter else None
-                if adapter is None or version is None:
-                    out.append(PrefetchOutcome(key, False, "", "unknown adapter version"))
-                    continue
-                p = version.published
-                if p.base_model_digest != self.base_digest:
-                    out.append(PrefetchOutcome(key, False, "", f"built for base model "
-                                                              f"{p.base_model!r}, not this one"))
-                    continue
-                if version.disabled:
-                    out.append(PrefetchOutcome(key, False, "", "version is disabled"))
-                    continue
-                gone = purged_reason(adapter, key[1], version)
-                if gone:
-                    out.append(PrefetchOutcome(key, False, "", gone))
-                    continue
-                if self.residency.state(key) is AdapterState.FAILED:
-                    out.append(PrefetchOutcome(key, False, "", self.residency.failure(key)))
-                    continue
-                try:
-                    servable = owner_choice(catalog, key, self.base_digest)
-                except Refusal:
-                    servable = None
-                if device and servable is not None:
-                    self.residency.load(servable, urgent=False)
-                else:
-                    self.residency.prefetch_host(version_choice(key, version, adapter.tenant))
-                out.append(PrefetchOutcome(key, True, self.residency.tier_of(key), ""))
-        return out
+            return prefetch(self.follower.state, self.residency, self.base_digest, self.merge,
+                            wanted, device)
 
     # --- drain ----------------------------------------------------------------------------
 
     def in_flight(self) -> int:
         """Requests admitted and not finished: running, queued, or waiting for an adapter
         (any thread; an estimate between two iterations, exact once admission stopped)."""
-        return len(self._running) + sum(len(t) for t in list(self._parked.values()))
+        return len(self._running) + self._parked.count()
 
     # --- reports (built in the loop, asked for from other threads) -----------------------
 

@@ -86,6 +86,19 @@ class MergedServing:
         state = "merged" if self.serving else "being merged"
         return f"{self.target.pinned} ({state})"
 
+    def serves(self, adapter_id: str) -> bool:
+        """Is `adapter_id` the one adapter this worker serves (any of its versions)?"""
+        return adapter_id == self.spec.adapter_id
+
+    def ready(self) -> AdapterDigest | None:
+        """The digest whose waiting requests may start now: the target's, once merged."""
+        return digest_of(self.target) if self.serving and self.target is not None else None
+
+    def gate_refusal(self, worker_id: str) -> str:
+        """Why this worker runs no quality gate."""
+        return (f"worker {worker_id} is in merged mode for {self.spec}: its weights hold "
+                "that adapter, so it cannot run the base model or other versions")
+
     def refusal(self, choice: ServingChoice | None) -> str | None:
         """Why this worker does not serve a request resolved to `choice`; None when it
         does (now, or once the target is merged)."""

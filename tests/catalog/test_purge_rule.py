@@ -13,7 +13,6 @@ from __future__ import annotations
 import itertools
 from datetime import UTC, datetime, timedelta
 
-import grpc
 import pytest
 
 from services.catalog.release_rule import gate_baseline
@@ -46,7 +45,7 @@ from services.contracts.events import (
 from services.contracts.grpc import inference_pb2 as pb
 from services.registry.auth import Principal
 from services.registry.domain import roll_back, set_split, switch_active
-from services.router.dispatch import Asked, Dispatcher, RouteError
+from services.router.dispatch import Dispatcher, RouteError, asked_of
 from services.router.prewarm import RecentAdapter
 from services.worker.gate_runner import gates_to_run
 
@@ -226,8 +225,8 @@ def test_the_router_refuses_and_never_prewarms_a_purged_version() -> None:
     for ref in (pb.AdapterRef(alias="bot"), pb.AdapterRef(alias="prod"),
                 pb.AdapterRef(pinned=pb.PinnedVersion(adapter_id="bot", version=2))):
         with pytest.raises(RouteError) as refused:
-            d.decide(caller, Asked(pb.TenantSignature(user_id="u"), ref, None), 0.0)
-        assert refused.value.code == grpc.StatusCode.NOT_FOUND
+            d.decide(caller, asked_of(pb.TenantSignature(user_id="u"), ref, None), 0.0)
+        assert refused.value.code == "NOT_FOUND"
         assert refused.value.reason == "model_not_found" and "purge p1" in refused.value.message
     recent = [RecentAdapter("bot", 2, digest("bot", 2), BASE),  # served before the purge
               RecentAdapter("bot-r", 1, digest("bot", 1), BASE)]

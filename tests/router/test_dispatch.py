@@ -9,7 +9,6 @@ import hashlib
 import math
 from typing import Any
 
-import grpc
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -33,7 +32,8 @@ from services.contracts.events import (
 )
 from services.contracts.grpc import inference_pb2 as pb
 from services.registry.auth import Principal
-from services.router.dispatch import Asked, Dispatcher, RouteError, authorize
+from services.router.dispatch import Dispatcher, RouteError, asked_of, authorize
+from services.router.routing import Asked
 
 ACME = TenantRef(org="acme", team="search", project="prod")
 RIVAL = TenantRef(org="rival", team="x", project="y")
@@ -55,12 +55,12 @@ def test_the_tenant_comes_from_the_token_scope() -> None:
     assert authorize(CALLER, sig(ACME)) == ACME
     with pytest.raises(RouteError) as err:
         authorize(CALLER, sig(RIVAL))
-    assert err.value.code == grpc.StatusCode.PERMISSION_DENIED
+    assert err.value.code == "PERMISSION_DENIED"
     wildcard = Principal("t3", "inference", ("acme", "*", "*"))
     assert authorize(wildcard, sig(ACME)) == ACME
     with pytest.raises(RouteError) as err:
         authorize(wildcard, sig())
-    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.code == "INVALID_ARGUMENT"
     with pytest.raises(RouteError):
         authorize(wildcard, sig(RIVAL))
     admin = Principal("t4", "admin")
@@ -70,7 +70,7 @@ def test_the_tenant_comes_from_the_token_scope() -> None:
     for role in ("reader", "worker"):
         with pytest.raises(RouteError) as err:
             authorize(Principal("t5", role), sig(ACME))  # type: ignore[arg-type]
-        assert err.value.code == grpc.StatusCode.PERMISSION_DENIED
+        assert err.value.code == "PERMISSION_DENIED"
     with pytest.raises(RouteError):
         authorize(wildcard, pb.TenantSignature(org_id="acme", team_id="Bad!", project_id="x"))
 
@@ -126,14 +126,14 @@ def decide(d: Dispatcher, alias: str | None = None, *, user: str = "u",
         ref.alias = alias
     if pinned:
         ref.pinned.adapter_id, ref.pinned.version = pinned
-    return d.decide(caller, Asked(sig(user=user), ref, base), 0.0)
+    return d.decide(caller, asked_of(sig(user=user), ref, base), 0.0)
 
 
 def test_not_ready_is_unavailable_with_a_retry_hint(d: Dispatcher) -> None:
     d.ready = False
     with pytest.raises(RouteError) as err:
         decide(d, "sup")
-    assert err.value.code == grpc.StatusCode.UNAVAILABLE and err.value.retry_after == "1"
+    assert err.value.code == "UNAVAILABLE" and err.value.retry_after == "1"
 
 
 def test_split_weights_hold_over_10000_users_and_users_stick(d: Dispatcher) -> None:
@@ -158,7 +158,7 @@ def test_disabled_and_rolled_back_versions_are_never_chosen(d: Dispatcher) -> No
     assert {decide(d, "support", user=f"u{i}").choice.version for i in range(300)} == {1}
     with pytest.raises(RouteError) as err:
         decide(d, pinned=("sup", 2))
-    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert err.value.code == "FAILED_PRECONDITION"
     publish(d, "sup", 3)
     d.fold(_event(AdapterRolledBack(adapter_id="sup", from_version=3, to_version=1,
                                     reason="r"), "adapter/sup"), 0.0)
@@ -173,15 +173,15 @@ def test_pinned_versions_and_base_models(d: Dispatcher) -> None:
     assert decide(d, "sup", base="tiny").base_digest == BASE
     with pytest.raises(RouteError) as err:
         decide(d, "sup", base="nope")
-    assert err.value.code == grpc.StatusCode.NOT_FOUND
+    assert err.value.code == "NOT_FOUND"
     d.fold(_event(BaseModelRegistered(name="big", digest="e" * 64, config={}),
                   "base-model/b", None), 0.0)
     with pytest.raises(RouteError) as err:
         decide(d, "sup", base="big")
-    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert err.value.code == "FAILED_PRECONDITION"
     with pytest.raises(RouteError) as err:  # no live worker runs that base
         decide(d, None, base="big")
-    assert err.value.code == grpc.StatusCode.UNAVAILABLE and err.value.reason == "no_worker"
+    assert err.value.code == "UNAVAILABLE" and err.value.reason == "no_worker"
     assert decide(d, None).choice is None  # the base model alone
 
 
@@ -191,7 +191,7 @@ def test_another_tenants_adapter_or_alias_is_refused(d: Dispatcher) -> None:
     for kwargs in ({"alias": "support"}, {"alias": "sup"}, {"pinned": ("sup", 1)}):
         with pytest.raises(RouteError) as err:
             decide(d, caller=RIVAL_CALLER, **kwargs)  # type: ignore[arg-type]
-        assert err.value.code == grpc.StatusCode.NOT_FOUND  # answered as a missing one
+        assert err.value.code == "NOT_FOUND"  # answered as a missing one
         assert err.value.message.endswith("does not exist")
         assert "another tenant" in (err.value.audit or "")
     with pytest.raises(RouteError):
@@ -250,7 +250,7 @@ def test_merged_mode_workers_get_their_version_and_nothing_else(d: Dispatcher) -
     assert (p.worker, p.fallback) == ("m2", None)
     with pytest.raises(RouteError) as err:
         decide(d, "other")
-    assert err.value.code == grpc.StatusCode.UNAVAILABLE and err.value.reason == "no_worker"
+    assert err.value.code == "UNAVAILABLE" and err.value.reason == "no_worker"
 
 
 # --- the per-caller route cache ------------------------------------------------------------
@@ -304,8 +304,8 @@ def test_kept_routes_decide_what_building_each_afresh_decides(ops: list[Any]) ->
                 ref.alias = ref_of
             elif ref_of is not None:
                 ref.pinned.adapter_id, ref.pinned.version = ref_of
-            asked = Asked(sig(user=user, tier=tier), ref, base)
-            fresh._routes.clear()
+            asked = asked_of(sig(user=user, tier=tier), ref, base)
+            fresh.routing._routes.clear()
             got = _outcome(kept, principal, asked, now)
             assert got == _outcome(fresh, principal, asked, now)
             if isinstance(ref_of, str) and not isinstance(got, tuple):
@@ -345,13 +345,13 @@ def test_kept_routes_decide_what_building_each_afresh_decides(ops: list[Any]) ->
 def test_a_route_is_kept_until_one_of_its_inputs_moves(d: Dispatcher) -> None:
     split(d, "support", {1: 90, 2: 10})
     decide(d, "support")
-    (route,) = d._routes.values()
+    (route,) = d.routing._routes.values()
     decide(d, "support", user="someone else")
-    assert list(d._routes.values()) == [route]  # the user is not part of the route
+    assert list(d.routing._routes.values()) == [route]  # the user is not part of the route
     targets = route.targets
     split(d, "support", {1: 50, 2: 50})  # the serving generation: resolved again in place
     decide(d, "support")
-    assert list(d._routes.values()) == [route] and route.targets is targets
+    assert list(d.routing._routes.values()) == [route] and route.targets is targets
     assert route.resolution is not None and route.resolution.edges == (5000, 10000)
     d.fold(_event(AdapterDisabled(adapter_id="sup", version=2, reason="bad"), "adapter/sup"),
            0.0)  # ... and the outcomes changed: the targets go
@@ -365,16 +365,16 @@ def test_a_route_is_kept_until_one_of_its_inputs_moves(d: Dispatcher) -> None:
         lambda: d.membership.expire(100.0),  # workers leave the pools
     ]
     for change in changes:
-        before = d._routes[next(iter(d._routes))]
+        before = d.routing._routes[next(iter(d.routing._routes))]
         change()
         with contextlib.suppress(RouteError):
             decide(d, "support")
-        assert d._routes[next(iter(d._routes))] is not before
+        assert d.routing._routes[next(iter(d.routing._routes))] is not before
     other = Principal("t1", "inference", ("acme", "search", "prod"), "bronze")
-    route = next(iter(d._routes.values()))
+    route = next(iter(d.routing._routes.values()))
     with contextlib.suppress(RouteError):
         decide(d, "support", caller=other)  # the same token id, another principal
-    assert next(iter(d._routes.values())) is not route
+    assert next(iter(d.routing._routes.values())) is not route
 
 
 def test_another_principal_under_the_same_token_id_gets_its_own_admission() -> None:

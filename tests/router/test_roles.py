@@ -18,7 +18,8 @@ from fastapi.routing import APIRoute, iter_route_contexts
 from services.contracts.grpc import inference_pb2 as pb
 from services.contracts.roles import ROLE_PERMISSIONS, ROLES, Permission, holders
 from services.registry.auth import token_hash
-from services.router.openai_http import Allowed, create_http_app
+from services.router.openai_http import Allowed
+from services.router.openai_routes import create_http_app
 from services.router.server import RPC_PERMISSIONS
 from tests.router.conftest import ACME, CatalogWriter, Fleet, request
 
