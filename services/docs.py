@@ -284,7 +284,7 @@ def _registry_app() -> Any:
 
 def _router_app() -> Any:
     """The OpenAI app's routes do not touch their dispatcher until a request comes."""
-    from services.router.openai_http import create_http_app
+    from services.router.openai_routes import create_http_app
 
     required = [p for p in inspect.signature(create_http_app).parameters.values()
                 if p.default is inspect.Parameter.empty]
