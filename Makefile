@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 CONSTRAINTS ?= constraints.txt
 PIN    := $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 
-.PHONY: setup demo test lint up kafka-jars clean bench bench-report
+.PHONY: setup demo test lint up kafka-jars clean bench bench-report bench-peer
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +46,12 @@ bench: setup
 	done; \
 	$(BIN)/python bench/report.py; \
 	if [ -n "$$failed" ]; then echo "failed:$$failed"; exit 1; fi
+
+# The engine beside llama.cpp's llama-server (not in `make bench`: the first run builds
+# llama-server from source, minutes on 2 cores; needs cmake and a C++ compiler).
+bench-peer: setup
+	$(BIN)/python bench/peer_llamacpp.py
+	$(BIN)/python bench/report.py
 
 bench-report: $(STAMP)
 	$(BIN)/python bench/report.py
