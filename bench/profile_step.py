@@ -17,9 +17,11 @@ profiled time splits into: base GEMMs (top-level `aten::mm` / `aten::addmm` in t
 forward, outside LoRA and attention), the LM head (`aten::linear`), LoRA, attention, other
 ops in the forward (norms, rope, SwiGLU, the KV write, the embedding), the sampler,
 schedule + batch build, and Python (the forward's and the step's own time outside any
-op). The profiler adds a few microseconds per op, so the shares, not its milliseconds,
-carry over; the bare median is the step's real cost. The greedy tokens of both scenarios
-are digested so that a change can show it kept the outputs.
+op). Each bare step's process CPU time is recorded beside its wall time: on a shared
+machine whose load exceeds its cores, wall time is mostly waiting for a core. The
+profiler adds a few microseconds per op, so the shares, not its milliseconds, carry
+over; the bare median is the step's real cost. The greedy tokens of both scenarios are
+digested so that a change can show it kept the outputs.
 
 `--label` names the run in the results (e.g. "before" / "after"); runs of other labels
 already in `--out` are kept, so one file holds a before and an after side by side.
@@ -156,11 +158,12 @@ def scenario(eng: Engine, digests: list, name: str, steps: int) -> dict[str, Any
     vocab = eng.model.cfg.vocab_size
     # bare: median wall time of decode steps
     ids = decoding(eng, requests(name, vocab, digests, steps + 2))
-    bare = []
+    bare, cpu = [], []
     for _ in range(steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         eng.step()
         bare.append((time.perf_counter() - t0) * 1e3)
+        cpu.append((time.process_time() - c0) * 1e3)
     while eng.has_work:
         eng.step()
     tokens = [eng.pop_result(i).token_ids for i in ids]
@@ -183,6 +186,7 @@ def scenario(eng: Engine, digests: list, name: str, steps: int) -> dict[str, Any
         "decodes_per_step": 1 if name == "single" else 32,
         "bare_step_ms_median": round(statistics.median(bare), 3),
         "bare_step_ms_all": [round(x, 2) for x in bare],
+        "bare_step_cpu_ms_median": round(statistics.median(cpu), 3),
         "profiled_step_ms": round(total / steps, 3),
         "components_ms_per_step": {k: round(v / steps, 3) for k, v in ms.items()},
         "components_share": {k: round(v / total, 3) for k, v in ms.items()},
@@ -204,6 +208,8 @@ def tables(runs: dict[str, Any]) -> list[dict[str, Any]]:
                                         for r in runs.values()]])
         rows.append(["bare step, median", *[f"**{r[name]['bare_step_ms_median']:.3f}**"
                                             for r in runs.values()]])
+        rows.append(["bare step, median CPU ms (both threads)", *[
+            f"{r[name].get('bare_step_cpu_ms_median', 'n/a')}" for r in runs.values()]])
         rows.append(["load after", *[f"{r[name]['load_after']}" for r in runs.values()]])
         rows.append(["greedy tokens digest", *[r[name]["tokens_sha256"]
                                                for r in runs.values()]])
