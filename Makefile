@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 CONSTRAINTS ?= constraints.txt
 PIN    := $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 
-.PHONY: setup demo test lint up kafka-jars clean bench bench-report chaos docs
+.PHONY: setup demo test lint up kafka-jars clean bench bench-report bench-peer chaos docs
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,12 @@ bench: setup
 	done; \
 	$(BIN)/python bench/report.py; \
 	if [ -n "$$failed" ]; then echo "failed:$$failed"; exit 1; fi
+
+# The engine beside llama.cpp's llama-server (not in `make bench`: the first run builds
+# llama-server from source, minutes on 2 cores; needs cmake and a C++ compiler).
+bench-peer: setup
+	$(BIN)/python bench/peer_llamacpp.py
+	$(BIN)/python bench/report.py
 
 bench-report: $(STAMP)
 	$(BIN)/python bench/report.py

@@ -22,8 +22,9 @@ sys.path.insert(0, str(REPO))
 
 from bench.record import RESULTS  # noqa: E402
 
-ORDER = ("multi_lora", "serve", "serve_tls", "structured", "merged", "hotswap", "router", "fanout",
-         "registry", "release", "replay", "audit", "audit_inline", "audit_server", "chaos")
+ORDER = ("multi_lora", "peer", "profile", "serve", "serve_tls", "structured", "merged",
+         "hotswap", "router", "fanout", "registry", "release", "replay", "audit",
+         "audit_inline", "audit_server", "chaos")
 """Sections in reading order: the model and engine first, the control plane after."""
 
 
@@ -104,6 +105,19 @@ def section(name: str, doc: dict[str, Any]) -> list[str]:
     lines.append("")
     if doc.get("scenarios"):
         lines += chaos_table(doc)
+    for table in doc.get("tables") or ():
+        lines += tabulate(table)
+    return lines
+
+
+def tabulate(table: dict[str, Any]) -> list[str]:
+    """A bench's own table (`tables` in its result: title, header, rows), for what one
+    figure per line does not show well: a ratio per workload and dtype, a profile."""
+    header = table["header"]
+    lines = [f"**{table['title']}**", "", "| " + " | ".join(header) + " |",
+             "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in table["rows"]]
+    lines.append("")
     return lines
 
 

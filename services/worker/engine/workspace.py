@@ -7,11 +7,18 @@ took 110 ms allocating its output, 31 ms writing into a reused one). Keeping one
 per role, grown to the largest step seen and never shrunk, pays that once per process.
 Layers reuse the same buffers one after another, so a view handed out is only valid until
 the next request for the same role: the forward never keeps one across layers.
+
+The views themselves are kept too, per role, shape and dtype: a decode step asks for about
+360 of them (12 per layer), and slicing and viewing a buffer anew cost 3.5 us each against
+0.06 us for the lookup, over 1 ms of a SmolLM2 decode step in the calling thread.
 """
 
 from __future__ import annotations
 
 import torch
+
+MAX_VIEWS = 1024
+"""Views kept at most (each step size asks for its own shapes)."""
 
 
 class Workspace:
@@ -21,10 +28,15 @@ class Workspace:
         self.dtype = dtype
         self.device = device
         self._buffers: dict[str, torch.Tensor] = {}
+        self._views: dict[tuple[str, tuple[int, ...], torch.dtype], torch.Tensor] = {}
 
     def take(self, role: str, *shape: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         """An uninitialised contiguous tensor of `shape` backed by the role's buffer."""
         dtype = dtype or self.dtype
+        key = (role, shape, dtype)
+        view = self._views.get(key)
+        if view is not None:
+            return view
         need = 1
         for n in shape:
             need *= n
@@ -32,7 +44,12 @@ class Workspace:
         if buf is None or buf.numel() < need or buf.dtype != dtype:
             buf = torch.empty(need, dtype=dtype, device=self.device)
             self._buffers[role] = buf
-        return buf[:need].view(shape)
+            # views of the old buffer would keep it alive and hand it out again
+            self._views = {k: v for k, v in self._views.items() if k[0] != role}
+        if len(self._views) >= MAX_VIEWS:  # step sizes vary: keep the recent ones only
+            self._views.clear()
+        view = self._views[key] = buf[:need].view(shape)
+        return view
 
     @property
     def nbytes(self) -> int:

@@ -25,6 +25,17 @@ def test_a_role_reuses_its_buffer_and_grows_only_when_asked_for_more() -> None:
     assert ws.take("mask", 3, dtype=torch.int64).dtype == torch.int64
 
 
+def test_views_are_kept_per_shape_and_follow_their_role_when_it_grows() -> None:
+    ws = Workspace(torch.float32, torch.device("cpu"))
+    small = ws.take("act", 2, 8)
+    assert ws.take("act", 2, 8) is small  # no new view per layer and step
+    big = ws.take("act", 16, 8)  # the role's buffer grows: its old views are dropped
+    again = ws.take("act", 2, 8)
+    assert again is not small and again.data_ptr() == big.data_ptr()
+    assert ws.take("act", 2, 8, dtype=torch.int64).dtype == torch.int64
+    assert ws.take("act", 2, 8).dtype == torch.float32
+
+
 def _decode_meta(lens: list[int], groups: int, block: int = 4) -> AttentionMetadata:
     tables, next_block = [], 0
     for n in lens:
