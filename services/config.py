@@ -142,6 +142,11 @@ class Settings(BaseSettings):
     worker_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="auto = bf16 where the hardware runs it natively (CUDA, CPUs with "
         "AVX512-BF16 or AMX), else float32 (the engine's serving_dtype).")
+    worker_weights: Literal["dense", "int8"] = Field(
+        "dense", description="Base projections: dense (in WORKER_DTYPE) or int8 (per-channel "
+        "symmetric int8 weights, activations and the LoRA pass in WORKER_DTYPE: half the "
+        "bytes of bf16 per decode step). Heartbeats and request traces name it; merged mode "
+        "needs dense.")
     worker_adapter_slots: int = Field(8, ge=1, description="Device tier: adapter slots.")
     worker_max_lora_rank: int = Field(
         64, ge=1, description="The largest LoRA rank a worker's adapter pool holds; the "
@@ -310,6 +315,14 @@ class Settings(BaseSettings):
             if name in given or f"LORAPLANE_{name.upper()}" in os.environ:
                 raise ValueError(f"LORAPLANE_{name.upper()} was removed: {why}")
         return data
+
+    @model_validator(mode="after")
+    def _merge_needs_dense(self) -> Settings:
+        """Merged mode folds adapters into dense base weights; an int8 base has none."""
+        if self.worker_merge is not None and self.worker_weights != "dense":
+            raise ValueError(f"LORAPLANE_WORKER_MERGE needs dense base weights, not "
+                             f"LORAPLANE_WORKER_WEIGHTS={self.worker_weights}")
+        return self
 
     @field_validator("allowed_dtypes")
     @classmethod
