@@ -16,7 +16,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.contracts.capacity import ENGINE_DTYPES
-from services.contracts.events import MERGE_PATTERN
+from services.contracts.events import MERGE_PATTERN, BaseWeights
 
 BrokerKind = Literal["auto", "apache", "tansu"]
 TierName = Literal["platinum", "gold", "silver", "bronze"]
@@ -142,7 +142,7 @@ class Settings(BaseSettings):
     worker_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="auto = bf16 where the hardware runs it natively (CUDA, CPUs with "
         "AVX512-BF16 or AMX), else float32 (the engine's serving_dtype).")
-    worker_weights: Literal["dense", "int8"] = Field(
+    worker_weights: BaseWeights = Field(
         "dense", description="Base projections: dense (in WORKER_DTYPE) or int8 (per-channel "
         "symmetric int8 weights, activations and the LoRA pass in WORKER_DTYPE: half the "
         "bytes of bf16 per decode step). Heartbeats and request traces name it; merged mode "

@@ -15,12 +15,14 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import get_args
 
 import torch
 import torch.nn.functional as F
 
 from loraplane_kernels.int8 import Int8Weight, int8_linear, needs_dequant_buffer, quantize_int8
 from loraplane_kernels.threads import one_thread
+from services.contracts.events import BaseWeights
 
 from .adapter_pool import AdapterPool
 from .attention import AttentionMetadata, paged_attention
@@ -88,7 +90,7 @@ class ForwardBatch:
         )
 
 
-WEIGHT_FORMATS = ("dense", "int8")
+WEIGHT_FORMATS: tuple[str, ...] = get_args(BaseWeights)
 """How the base projections are stored: dense in the serving dtype, or int8 per output
 channel (`loraplane_kernels.int8`) with activations and LoRA in the serving dtype."""
 
