@@ -29,6 +29,7 @@ Usage: python bench/int8.py [--quick] [--rounds 3] [--out bench/results/int8.jso
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import statistics
 import sys
@@ -121,7 +122,7 @@ def single_stream(e: Engine, new_tokens: int) -> dict[str, float]:
         prompt_token_ids=prompt, on_token=lambda _ev: stamps.append(time.perf_counter()),
         sampling=SamplingParams(max_tokens=new_tokens, min_tokens=new_tokens,
                                 ignore_eos=True))])
-    gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+    gaps = [b - a for a, b in itertools.pairwise(stamps)]
     return {"ttft_ms": round((stamps[0] - t0) * 1e3, 2),
             "itl_ms": round(statistics.fmean(gaps) * 1e3, 2)}
 

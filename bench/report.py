@@ -22,7 +22,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.record import RESULTS  # noqa: E402
 
-ORDER = ("multi_lora", "serve", "structured", "merged", "hotswap", "router", "fanout",
+ORDER = ("multi_lora", "serve", "structured", "merged", "int8", "hotswap", "router", "fanout",
          "registry", "release", "replay", "audit", "audit_inline", "audit_server")
 """Sections in reading order: the model and engine first, the control plane after."""
 
