@@ -97,8 +97,12 @@ channel (`loraplane_kernels.int8`) with activations and LoRA in the serving dtyp
 INT8_LM_HEAD = True
 """Whether the int8 format quantises lm_head too (the embedding stays dense: a lookup reads
 one row per token). lm_head is the largest single matmul of a small model's decode step
-(SmolLM2: 28M of 135M parameters); bench/int8.py measures the quality with and without.
-With tied embeddings the int8 copy comes beside the dense embedding (half its bytes)."""
+(SmolLM2: 28M of 135M parameters). Measured by bench/int8.py --quick on SmolLM2 against
+bf16 (bf16's greedy answers to the demo questions, base and the 3 demo adapters, teacher-
+forced): top-1 agreement 96.9% with int8 lm_head, 98.1% with a dense one (fp32's own
+agreement with bf16: 98.1%); perplexity 1.460 and 1.453 against bf16's 1.448. Kept: the
+loss is small and lm_head is the bytes a decode step most saves on. With tied embeddings
+the int8 copy comes beside the dense embedding (half its bytes)."""
 
 Weight = torch.Tensor | Int8Weight
 
