@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import typer
+from pydantic import ValidationError
 from rich.console import Console
 from rich.markup import escape
 
@@ -363,7 +364,14 @@ def serve_worker(
         except ValueError as exc:
             err.print(f"[red]--merge {exc}[/red]")
             raise typer.Exit(2) from None
-    settings = Settings(worker_merge=merge) if merge is not None else _settings()
+    try:
+        settings = Settings(worker_merge=merge) if merge is not None else _settings()
+    except ValidationError as exc:  # one line per refused setting, not a traceback
+        for error in exc.errors():
+            where = ".".join(str(x) for x in error["loc"])
+            console.print(f"[red]{where + ': ' if where else ''}{error['msg']}[/red]",
+                          soft_wrap=True)
+        raise typer.Exit(2) from None
     logging.basicConfig(level=settings.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if settings.base_model is None or not settings.kafka_bootstrap:

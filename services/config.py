@@ -16,7 +16,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.contracts.capacity import ENGINE_DTYPES
-from services.contracts.events import MERGE_PATTERN
+from services.contracts.events import MERGE_PATTERN, BaseWeights
 
 BrokerKind = Literal["auto", "apache", "tansu"]
 TierName = Literal["platinum", "gold", "silver", "bronze"]
@@ -162,6 +162,11 @@ class Settings(BaseSettings):
     worker_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="auto = bf16 where the hardware runs it natively (CUDA, CPUs with "
         "AVX512-BF16 or AMX), else float32 (the engine's serving_dtype).")
+    worker_weights: BaseWeights = Field(
+        "dense", description="Base projections: dense (in WORKER_DTYPE) or int8 (per-channel "
+        "symmetric int8 weights, activations and the LoRA pass in WORKER_DTYPE: half the "
+        "bytes of bf16 per decode step). Heartbeats and request traces name it; merged mode "
+        "needs dense.")
     worker_adapter_slots: int = Field(8, ge=1, description="Device tier: adapter slots.")
     worker_max_lora_rank: int = Field(
         64, ge=1, description="The largest LoRA rank a worker's adapter pool holds; the "
@@ -417,6 +422,14 @@ class Settings(BaseSettings):
             query[name] = value
         object.__setattr__(self, "database_url", urlunsplit(parts._replace(
             query=urlencode(query, safe="/:"))))
+        return self
+
+    @model_validator(mode="after")
+    def _merge_needs_dense(self) -> Settings:
+        """Merged mode folds adapters into dense base weights; an int8 base has none."""
+        if self.worker_merge is not None and self.worker_weights != "dense":
+            raise ValueError(f"LORAPLANE_WORKER_MERGE needs dense base weights, not "
+                             f"LORAPLANE_WORKER_WEIGHTS={self.worker_weights}")
         return self
 
     @field_validator("allowed_dtypes")

@@ -248,7 +248,8 @@ class FoldState:
                 "worker_id": worker_id, "address": None, "base_model": None,
                 "base_model_digest": None, "first_seen_at": envelope.occurred_at,
                 "last_heartbeat_at": None, "last_event_at": envelope.occurred_at,
-                "free_slots": None, "free_kv_blocks": None, "lease_epoch": None}
+                "free_slots": None, "free_kv_blocks": None, "lease_epoch": None,
+                "base_weights": "dense"}
         if row["last_event_at"] is None or envelope.occurred_at > row["last_event_at"]:
             row["last_event_at"] = envelope.occurred_at
         if envelope.occurred_at < row["first_seen_at"]:
@@ -444,7 +445,8 @@ def _on_heartbeat(state: FoldState, e: AnyEnvelope) -> None:
     row.update({"address": _get(p, "address"), "base_model": _get(p, "base_model"),
                 "base_model_digest": _get(p, "base_model_digest"),
                 "free_slots": _get(p, "free_slots"), "free_kv_blocks": _get(p, "free_kv_blocks"),
-                "lease_epoch": _get(p, "lease_epoch"), "last_heartbeat_at": at})
+                "lease_epoch": _get(p, "lease_epoch"), "last_heartbeat_at": at,
+                "base_weights": _get(p, "base_weights", "dense")})
     # Built when the set is next read (`FoldState.held`): a newer heartbeat replaces this
     # one first. Nothing else changes the set or `unloaded` in between, so the rows come
     # out as if each heartbeat had been folded in turn.
@@ -539,7 +541,7 @@ def _on_tenant_purged(state: FoldState, e: AnyEnvelope) -> None:
 TRACE_COLUMNS = ("event_id", "ordinal", "request_id", "trace_id", "worker_id", "tenant_org",
                  "tenant_team", "tenant_project", "user_id", "adapter_id", "version",
                  "adapter_sha256", "base_model_digest", "prompt_tokens", "completion_tokens",
-                 "started_at", "finished_at", "status", "witness")
+                 "started_at", "finished_at", "status", "witness", "base_weights")
 """The order of the values of a `request_traces` row (the most numerous rows: tuples)."""
 
 
@@ -559,7 +561,7 @@ def _on_request_served(state: FoldState, e: AnyEnvelope, stored: Mapping[Any, st
                 tenant.team, tenant.project, stored.get(("user_id", ordinal), r.user_id),
                 r.adapter_id, r.version, r.adapter_sha256, r.base_model_digest,
                 r.prompt_tokens, r.completion_tokens, r.started_at, r.finished_at, r.status,
-                witness))
+                witness, r.base_weights))
 
 
 HANDLERS = {

@@ -203,6 +203,7 @@ workers = Table(
     Column("free_slots", Integer),
     Column("free_kv_blocks", Integer),
     Column("lease_epoch", BigInteger),
+    Column("base_weights", Text, nullable=False, server_default="dense"),  # revision 0012
 )
 
 worker_adapters = Table(
@@ -288,6 +289,7 @@ request_traces = Table(
     Column("finished_at", DateTime(timezone=True), nullable=False),
     Column("status", Text, nullable=False),
     Column("witness", Text, nullable=False, server_default="worker"),  # revision 0011
+    Column("base_weights", Text, nullable=False, server_default="dense"),  # revision 0012
 )
 
 tenant_keys = Table(  # revision 0007

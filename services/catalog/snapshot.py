@@ -192,6 +192,7 @@ def dump_state(state: CatalogState) -> Document:
             for (actor, key), answer in state.idempotency.items()],
         "heartbeats": {worker: _time(at) for worker, at in state.heartbeats.items()},
         "worker_bases": dict(state.worker_bases),
+        "worker_weights": dict(state.worker_weights),
         "merged_workers": dict(state.merged_workers),
         "gates": {gate_id: list(where) for gate_id, where in state.gates.items()},
         "orphan_results": {gate_id: [_timed(r) for r in results]
@@ -246,6 +247,7 @@ def load_state(doc: Document) -> CatalogState:
             None, _position_of(entry["position"]), document=entry["event"])
     state.heartbeats = {w: datetime.fromisoformat(at) for w, at in doc["heartbeats"].items()}
     state.worker_bases = dict(doc["worker_bases"])
+    state.worker_weights = dict(doc.get("worker_weights", {}))
     state.merged_workers = dict(doc.get("merged_workers", {}))
     state.gates = {gate_id: (where[0], int(where[1])) for gate_id, where in doc["gates"].items()}
     state.orphan_results = {gate_id: [_result_of(r) for r in results]

@@ -505,6 +505,8 @@ class CatalogState:
     """Each worker's newest heartbeat by its timestamp, whatever order they were read in."""
     worker_bases: dict[str, str] = field(default_factory=dict)
     """Each worker's base model digest, from its newest heartbeat."""
+    worker_weights: dict[str, str] = field(default_factory=dict)
+    """Each worker's base weights format (dense, int8), from its newest heartbeat."""
     merged_workers: dict[str, str] = field(default_factory=dict)
     """Workers in merged mode, from their newest heartbeat: worker → the one adapter id it
     serves (they run no quality gates: their weights are not the plain base model's)."""
@@ -648,6 +650,7 @@ class CatalogState:
         if at > self.heartbeats.get(p.worker_id, at - timedelta(days=1)):
             self.heartbeats[p.worker_id] = at
             self.worker_bases[p.worker_id] = p.base_model_digest
+            self.worker_weights[p.worker_id] = p.base_weights
             if p.merged_mode is not None:
                 self.merged_workers[p.worker_id] = p.merged_mode.adapter_id
             else:

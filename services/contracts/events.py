@@ -35,6 +35,14 @@ SLUG_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,62}$"
 ID_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,127}$"
 """Adapter ids, aliases and base-model names."""
 SHA256_PATTERN = r"^[0-9a-f]{64}$"
+BaseWeights = Literal["dense", "int8"]
+"""How a worker computes its base projections: dense in its serving dtype, or int8 weights
+per output channel (activations and the LoRA pass in the serving dtype). The base digest
+names the checkpoint either way; this names what was computed from it."""
+BASE_WEIGHTS_DOC = ("How the worker computes the base projections from the checkpoint the "
+                    "digest names: dense (in its serving dtype) or int8 (per-channel int8 "
+                    "weights, activations and the LoRA pass in the serving dtype).")
+
 MERGE_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,127}(@[1-9][0-9]{0,9})?$"
 """What merged mode names (`serve worker --merge`): `ADAPTER_ID` or `ADAPTER_ID@VERSION`."""
 
@@ -286,6 +294,7 @@ class WorkerHeartbeat(_WorkerPayload):
     free_slots: int = Field(0, ge=0)
     free_kv_blocks: int = Field(0, ge=0)
     lease_epoch: int | None = None
+    base_weights: BaseWeights = Field("dense", description=BASE_WEIGHTS_DOC)
     merged_mode: MergedMode | None = Field(
         None, description="Set when the worker is dedicated to one adapter merged into its "
                           "base weights: routers send it only that adapter's requests, and the "
@@ -346,6 +355,7 @@ class ServedRequest(_Frozen):
     version: Version | None
     adapter_sha256: Sha256Hex | None
     base_model_digest: Sha256Hex
+    base_weights: BaseWeights = Field("dense", description=BASE_WEIGHTS_DOC)
     prompt_tokens: int = Field(ge=0)
     completion_tokens: int = Field(ge=0)
     started_at: datetime

@@ -17,6 +17,7 @@ from services.catalog.state import (
     Adapter,
     AdapterVersion,
     Alias,
+    CatalogState,
     LogPosition,
     Purge,
     rollback_target,
@@ -190,17 +191,30 @@ def change_view(envelope: Envelope, position: LogPosition | None) -> AdapterChan
     return AdapterChange(**fields, type=envelope.type, event=event_ref(envelope, position))
 
 
+class ServingWorker(BaseModel):
+    worker_id: str
+    base_weights: str = Field(description="How it computes this base: dense (in its serving "
+                                          "dtype) or int8 weights (LORAPLANE_WORKER_WEIGHTS)")
+
+
 class BaseModelView(BaseModel):
     name: str
     digest: str
     config: dict[str, Any]
     registered_at: datetime
     event: EventRef | None = None
+    workers: list[ServingWorker] = Field(
+        default_factory=list, description="Live workers serving this digest (by heartbeat), "
+                                          "each with its base weights format")
 
 
-def base_model_view(model: BaseModelState) -> BaseModelView:
+def base_model_view(model: BaseModelState, state: CatalogState,
+                    now: datetime) -> BaseModelView:
+    workers = [ServingWorker(worker_id=w, base_weights=state.worker_weights.get(w, "dense"))
+               for w in sorted(state.live_workers(now))
+               if state.worker_bases.get(w) == model.digest]
     return BaseModelView(name=model.name, digest=model.digest, config=model.config,
-                         registered_at=model.registered_at)
+                         registered_at=model.registered_at, workers=workers)
 
 
 def base_model_registered_view(envelope: Envelope,

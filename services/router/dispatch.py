@@ -457,6 +457,7 @@ class Dispatcher:
             adapter_id=choice.adapter_id if choice else None,
             version=choice.version if choice else None,
             adapter_sha256=choice.sha256 if choice else None, base_model_digest=base_digest,
+            base_weights=view.base_weights if view is not None else "dense",  # type: ignore[arg-type]
             prompt_tokens=0, completion_tokens=tokens,
             started_at=datetime.fromtimestamp(trace.started_at, UTC),
             finished_at=datetime.now(UTC), status="cut"))

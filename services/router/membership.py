@@ -68,6 +68,9 @@ class WorkerView:
     free_kv_blocks: int = 0
     merged_mode: MergedMode | None = None
     """Set for a worker dedicated to one adapter merged into its weights."""
+    base_weights: str = "dense"
+    """How it computes the base (`WorkerHeartbeat.base_weights`): a trace the router
+    writes for it says so too."""
 
     @property
     def dedication(self) -> tuple[str, int | None] | None:
@@ -139,6 +142,7 @@ class Membership:
             view.free_slots = p.free_slots
             view.free_kv_blocks = p.free_kv_blocks
             view.merged_mode = p.merged_mode
+            view.base_weights = p.base_weights
             for sha in list(view.sent):
                 if sha in held:
                     self._unsend(view, sha)

@@ -60,7 +60,8 @@ def engine_config(settings: Settings) -> EngineConfig:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     return EngineConfig(
-        dtype=settings.worker_dtype, device=device, block_size=settings.worker_block_size,
+        dtype=settings.worker_dtype, device=device, weights=settings.worker_weights,
+        block_size=settings.worker_block_size,
         num_kv_blocks=settings.worker_kv_blocks, max_lora_rank=settings.worker_max_lora_rank,
         adapter_slots=settings.worker_adapter_slots,
         limits=SchedulerLimits(
@@ -170,7 +171,8 @@ async def serve(settings: Settings, stop: asyncio.Event,
     log.info("worker %s: gRPC on %s:%d (%s), base model %s (digest %s), metrics on %s%s",
              runtime.worker_id, settings.worker_host, server.port, tls.describe(settings),
              runtime.model_dir,
-             runtime.engine.base_digest, settings.worker_metrics_port or "off",
+             f"{runtime.engine.base_digest}, {runtime.engine.base_weights} weights",
+             settings.worker_metrics_port or "off",
              f"; merged mode: serves only {settings.worker_merge}, merged into the base "
              "weights" if settings.worker_merge else "")
     grace_s = 0.5

@@ -654,7 +654,9 @@ class EngineLoop:
             user_id=work.user_id, adapter_id=choice.adapter_id if choice else None,
             version=choice.version if choice else None,
             adapter_sha256=choice.sha256 if choice else None,
-            base_model_digest=self.base_digest, prompt_tokens=prompt,
+            base_model_digest=self.base_digest,
+            base_weights=self.engine.base_weights,  # type: ignore[arg-type]
+            prompt_tokens=prompt,
             completion_tokens=completion, started_at=ticket.started_at,
             finished_at=datetime.now(UTC), status=status))  # type: ignore[arg-type]
 
@@ -707,6 +709,7 @@ class EngineLoop:
             base_model_digest=self.base_digest, loaded=loaded,
             free_slots=self.engine.adapters.free_slots,
             free_kv_blocks=stats.free_kv_blocks, lease_epoch=epoch,
+            base_weights=self.engine.base_weights,  # type: ignore[arg-type]
             merged_mode=self.merge.report() if self.merge is not None else None,
             draining=self.draining)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Response
@@ -61,7 +62,9 @@ def register(body: BaseModelBody, principal: BaseModelRegistrar, node: Node, res
 @router.get("", response_model=list[BaseModelView], responses=ERRORS)
 def list_base_models(principal: Reader, node: Node) -> list[BaseModelView]:
     with node.state_lock:
-        return [base_model_view(m) for _, m in sorted(node.state.base_models.items())]
+        now = datetime.now(UTC)
+        return [base_model_view(m, node.state, now)
+                for _, m in sorted(node.state.base_models.items())]
 
 
 @router.get("/{name}", response_model=BaseModelView, responses=ERRORS)
@@ -70,4 +73,4 @@ def get_base_model(name: NamePath, principal: Reader, node: Node) -> BaseModelVi
         model = node.state.base_models.get(name)
         if model is None:
             raise ProblemError(404, "not_found", f"base model {name!r} is not registered")
-        return base_model_view(model)
+        return base_model_view(model, node.state, datetime.now(UTC))

@@ -49,6 +49,9 @@ class EngineConfig:
     the hardware runs it natively, else fp32)."""
     device: str = "cpu"
     """Where weights, KV cache and adapter slabs live ("cuda" runs the Triton kernels)."""
+    weights: str = "dense"
+    """Base projections "dense" (in `dtype`) or "int8" (per-channel int8, the LoRA pass and
+    activations in `dtype`; see `loraplane_kernels.int8`). int8 serves no merged mode."""
     block_size: int = 16
     num_kv_blocks: int = 2048
     max_lora_rank: int = 64
@@ -108,10 +111,11 @@ class Engine:
         self.prefix_cache = cfg.prefix_cache and not mc.rope_depends_on_length
         """Blocks are shared unless turned off, or the rope depends on the sequence's length
         (the same tokens' K/V differ between sequences of other lengths)."""
-        self.fusion_threshold = base_fusion_threshold(torch.device(model.device),
-                                                      mc.hidden_size, cfg.max_lora_rank)
+        self.fusion_threshold = None if model.weights != "dense" else base_fusion_threshold(
+            torch.device(model.device), mc.hidden_size, cfg.max_lora_rank)
         """Adapter buckets up to this many tokens take the fused base + LoRA kernel; None
-        (CPU, or a GPU model without a measured table) = always the separate path."""
+        (CPU, int8 base weights, or a GPU model without a measured table) = always the
+        separate path."""
         self._seqs: dict[str, Sequence] = {}
         self._groups: dict[str, ChoiceGroup] = {}
         self.grammars = GrammarCache(model.tokenizer, mc.vocab_size, mc.eos_token_ids)
@@ -129,11 +133,17 @@ class Engine:
     def from_pretrained(cls, model_dir: str | Path, config: EngineConfig | None = None) -> Engine:
         cfg = config or EngineConfig()
         dtype = serving_dtype(cfg.dtype, cfg.device)
-        return cls(DecoderModel.from_pretrained(model_dir, dtype, cfg.device), cfg)
+        return cls(DecoderModel.from_pretrained(model_dir, dtype, cfg.device, cfg.weights), cfg)
 
     @property
     def base_digest(self) -> str:
         return self.model.digest
+
+    @property
+    def base_weights(self) -> str:
+        """The format the base projections are served in ("dense" or "int8"): the digest
+        names the checkpoint, this how it is computed (heartbeats and traces carry both)."""
+        return self.model.weights
 
     @property
     def tokenizer(self):  # -> tokenizers.Tokenizer | None
@@ -176,6 +186,9 @@ class Engine:
         requests of any other adapter (the previous version included) must be drained or
         aborted first: they would otherwise finish on weights they were not admitted for.
         """
+        if self.model.weights != "dense":
+            raise RequestError(f"merged mode needs dense base weights; this engine serves "
+                               f"{self.model.weights} weights (weights=dense to merge)")
         if not self.adapters.is_loaded(digest):
             raise AdapterNotLoadedError(f"adapter {digest} is not loaded")
         if digest == self._merged:

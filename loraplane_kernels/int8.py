@@ -1,0 +1,97 @@
+"""Int8 weight-only base projections: per-output-channel symmetric int8 weights with one
+scale per row, multiplied against activations in the serving dtype.
+
+The format is the one vLLM's and llama.cpp's 8-bit weight-only paths use in spirit
+(Q8_0 scales blocks of 32, this scales whole rows, which is what torch's int8 matmul
+takes): ``w ≈ q * scale[:, None]``, ``q = round(w / scale)`` in [-127, 127],
+``scale = max|w_row| / 127``. Halving the bytes of every base weight is what a decode
+step, bound by memory bandwidth, gains from; the LoRA deltas stay in the serving dtype.
+
+On CPU the product runs in torch's weight-only int8 kernel (``_weight_int8pack_mm``,
+which dequantises a tile at a time in registers) for batches of a few rows, where bytes
+dominate; for bigger batches the whole weight is dequantised once into a reused buffer
+and multiplied there by the dense kernel (AMX/AVX512-BF16 matmuls are several times
+faster than the int8 kernel's arithmetic once a step has many rows). On GPU the weight
+is dequantised the same way (no Triton int8 kernel yet; measured nowhere).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+QMAX = 127
+INT8PACK_MAX_ROWS = 16
+"""CPU batches of at most this many rows take the int8 kernel; more rows dequantise the
+weight into a buffer and take the dense matmul (see the module doc and bench/int8.py)."""
+
+
+@dataclass
+class Int8Weight:
+    """A [out, in] projection weight as int8 rows and one scale per row."""
+
+    q: Tensor  # [out, in] int8, contiguous
+    scale: Tensor  # [out], the activations' dtype (the int8 kernel multiplies in it)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.scale.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes + self.scale.nbytes
+
+    def dequantize(self, out: Tensor | None = None) -> Tensor:
+        """``q * scale`` in the serving dtype (into `out` when given)."""
+        if out is None:
+            out = torch.empty(self.q.shape, dtype=self.dtype, device=self.device)
+        out.copy_(self.q)
+        return out.mul_(self.scale[:, None])
+
+    def __getitem__(self, rows: slice) -> Int8Weight:
+        """Rows lo:hi of a packed weight (q|k|v, gate|up), sharing storage."""
+        return Int8Weight(self.q[rows], self.scale[rows])
+
+
+def quantize_int8(w: Tensor) -> Int8Weight:
+    """Per-row symmetric int8 of a [out, in] weight; the scale is rounded to `w`'s dtype
+    first and the rows are divided by that rounded scale, so ``q * scale`` is the
+    reconstruction the kernels compute (an all-zero row gets scale 0 and q 0)."""
+    wf = w.detach().float()
+    scale = (wf.abs().amax(dim=1) / QMAX).to(w.dtype)
+    sf = scale.float()
+    q = torch.where(sf[:, None] > 0, wf / sf.clamp_min(torch.finfo(torch.float32).tiny)[:, None],
+                    torch.zeros((), device=w.device))
+    q = q.round_().clamp_(-QMAX, QMAX).to(torch.int8).contiguous()
+    return Int8Weight(q, scale.contiguous())
+
+
+def int8_linear(x: Tensor, w: Int8Weight, *, bias: Tensor | None = None,
+                scratch: Tensor | None = None) -> Tensor:
+    """``x @ dequant(w).T (+ bias)`` in `x`'s dtype, as a new [rows, out] tensor.
+
+    `scratch`, shaped like `w` in the serving dtype, holds the dequantised weight on the
+    paths that build one (reused between steps instead of allocated per call).
+    """
+    if not needs_dequant_buffer(x):
+        y = torch._weight_int8pack_mm(x.contiguous(), w.q, w.scale)
+    else:
+        y = x @ w.dequantize(scratch).t()
+    if bias is not None:
+        y += bias
+    return y
+
+
+def needs_dequant_buffer(x: Tensor) -> bool:
+    """Whether `int8_linear(x, ...)` dequantises the weight (and so wants a `scratch`)."""
+    return not (x.device.type == "cpu" and x.shape[0] <= INT8PACK_MAX_ROWS)
