@@ -22,6 +22,13 @@ def test_times_out_with_the_message_and_the_last_value() -> None:
     assert 0.1 <= time.monotonic() - started < 2
 
 
+def test_a_callable_message_says_how_things_stood_at_the_timeout() -> None:
+    seen: list[int] = []
+    with pytest.raises(AssertionError, match=r"statuses \[503, 503"):
+        wait_for(lambda: seen.append(503), 0.05, interval_s=0.01,
+                 message=lambda: f"an answer; statuses {seen}")
+
+
 def test_ignored_errors_count_as_not_yet_and_others_propagate() -> None:
     attempts = iter([ConnectionError("refused"), ConnectionError("refused"), "up"])
 

@@ -14,14 +14,16 @@ T = TypeVar("T")
 
 
 def wait_for(condition: Callable[[], T], timeout_s: float, *, interval_s: float = 0.05,
-             message: str = "the condition",
+             message: str | Callable[[], str] = "the condition",
              ignoring: tuple[type[BaseException], ...] = ()) -> T:
     """The first truthy value of `condition()`, polled every `interval_s` until `timeout_s`.
 
     Returns the value so a caller can wait for a thing and use it in one step. On timeout it
     raises AssertionError naming `message` and the last value seen, which is usually what
-    explains the failure. Exceptions of the types in `ignoring` (a server not yet listening,
-    a row not yet there) count as "not yet" and the last one is reported as the last value.
+    explains the failure; a callable message is called only then, so it can say how things
+    stood at the end (a log's tail, the statuses seen). Exceptions of the types in `ignoring`
+    (a server not yet listening, a row not yet there) count as "not yet", and the last one is
+    reported as the last value.
     """
     deadline = time.monotonic() + timeout_s
     while True:
@@ -33,6 +35,7 @@ def wait_for(condition: Callable[[], T], timeout_s: float, *, interval_s: float 
             if value:
                 return value  # type: ignore[return-value]
         if time.monotonic() >= deadline:
+            what = message() if callable(message) else message
             raise AssertionError(
-                f"timed out after {timeout_s:g} s waiting for {message}; last value: {value!r}")
+                f"timed out after {timeout_s:g} s waiting for {what}; last value: {value!r}")
         time.sleep(interval_s)
