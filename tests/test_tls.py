@@ -34,6 +34,7 @@ from services.eventlog.client import consumer_config, producer_config, security_
 from services.stack.process import free_port
 from tests.certificates import Authority, Pem
 from tests.conftest import REPO, isolated_settings
+from tests.waiting import wait_for
 from tests.worker.conftest import served_model
 
 __all__ = ["served_model"]
@@ -180,11 +181,12 @@ def worker_stack(kafka_bootstrap: str, served_model: object, certs: Certs,
         cert, key = live_files(root / "worker-certs", certs.server, "worker")
         worker = stack.worker("wtls", tls_cert_file=cert, tls_key_file=key,
                               tls_ca_file=certs.ca, tls_client_auth='["worker"]').start()
-        deadline = time.monotonic() + 120
-        while grpc_health(worker.address, certs.ca, certs.client) != 1:
+
+        def serving() -> bool:
             assert worker.proc is not None and worker.proc.poll() is None, worker.log_tail()
-            assert time.monotonic() < deadline, worker.log_tail()
-            time.sleep(0.3)
+            return grpc_health(worker.address, certs.ca, certs.client) == 1
+
+        wait_for(serving, 120, interval_s=0.3, message=lambda: f"mTLS health:\n{worker.log_tail()}")
         stack.wait_live("wtls")
         with stack.publisher() as pub:
             publish_files(pub, "tls-bot", fresh_adapter(6101), "v1", TENANT, qos_tier="gold")
@@ -257,16 +259,14 @@ def test_registry_over_mutual_tls_answers_the_cli_with_a_certificate_only(
                                 cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
     url = f"https://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                if httpx.get(f"{url}/readyz", verify=trust(certs.ca, certs.client),
-                             timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.3)
+
+        def ready() -> bool:
+            assert proc.poll() is None, log.read_text()
+            return httpx.get(f"{url}/readyz", verify=trust(certs.ca, certs.client),
+                             timeout=2).status_code == 200
+
+        wait_for(ready, 90, interval_s=0.3, ignoring=(httpx.HTTPError,),
+                 message=lambda: f"/readyz over mTLS:\n{log.read_text()}")
         # the CA alone (no client certificate), and no CA: refused
         assert https_refused(f"{url}/readyz", trust(certs.ca))
         assert https_refused(f"{url}/readyz", trust(None, certs.client))

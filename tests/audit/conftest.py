@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -13,6 +12,7 @@ from services.audit.projector import AuditProjector
 from services.audit.tables import events
 from services.cli import app
 from services.config import Settings
+from tests.waiting import wait_for
 
 SIGNING_KEY = "11" * 32
 KEK = "22" * 32
@@ -63,21 +63,24 @@ def count_events(engine: Engine) -> int:
 def drain(projector: AuditProjector, expected: int, timeout_s: float = 60.0) -> None:
     """Project until `expected` events are stored, then on to the end of every topic (the
     liveness topic stores no events, so the count alone does not say it was read)."""
-    deadline = time.monotonic() + timeout_s
-    while count_events(projector.engine) < expected:
-        assert time.monotonic() < deadline, (
-            f"only {count_events(projector.engine)} of {expected} events projected")
+    def stored() -> int | None:
+        if (count := count_events(projector.engine)) >= expected:
+            return count
         projector.project_batch(timeout=0.2)
-    settle(projector, deadline)
+        return None
+
+    wait_for(stored, timeout_s, interval_s=0, message=f"{expected} events projected")
+    settle(projector, timeout_s)
 
 
-def settle(projector: AuditProjector, deadline: float | None = None) -> None:
+def settle(projector: AuditProjector, timeout_s: float = 60.0) -> None:
     """Project until the projector's consumer has reached the end of every partition."""
-    deadline = deadline or time.monotonic() + 60
-    projector.project_batch(timeout=0.2)
-    while not projector.consumer.caught_up:
-        assert time.monotonic() < deadline, f"still behind on {projector.consumer.behind}"
+    def caught_up() -> bool:
         projector.project_batch(timeout=0.2)
+        return projector.consumer.caught_up
+
+    wait_for(caught_up, timeout_s, interval_s=0, message=lambda: (
+        f"the projector at the end of every partition; behind on {projector.consumer.behind}"))
 
 
 def cli(settings: Settings, *args: str) -> tuple[int, str]:

@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -15,12 +14,14 @@ from confluent_kafka import Producer
 from sqlalchemy import Connection, Engine, select, text
 
 from services.audit import fold
+from services.audit.metrics import LagCollector
 from services.audit.projector import AuditProjector, ProjectionConflict
-from services.audit.tables import adapter_versions, worker_adapters, workers
+from services.audit.tables import adapter_versions, consumer_offsets, worker_adapters, workers
 from services.audit.verify import verify_store
 from services.config import Settings
 from tests.audit.conftest import count_events, drain, settle
 from tests.audit.scenario import mixed, produce, recorded
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -64,13 +65,18 @@ def test_failure_between_insert_and_commit_loses_and_duplicates_nothing(
 
     crashing.before_commit = explode
     failures = 0
-    deadline = time.monotonic() + 60
-    while count_events(db_engine) < len(recorded(produced)):
-        assert time.monotonic() < deadline
+
+    def all_stored() -> bool:
+        nonlocal failures
+        if count_events(db_engine) >= len(recorded(produced)):
+            return True
         try:
             crashing.project_batch(timeout=0.2)
         except RuntimeError:
             failures += 1  # project_batch dropped its consumer; the next call re-seeks
+        return False
+
+    wait_for(all_stored, 60, interval_s=0, message="every event stored despite the crashes")
     settle(crashing)
     crashing.close()
     assert failures == 2
@@ -133,14 +139,28 @@ def _serve(settings: Settings) -> subprocess.Popen[bytes]:
                             stderr=subprocess.PIPE)
 
 
-def _wait_for(engine: Engine, at_least: int, proc: subprocess.Popen[bytes],
-              timeout_s: float = 90, table: str = "events") -> int:
-    deadline = time.monotonic() + timeout_s
-    while (n := _count(engine, table)) < at_least:
+def _stored(engine: Engine, at_least: int, proc: subprocess.Popen[bytes],
+            timeout_s: float = 90, table: str = "events") -> int:
+    """The row count of `table` once it reaches `at_least`; fails if the service exits."""
+    def count() -> int | None:
         assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
-        assert time.monotonic() < deadline, f"stuck at {n} of {at_least}"
-        time.sleep(0.02)
-    return n
+        n = _count(engine, table)
+        return n if n >= at_least else None
+
+    return wait_for(count, timeout_s, interval_s=0.02, message=f"{at_least} rows in {table}")
+
+
+def _caught_up(settings: Settings, engine: Engine) -> bool:
+    """The projector's committed offsets are at the end of every partition (lag 0)."""
+    def committed() -> dict[tuple[str, int], int]:
+        with engine.connect() as conn:
+            return {(r.topic, r.partition): r.next_offset for r in conn.execute(
+                select(consumer_offsets.c.topic, consumer_offsets.c.partition,
+                       consumer_offsets.c.next_offset)
+                .where(consumer_offsets.c.consumer == "audit"))}
+
+    lags = [s.value for f in LagCollector(settings, committed).collect() for s in f.samples]
+    return bool(lags) and not any(lags)
 
 
 def test_sigkill_mid_projection_then_restart_gives_every_event_exactly_once(
@@ -152,16 +172,18 @@ def test_sigkill_mid_projection_then_restart_gives_every_event_exactly_once(
     kills = []
     for target in (900, 3000):
         proc = _serve(settings)
-        seen = _wait_for(db_engine, target, proc)
+        seen = _stored(db_engine, target, proc)
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
         kills.append((seen, count_events(db_engine)))
     proc = _serve(settings)
     try:
-        _wait_for(db_engine, len(recorded(produced)), proc)
+        _stored(db_engine, len(recorded(produced)), proc)
         beats = sum(1 for e in produced if e.type == "WorkerHeartbeat")
-        _wait_for(db_engine, beats, proc, table="worker_heartbeats")
-        time.sleep(0.5)  # let it poll past the end: nothing more may appear
+        _stored(db_engine, beats, proc, table="worker_heartbeats")
+        # committed to the end of every partition: nothing more may appear after that
+        wait_for(lambda: _caught_up(settings, db_engine), 30, interval_s=0.1,
+                 message="the projector's offsets at the end of the log")
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(20) == 0

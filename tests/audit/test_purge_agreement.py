@@ -11,7 +11,6 @@ would have written them) are pending and missed for both readers.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -35,6 +34,7 @@ from services.contracts.events import (
 from services.eventlog import EventProducer
 from tests.registry.artifacts import LLAMA_DIGEST
 from tests.registry.conftest import RunningRegistry, registry_settings
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -124,9 +124,8 @@ def test_registry_and_view_agree_on_every_purge(
         nobody = _purge(client, TENANTS[4], 3600)  # no worker alive yet: nothing to clear
         for worker in ("w1", "w2"):
             workers.heartbeat(worker)
-        deadline = time.monotonic() + 10
-        while len(registry.node.state.heartbeats) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for(lambda: len(registry.node.state.heartbeats) >= 2, 10,
+                 message="both workers' heartbeats folded")
         on_time = _purge(client, TENANTS[0], 3600)
         late = _purge(client, TENANTS[1], 0.5)
         held = _purge(client, TENANTS[2], 3600)
@@ -149,26 +148,28 @@ def test_registry_and_view_agree_on_every_purge(
         for worker in ("w1", "w2"):  # every ack in time: only the blobs are missing or late
             workers.ack(worker, unerased)
             workers.ack(worker, erased_late)
-    while datetime.now(UTC) <= max(datetime.fromisoformat(late["deadline"]),
-                                   datetime.fromisoformat(erased_late["deadline"])):
-        time.sleep(0.05)  # `late` is past due: missed, not pending
+    due = max(datetime.fromisoformat(late["deadline"]),
+              datetime.fromisoformat(erased_late["deadline"]))
+    wait_for(lambda: datetime.now(UTC) > due, 10,  # `late` is past due: missed, not pending
+             message="the short deadlines past")
 
     expected = {"met": {nobody["purge_id"], on_time["purge_id"], repeated["purge_id"]},
                 "missed": {late["purge_id"], erased_late["purge_id"]},
                 "pending": {held["purge_id"], unerased["purge_id"]}}
     ids = set().union(*expected.values())
-    view: dict[str, dict] = {}
-    answers: dict[str, dict] = {}
-    stop = time.monotonic() + 60
-    while time.monotonic() < stop:
+
+    def both_complete() -> tuple[dict[str, dict], dict[str, dict]] | None:
         projector.project_batch(timeout=0.2)
         view = _view(db_engine)
         with registry.client("admin") as client:
             answers = {i: client.get(f"/v1/purges/{i}").json() for i in ids}
         acked = sum(len(a["acks"]) for a in answers.values())
-        if ids <= set(view) and acked == 15 and sum(
-                len(v["workers_acked"]) for v in view.values()) == 13:
-            break
+        done = ids <= set(view) and acked == 15 and sum(
+            len(v["workers_acked"]) for v in view.values()) == 13
+        return (view, answers) if done else None
+
+    view, answers = wait_for(both_complete, 60, interval_s=0,
+                             message="every purge and ack in the registry and the view")
     for purge_id in ids:
         assert answers[purge_id]["status"] == view[purge_id]["status"], purge_id
         assert answers[purge_id]["expected_workers"] == view[purge_id]["workers_expected"]

@@ -14,7 +14,6 @@ the outcome allows (see `history.py`).
 
 from __future__ import annotations
 
-import contextlib
 import random
 import threading
 import time
@@ -29,6 +28,7 @@ from services.client import ClientError, InferenceClient
 from services.config import Settings
 from services.endpoints import registry_client
 from tests.cluster.history import History, Op, Outcome
+from tests.waiting import wait_for
 
 
 @dataclass(frozen=True)
@@ -260,15 +260,17 @@ class Load:
 def wait_served(load: Load, plans: list[AdapterPlan], timeout_s: float = 90.0) -> None:
     """Every adapter served at least once (its first load done), before faults begin."""
     settings = Settings(router_addresses=",".join(load.target.router_addresses))
-    deadline = time.monotonic() + timeout_s
+    started = time.monotonic()
     with InferenceClient(settings, token=load.target.inference_token,
                          timeout_s=load.generate_deadline_s) as inference:
         for plan in plans:
-            while True:
+            results: list[dict[str, Any]] = []
+
+            def served(plan: AdapterPlan = plan, results: list = results) -> bool:
                 op = load.generate(inference, "setup", plan)
-                if op.outcome == "ok":
-                    break
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{plan.adapter_id} never served: {op.result}")
-                with contextlib.suppress(Exception):
-                    time.sleep(0.5)
+                results.append(op.result)
+                return op.outcome == "ok"
+
+            wait_for(served, max(0.0, timeout_s - (time.monotonic() - started)), interval_s=0.5,
+                     message=lambda plan=plan, results=results:
+                     f"{plan.adapter_id} served; last answer {results[-1:]}")

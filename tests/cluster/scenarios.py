@@ -29,6 +29,7 @@ from services.stack.postgres import libpq_url
 from tests.cluster.checker import check
 from tests.cluster.history import History, Phase
 from tests.cluster.load import AdapterPlan, Load, Target, wait_served
+from tests.waiting import wait_for
 
 
 @dataclass
@@ -324,16 +325,12 @@ def setup_adapters(load: Load, plans: list[AdapterPlan]) -> None:
     """v1 of each adapter, active, through the same clients (recorded as `setup`)."""
     with load.http() as http:
         for plan in plans:
-            deadline = time.monotonic() + 60
-            while True:
-                published = load.publish(http, "setup", plan, "v1")
-                if published.outcome == "ok":
-                    break
-                assert time.monotonic() < deadline, f"cannot publish {plan}: {published}"
-                time.sleep(1)
-            while load.switch(http, "setup", plan, published.result["version"]).outcome != "ok":
-                assert time.monotonic() < deadline, f"cannot switch {plan}"
-                time.sleep(1)
+            published = wait_for(
+                lambda plan=plan: (op := load.publish(http, "setup", plan, "v1")).outcome == "ok"
+                and op, 60, interval_s=1.0, message=f"{plan} published")
+            wait_for(lambda plan=plan, published=published: load.switch(
+                http, "setup", plan, published.result["version"]).outcome == "ok", 60,
+                interval_s=1.0, message=f"{plan} switched")
 
 
 def restore(cluster: Cluster) -> None:

@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 from confluent_kafka.admin import AdminClient, ConfigResource
@@ -17,6 +16,7 @@ from services.cluster.netns import Network, _namespaces, sweep_stale
 from services.cluster.topology import Cluster, ClusterSpec
 from tests.cluster.conftest import ClusterRig, cluster_available
 from tests.conftest import REPO, _settings
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(cluster_available() is not None,
@@ -89,7 +89,7 @@ def test_a_network_whose_owner_was_killed_is_swept() -> None:
     assert tag and len([n for n in _namespaces() if f"-{tag}-" in n]) == 2
     os.kill(owner.pid, signal.SIGKILL)
     owner.wait(10)
-    time.sleep(0.2)
+    wait_for(lambda: not os.path.exists(f"/proc/{owner.pid}"), 10, message="the owner gone")
     assert tag in sweep_stale()
     assert not [n for n in _namespaces() if f"-{tag}-" in n]
     # and a network of a live owner is never swept

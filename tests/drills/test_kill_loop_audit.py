@@ -28,6 +28,7 @@ from services.audit.projector import AuditProjector
 from services.contracts.grpc import inference_pb2 as pb
 from tests.conftest import isolated_settings
 from tests.router.conftest import RunningRouter, bearer, router_settings
+from tests.waiting import wait_for
 from tests.worker.conftest import ServedModel
 from tests.worker.harness import Stack, running_stack, signature
 
@@ -90,10 +91,8 @@ def client(router: RunningRouter, load: Load, name: str, seed: int) -> None:
 
 def wait_answers(load: Load, more: int, timeout_s: float = 60.0) -> None:
     start = load.count()
-    deadline = time.monotonic() + timeout_s
-    while load.count() < start + more:
-        assert time.monotonic() < deadline, f"fewer than {more} answers in {timeout_s} s"
-        time.sleep(0.02)
+    wait_for(lambda: load.count() >= start + more, timeout_s, interval_s=0.02,
+             message=f"{more} more answers")
 
 
 def kill_loop(stack: Stack, router: RunningRouter, rounds: int) -> Load:
@@ -145,12 +144,20 @@ def test_kill_loop_leaves_no_answered_request_out_of_served_by(stack: Stack) -> 
         router.wait_ring({"w1"})
         load = kill_loop(stack, router, ROUNDS)
         witness = getattr(router.app, "witness", None)  # (None: the code before it)
-        deadline = time.monotonic() + 30
-        while witness is not None and witness.unwritten and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for(lambda: witness is None or not witness.unwritten, 30,
+                 message="the router's witness to write its traces")
     finally:
         router.stop()
-    time.sleep(1.0)  # the live worker's last traces
+    # the last traces, the live worker's and the router's, are on the log before projecting
+    assert stack.tail is not None
+    tail = stack.tail
+
+    def untraced() -> list[str]:
+        traced = {r.request_id for e in tail.of("RequestServed") for r in e.payload.requests}
+        return sorted(set(load.completed) - traced | set(load.cut) - traced)
+
+    wait_for(lambda: not untraced(), 30,
+             message=lambda: f"a trace of every answered or cut request; none of {untraced()[:10]}")
     assert stack.settings.database_url
     engine = make_engine(stack.settings.database_url)
     try:

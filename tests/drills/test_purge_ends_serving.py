@@ -24,7 +24,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -45,6 +45,7 @@ from services.stack.process import ChildProcess, free_port
 from tests.conftest import REPO, drop_isolation, isolated_settings
 from tests.router.conftest import TOKENS as ROUTER_TOKENS
 from tests.router.conftest import auth_setting as router_auth
+from tests.waiting import wait_for
 from tests.worker.conftest import ServedModel
 from tests.worker.harness import (
     BASE_NAME,
@@ -172,7 +173,8 @@ def site(kafka_bootstrap: str, database_url: str, served_model: ServedModel,
             stack.workers[worker].wait_serving()
             stack.wait_live(worker)
         router.start()
-        until(lambda: router.serving(2), 90, "the router serving with both workers")
+        wait_for(lambda: router.serving(2), 90, interval_s=0.1,
+                 message="the router serving with both workers")
         yield Site(stack, router, projector, engine)
     finally:
         router.kill(signal.SIGTERM)
@@ -180,21 +182,6 @@ def site(kafka_bootstrap: str, database_url: str, served_model: ServedModel,
         engine.dispose()
         stack.close()
         drop_isolation(settings, database_url)
-
-
-def until(check: Callable[[], Any], timeout_s: float, what: str,
-          between: Callable[[], None] | None = None) -> Any:
-    """Poll `check` (running `between` each time round, e.g. a probe) until it holds."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        found = check()
-        if found:
-            return found
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        if between is not None:
-            between()
-        else:
-            time.sleep(0.1)
 
 
 def metadata(who: str) -> tuple[tuple[str, str], ...]:
@@ -368,14 +355,17 @@ def _drill(site: Site, blob_log: BlobReads) -> None:
             except grpc.RpcError:
                 return None
 
-        x_home = until(lambda: warm("acme", X, "x-bot"), 60, "X served before the purge")
-        until(lambda: warm("rival", Y, "y-bot"), 60, "Y served before the purge")
+        x_home = wait_for(lambda: warm("acme", X, "x-bot"), 60, interval_s=0.1,
+                          message="X served before the purge")
+        wait_for(lambda: warm("rival", Y, "y-bot"), 60, interval_s=0.1,
+                 message="Y served before the purge")
     assert x_home.served_adapter.version == 1
 
     # X and Y stream; X is purged mid-stream
     x_streams = Streams("acme", X, "x-bot", router, 1000).start()
     y_streams = Streams("rival", Y, "y-bot", router, 600).start()
-    until(lambda: x_streams.ended and y_streams.ended, 120, "both tenants streaming")
+    wait_for(lambda: x_streams.ended and y_streams.ended, 120, interval_s=0.1,
+             message="both tenants streaming")
     purged_at = time.monotonic()
     purged_wall = datetime.now(UTC)
     with stack.registry.client("admin") as admin:
@@ -385,8 +375,10 @@ def _drill(site: Site, blob_log: BlobReads) -> None:
         assert sorted(answer.json()["expected_workers"]) == ["w1", "w2"]
     probe.purge_id = purge_id
     stack.tail.wait("TenantPurged", purge_id=purge_id, count=2, timeout_s=60)
-    acked_at = time.monotonic()
-    time.sleep(1.0)
+    acked_at = time.monotonic()  # streams begun after the acks, both tenants', have ended
+    wait_for(lambda: any(e[0] > acked_at for e in x_streams.ended)
+             and any(e[0] > acked_at for e in y_streams.ended), 60, interval_s=0.05,
+             message="a stream of each tenant begun after the acks")
     x_ended, y_ended = x_streams.finish(), y_streams.finish()
     cut = [e for e in x_ended if purged_at <= e[1] and e[2] in ("FINISH_REASON_ABORTED",
                                                                  "ABORTED", "UNAVAILABLE")]
@@ -402,16 +394,18 @@ def _drill(site: Site, blob_log: BlobReads) -> None:
     killed = stack.workers[x_home.worker_id]
     probe.phase = "worker restart"
     killed.kill()
-    until(lambda: router.ring_size() == 1, 30, "the router dropping the killed worker",
-          probe.once)
+    # the probe goes on while waiting: it is the load the purge is checked under
+    wait_for(lambda: router.ring_size() == 1 or probe.once(), 30, interval_s=0,
+             message="the router dropping the killed worker")
     killed.start()
-    until(lambda: killed.health() == 1 and router.ring_size() == 2, 120,
-          "the killed worker back in the ring", probe.once)
+    wait_for(lambda: (killed.health() == 1 and router.ring_size() == 2) or probe.once(), 120,
+             interval_s=0, message="the killed worker back in the ring")
     probe.run_for(phase_s)
     probe.phase = "router restart"
     router.kill()
     router.start()
-    until(lambda: router.serving(2), 120, "the restarted router serving", probe.once)
+    wait_for(lambda: router.serving(2) or probe.once(), 120, interval_s=0,
+             message="the restarted router serving")
     probe.run_for(phase_s)
     window_s = time.monotonic() - window_started
 
@@ -446,9 +440,9 @@ def _drill(site: Site, blob_log: BlobReads) -> None:
         x_v2 = publish_files(pub, "x-bot", fresh_adapter(83), "v2", X, qos_tier="gold")
         switch(pub, "x-bot", 2)
     probe.phase = "republished"
-    until(lambda: probe.total("X", "served", "republished", "grpc") > 0
-          and probe.total("X", "served", "republished", "openai") > 0, 60,
-          "X's new version served on both fronts", probe.once)
+    wait_for(lambda: (probe.total("X", "served", "republished", "grpc") > 0
+             and probe.total("X", "served", "republished", "openai") > 0) or probe.once(), 60,
+             interval_s=0, message="X's new version served on both fronts")
     assert blob_log.of({x_v2["sha256"]}, purged_at)["sent"] > 0  # fetched like any version
 
     # the audit store: the proof is met, and no X request answered after the purge
@@ -462,11 +456,11 @@ def _drill(site: Site, blob_log: BlobReads) -> None:
         with site.engine.connect() as conn:
             return [dict(r._mapping) for r in conn.execute(text(sql), params)]
 
-    until(lambda: projected("SELECT 1 FROM served_by WHERE request_id = :r", r=marker), 60,
-          "the projector caught up")
-    until(lambda: projected("SELECT 1 FROM purge_proofs WHERE purge_id = :p AND status = 'met' "
-                            "AND blobs_erased_at IS NOT NULL", p=purge_id), 60,
-          "purge_proofs met")
+    wait_for(lambda: projected("SELECT 1 FROM served_by WHERE request_id = :r", r=marker), 60,
+             interval_s=0.1, message="the projector caught up")
+    wait_for(lambda: projected("SELECT 1 FROM purge_proofs WHERE purge_id = :p AND status = 'met' "
+                               "AND blobs_erased_at IS NOT NULL", p=purge_id), 60,
+             interval_s=0.1, message="purge_proofs met")
     served_after = projected("SELECT count(*) AS n FROM served_by WHERE adapter_id = 'x-bot' "
                              "AND version = 1 AND status = 'ok' AND started_at > :t",
                              t=purged_wall)

@@ -35,6 +35,7 @@ from services.stack.process import free_port
 from tests.conftest import REPO, isolated_settings
 from tests.registry.conftest import TENANT
 from tests.router.conftest import RunningRouter, bearer, router_settings
+from tests.waiting import wait_for
 from tests.worker.conftest import ServedModel
 from tests.worker.harness import (
     Stack,
@@ -174,12 +175,13 @@ class LongStream:
 
 def restart(worker: WorkerProcess, timeout_s: float = 120.0) -> None:
     worker.start()
-    deadline = time.monotonic() + timeout_s
-    while worker.health() != 1:  # SERVING
+
+    def serving() -> bool:
         code = worker.proc.poll() if worker.proc is not None else None
         assert code is None, f"{worker.worker_id} exited with {code}:\n{worker.log_tail()}"
-        assert time.monotonic() < deadline, f"{worker.worker_id} never served again"
-        time.sleep(0.2)
+        return worker.health() == 1  # SERVING
+
+    wait_for(serving, timeout_s, interval_s=0.2, message=f"{worker.worker_id} serving again")
 
 
 def p99(values: list[float]) -> float:
@@ -193,11 +195,10 @@ def test_rolling_restart_of_three_workers_fails_no_request(stack: Stack) -> None
         router.wait_ring(set(WORKERS), timeout_s=30)
         with Load(f"127.0.0.1:{router.app.grpc_port}") as load:
             # warm-up (first batches, kernels compiled), then the steady state before the roll
-            deadline = time.monotonic() + 120
-            while len(load.of("warmup")) < 10 * CLIENTS and time.monotonic() < deadline:
-                time.sleep(0.2)
+            wait_for(lambda: len(load.of("warmup")) >= 10 * CLIENTS, 120, interval_s=0.2,
+                     message="the warm-up calls")
             load.phase = "before"
-            time.sleep(5.0)
+            time.sleep(5.0)  # the steady state the roll is compared with: a window of load
             load.phase = "during"
             rolled: list[float] = []
             drains: list[float] = []
@@ -218,7 +219,8 @@ def test_rolling_restart_of_three_workers_fails_no_request(stack: Stack) -> None
                 restart(worker)
                 router.wait_ring(set(WORKERS), timeout_s=30)
             load.phase = "after"
-            time.sleep(1.0)
+            wait_for(lambda: len(load.of("after")) >= CLIENTS, 60, interval_s=0.1,
+                     message="calls after the roll")
         calls = load.of("before") + load.of("during")
         failed = [c for c in load.calls if c.error is not None]
         cut = [c for c in load.calls if c.error is None and (c.tokens != TOKENS
@@ -277,25 +279,25 @@ def test_a_router_drains_its_streams_and_refuses_new_calls(stack: Stack) -> None
         target = f"127.0.0.1:{grpc_port}"
         with grpc.insecure_channel(target) as channel:
             stub = pb_grpc.InferenceStub(channel)
-            deadline = time.monotonic() + 60
             request = pb.GenerateRequest(
                 tenant=pb.TenantSignature(org_id=TENANT["org"], team_id=TENANT["team"],
                                           project_id=TENANT["project"], user_id="long"),
                 adapter=pb.AdapterRef(alias="roll"),
                 sampling=pb.SamplingParams(max_tokens=400, ignore_eos=True))
             request.token_ids.ids.extend([5, 6, 7])
-            while True:  # until the router is ready and its ring full
-                try:
-                    stream = stub.Generate(request, metadata=bearer("acme"), timeout=120)
-                    first = next(stream)
-                    break
-                except grpc.RpcError:
-                    assert time.monotonic() < deadline, log_path.read_text()[-3000:]
-                    time.sleep(0.3)
+
+            def streaming() -> tuple[Iterator[pb.GenerateResponse], pb.GenerateResponse]:
+                stream = stub.Generate(request, metadata=bearer("acme"), timeout=120)
+                return stream, next(stream)
+
+            # until the router is ready and its ring full
+            stream, first = wait_for(streaming, 60, interval_s=0.3, ignoring=(grpc.RpcError,),
+                                     message=lambda: log_path.read_text()[-3000:])
             assert first.HasField("token")
             proc.send_signal(signal.SIGTERM)
             stopped_at = time.monotonic()
-            time.sleep(0.5)
+            wait_for(lambda: "draining" in log_path.read_text(), 10,
+                     message="the router to say it is draining")
             with pytest.raises(grpc.RpcError) as refused:
                 next(iter(stub.Generate(request, metadata=bearer("acme"), timeout=10)))
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE

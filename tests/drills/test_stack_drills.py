@@ -22,6 +22,7 @@ from services.contracts.grpc import inference_pb2 as pb
 from services.contracts.grpc import inference_pb2_grpc as pb_grpc
 from tests.conftest import REPO, service_dir
 from tests.stack.test_up import _cli, _run, _stack_env, _stop, _wait_for_line
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -134,13 +135,11 @@ def test_the_broker_restarted(up: Up) -> None:
     answer = _run(up.env, "generate", "--tenant", "acme/support/chat", "--adapter",
                   "acme-support", "--max-tokens", "3", "w5")
     assert answer.returncode == 0 and "acme-support v1" in answer.stderr, answer.stderr
-    deadline = time.monotonic() + 60
-    while True:  # the projector stored v2 after the restart
-        listed = _run(up.env, "audit", "sql", "select version from adapter_lineage where "
-                      "adapter_id = 'acme-support' order by version", "--json")
-        if listed.stdout.count('"version"') == 2 or time.monotonic() > deadline:
-            break
-        time.sleep(2)
+    listed = wait_for(  # the projector stored v2 after the restart
+        lambda: (r := _run(up.env, "audit", "sql", "select version from adapter_lineage where "
+                           "adapter_id = 'acme-support' order by version", "--json")
+                 ).stdout.count('"version"') == 2 and r, 60, interval_s=1.0,
+        message="v2 in the audit store")
     assert listed.stdout.split() == ['{"version":', '1}', '{"version":', '2}'], listed.stdout
 
 
@@ -153,12 +152,12 @@ def test_a_tenants_contract_ending(up: Up) -> None:
     assert ": met" in purged.stdout and "worker-1" in purged.stdout \
         and "worker-2" in purged.stdout, purged.stdout
     purge_id = purged.stdout.split("purge ", 1)[1].split()[0]
-    while True:
-        proof = _run(up.env, "audit", "sql", "select status, refcounts_zero, workers_missing "
-                     f"from purge_proofs where purge_id = '{purge_id}'", "--json")
-        if '"met"' in proof.stdout or time.monotonic() - started > 60:
-            break
-        time.sleep(1)
+    proof = wait_for(
+        lambda: '"met"' in (r := _run(
+            up.env, "audit", "sql", "select status, refcounts_zero, workers_missing "
+            f"from purge_proofs where purge_id = '{purge_id}'", "--json")).stdout and r,
+        max(0.0, 60 - (time.monotonic() - started)), interval_s=1.0,
+        message="the purge's proof in SQL")
     assert json.loads(proof.stdout) == {"status": "met", "refcounts_zero": True,
                                         "workers_missing": []}
     assert time.monotonic() - started < 60

@@ -26,6 +26,7 @@ from services.client import problem_line
 from services.contracts.grpc import inference_pb2 as pb
 from tests.conftest import isolated_settings
 from tests.registry.conftest import TENANT
+from tests.waiting import wait_for
 from tests.worker.conftest import ServedModel
 from tests.worker.harness import (
     Stack,
@@ -165,15 +166,15 @@ def test_a_slow_blob_store_times_the_page_in_out_and_the_load_goes_on(stack: Sta
                      timeout=60)
         assert late.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "blob tier in time; retry" in (late.value.details() or "")
-        deadline = time.monotonic() + 60
-        while True:
+
+        def served() -> pb.FinalUsage | None:
             try:
-                _, final = generate(stub, ACME, adapter=alias("slowblob"), ids=[5, 6],
-                                    max_tokens=4, timeout=60)
-                break
+                return generate(stub, ACME, adapter=alias("slowblob"), ids=[5, 6],
+                                max_tokens=4, timeout=60)[1]
             except grpc.RpcError as exc:
-                assert exc.code() == grpc.StatusCode.UNAVAILABLE and \
-                    time.monotonic() < deadline, exc.details()
-                time.sleep(0.2)
+                assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc.details()
+                return None
+
+        final = wait_for(served, 60, interval_s=0.2, message="slowblob served once paged in")
     assert final.worker_id == "w2" and final.completion_tokens == 4
     slow.kill(signal.SIGTERM)

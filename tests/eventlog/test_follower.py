@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -26,6 +25,7 @@ from services.eventlog.follower import FollowerHalted, LogFollower
 from services.eventlog.topics import ensure_topics
 from tests.conftest import drop_isolation, isolated_settings
 from tests.eventlog.test_plumbing import records_on
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -147,17 +147,11 @@ def test_snapshot_bounds_the_replay_and_equals_a_full_one(log_settings: Settings
 def recreate_topics(settings: Settings) -> None:
     drop_isolation(settings, None)
     admin = AdminClient({"bootstrap.servers": settings.kafka_bootstrap})
-    deadline = time.monotonic() + 30
-    while set(settings.topics) & set(admin.list_topics(timeout=10).topics):
-        assert time.monotonic() < deadline, "topics not deleted"
-        time.sleep(0.2)
-    while True:
-        try:
-            ensure_topics(settings)
-            break
-        except KafkaException:  # still being deleted
-            assert time.monotonic() < deadline
-            time.sleep(0.5)
+    wait_for(lambda: not set(settings.topics) & set(admin.list_topics(timeout=10).topics), 30,
+             interval_s=0.2, message="the topics deleted")
+    # KafkaException: still being deleted
+    wait_for(lambda: ensure_topics(settings) or True, 30, interval_s=0.5,
+             ignoring=(KafkaException,), message="the topics created again")
 
 
 def test_a_snapshot_of_another_fold_or_another_log_is_ignored(log_settings: Settings) -> None:

@@ -23,6 +23,7 @@ from services.registry.node import RegistryNode
 from services.stack.brokers import ApacheKafka
 from services.stack.process import free_port
 from tests.registry.artifacts import LLAMA_CONFIG, LLAMA_DIGEST, AdapterFiles
+from tests.waiting import wait_for
 
 TOKENS = {
     "admin": ("admin-token", {"role": "admin"}),
@@ -69,12 +70,13 @@ class RunningRegistry:
 
     def start(self, wait_ready: bool = True, timeout_s: float = 60.0) -> RunningRegistry:
         self.thread.start()
-        deadline = time.monotonic() + timeout_s
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("registry server did not start")
-            time.sleep(0.02)
-        if wait_ready and not self.node.ready.wait(max(0.0, deadline - time.monotonic())):
+        started = time.monotonic()
+        wait_for(lambda: self.server.started or not self.thread.is_alive(), timeout_s,
+                 interval_s=0.02, message="the registry server to start")
+        if not self.server.started:
+            raise RuntimeError("registry server did not start")
+        left = timeout_s - (time.monotonic() - started)
+        if wait_ready and not self.node.ready.wait(max(0.0, left)):
             raise RuntimeError(f"registry not ready: {self.node.last_error}")
         return self
 

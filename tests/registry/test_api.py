@@ -25,6 +25,7 @@ from tests.registry.conftest import (
     publish,
     register_base,
 )
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -299,10 +300,8 @@ def test_purge_reports_worker_acks_and_deadline(registry: RunningRegistry,
                 base_model_digest=LLAMA_DIGEST), stream=f"worker/{worker}", seq=1, actor=worker))
         with registry.client("publisher") as pub:
             # heartbeats are folded before the purge is decided: wait until both are seen
-            import time
-            deadline = time.monotonic() + 10
-            while len(registry.node.state.heartbeats) < 2 and time.monotonic() < deadline:
-                time.sleep(0.05)
+            wait_for(lambda: len(registry.node.state.heartbeats) >= 2, 10,
+                     message="both heartbeats folded")
             response = pub.post("/v1/tenants/acme/search/prod/purge", json={"deadline_s": 30})
             assert response.status_code == 202, response.text
             purge = response.json()
@@ -313,13 +312,9 @@ def test_purge_reports_worker_acks_and_deadline(registry: RunningRegistry,
                     worker_id=worker, purge_id=purge_id, kv_blocks_freed=3, adapters_unloaded=1,
                     refcounts_zero=True), stream=f"worker/{worker}", seq=2, actor=worker,
                     tenant=TenantRef(**TENANT)))
-                deadline = time.monotonic() + 10
-                while time.monotonic() < deadline:
-                    status = pub.get(f"/v1/purges/{purge_id}").json()
-                    if len(status["acks"]) == n + 1:
-                        break
-                    time.sleep(0.05)
-                assert len(status["acks"]) == n + 1
+                status = wait_for(
+                    lambda n=n: len((s := pub.get(f"/v1/purges/{purge_id}").json())["acks"])
+                    == n + 1 and s, 10, message=f"ack {n + 1} in the purge's status")
             assert status["status"] == "met" and all(a["on_time"] for a in status["acks"])
             assert pub.get("/v1/purges/nope").status_code == 404
     purges = [e for e in domain_events(reg_settings) if e.type == "TenantPurgeRequested"]

@@ -32,6 +32,7 @@ from tests.registry.conftest import (
     register_base,
     registry_settings,
 )
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -67,10 +68,8 @@ def test_a_paused_broker_gets_503s_within_the_deadline_and_readyz_says_not_writa
                 assert admin.get("/v1/adapters/bot").status_code == 200  # reads go on
             finally:
                 os.kill(pid, signal.SIGCONT)
-            deadline = time.monotonic() + 30
-            while admin.get("/readyz").status_code != 200:
-                assert time.monotonic() < deadline, admin.get("/readyz").json()
-                time.sleep(0.2)
+            wait_for(lambda: (r := admin.get("/readyz")).status_code == 200 or r.json(), 30,
+                     interval_s=0.2, message="/readyz 200 again")
             done = admin.post("/v1/tenants/acme/search/prod/purge", json={})
             assert done.status_code == 202, done.text
     finally:
@@ -95,15 +94,18 @@ def test_readyz_stops_claiming_writes_within_two_lease_intervals_of_a_broker_pau
         with running.client() as admin:
             register_base(admin)
 
+            written: list[int] = []
+
             def write() -> None:  # keeps the command lock busy with hanging writes
                 with running.client() as client:
                     while not stop.is_set():
-                        client.post("/v1/tenants/acme/search/prod/purge", json={})
+                        written.append(
+                            client.post("/v1/tenants/acme/search/prod/purge", json={}).status_code)
 
             writers = [threading.Thread(target=write) for _ in range(2)]
             for writer in writers:
                 writer.start()
-            time.sleep(1.0)
+            wait_for(lambda: len(written) >= 4, 30, message="writes flowing before the pause")
             paused_at = time.monotonic()
             os.kill(pid, signal.SIGSTOP)
             try:
@@ -116,10 +118,8 @@ def test_readyz_stops_claiming_writes_within_two_lease_intervals_of_a_broker_pau
                 stop.set()
             for writer in writers:
                 writer.join(30)
-            deadline = time.monotonic() + 30
-            while admin.get("/readyz").status_code != 200:  # and says so again after
-                assert time.monotonic() < deadline, admin.get("/readyz").json()
-                time.sleep(0.2)
+            wait_for(lambda: (r := admin.get("/readyz")).status_code == 200 or r.json(), 30,
+                     interval_s=0.2, message="/readyz 200 again")  # and says so again after
     finally:
         stop.set()
         running.stop()
@@ -167,19 +167,17 @@ class RegistryProcess:
 
 def retried(call: Callable[[], httpx.Response], seen: list[int]) -> httpx.Response:
     """What a careful client does: retry on 503 and on a lost connection, same request."""
-    deadline = time.monotonic() + 90
-    while True:
-        assert time.monotonic() < deadline, f"no answer; statuses seen {seen[-20:]}"
+    def answered() -> httpx.Response | None:
         try:
             answer = call()
         except httpx.TransportError:
             seen.append(0)
-            time.sleep(0.05)
-            continue
+            return None
         seen.append(answer.status_code)
-        if answer.status_code != 503:
-            return answer
-        time.sleep(0.05)
+        return answer if answer.status_code != 503 else None
+
+    return wait_for(answered, 90,
+                    message=lambda: f"an answer other than 503; statuses seen {seen[-20:]}")
 
 
 def test_kill_9_while_clients_retry_every_committed_write_is_answered_as_committed(
@@ -221,10 +219,9 @@ def test_kill_9_while_clients_retry_every_committed_write_is_answered_as_committ
         for thread in threads:
             thread.start()
         for _ in range(3):  # three rounds: kill -9 while writes are in flight, restart
-            answered = len(statuses)
-            deadline = time.monotonic() + 60
-            while len(statuses) < answered + 4 and time.monotonic() < deadline:
-                time.sleep(0.05)  # writes are flowing against this incarnation
+            answered = len(statuses)  # writes are flowing against this incarnation
+            wait_for(lambda answered=answered: len(statuses) >= answered + 4, 60,
+                     message="four more answers from this incarnation")
             process.kill()
             process.start()
         kills_done.set()

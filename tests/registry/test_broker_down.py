@@ -23,6 +23,7 @@ from tests.registry.conftest import (
     register_base,
     registry_settings,
 )
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -47,12 +48,9 @@ def test_writes_503_while_broker_down_and_nothing_partial(own_broker: ApacheKafk
             assert admin.get("/v1/adapters/bot/versions/2").status_code == 404
 
             own_broker.start()
-            deadline = time.monotonic() + 60
-            while True:
-                retried = publish(admin, "bot", build_adapter(seed=2), "v2")
-                if retried.status_code != 503 or time.monotonic() > deadline:
-                    break
-                time.sleep(0.5)
+            retried = wait_for(
+                lambda: (r := publish(admin, "bot", build_adapter(seed=2), "v2")).status_code
+                != 503 and r, 60, interval_s=0.5, message="an answer other than 503")
             assert retried.status_code == 201, retried.text
             assert retried.json()["version"] == 2
     finally:
@@ -99,10 +97,12 @@ def test_the_client_waits_out_a_broker_restart_and_publishes_once(
 
         publishing = threading.Thread(target=publish_v2)
         publishing.start()
-        deadline = time.monotonic() + 60
-        while sum(done == 0 for done, _ in sent) < 2:  # rewound at least once: retrying
-            assert time.monotonic() < deadline and publishing.is_alive(), answer
-            time.sleep(0.1)
+
+        def retrying() -> bool:  # rewound at least once: retrying
+            assert publishing.is_alive(), answer
+            return sum(done == 0 for done, _ in sent) >= 2
+
+        wait_for(retrying, 60, interval_s=0.1, message=lambda: f"a rewind; {answer}")
         own_broker.start()
         publishing.join(timeout=150)
         client.close()

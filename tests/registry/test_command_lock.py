@@ -6,6 +6,7 @@ import threading
 import time
 
 from services.registry.node import CommandLock
+from tests.waiting import wait_for
 
 
 def test_a_lease_goes_ahead_of_queued_writes_and_writes_keep_their_order() -> None:
@@ -19,14 +20,18 @@ def test_a_lease_goes_ahead_of_queued_writes_and_writes_keep_their_order() -> No
         time.sleep(0.01)
         lock.release()
 
+    def queued(count: int) -> None:
+        wait_for(lambda: len(lock._queue) == count, 5, interval_s=0.001,
+                 message=f"{count} waiting for the lock")
+
     threads = []
     for name in ("write-1", "write-2", "write-3"):
         threads.append(threading.Thread(target=take, args=(name, False)))
         threads[-1].start()
-        time.sleep(0.05)  # queued in this order
+        queued(len(threads))  # queued in this order
     threads.append(threading.Thread(target=take, args=("lease", True)))
     threads[-1].start()
-    time.sleep(0.05)
+    queued(len(threads))
     lock.release()
     for thread in threads:
         thread.join(10)

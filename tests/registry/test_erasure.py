@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import io
 import os
-import time
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -23,6 +22,7 @@ from services.contracts.events import (
     TenantPurgeRequested,
     TenantRef,
 )
+from services.registry import erasure
 from services.registry.blobstore import LocalBlobStore
 from services.registry.domain import ArtifactFacts
 from services.registry.erasure import _erase, erasure_candidates, pending_erasures, restore_upload
@@ -35,6 +35,7 @@ from tests.registry.conftest import (
     register_base,
     registry_settings,
 )
+from tests.waiting import wait_for
 
 ACME = TenantRef(**TENANT)
 RIVAL = TenantRef(org="rival", team="x", project="y")
@@ -144,8 +145,8 @@ def test_an_upload_whose_bytes_a_purge_erased_meanwhile_is_stored_again(
 
 
 @pytest.mark.slow
-def test_purge_erases_the_tenants_blobs_through_the_api(settings: Settings,
-                                                        tmp_path: Path) -> None:
+def test_purge_erases_the_tenants_blobs_through_the_api(
+        settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     reg = registry_settings(settings, tmp_path / "blobs")
     blobs = LocalBlobStore(tmp_path / "blobs")
     shared, mine = build_adapter(seed=1), build_adapter(seed=2)
@@ -195,11 +196,14 @@ def test_purge_erases_the_tenants_blobs_through_the_api(settings: Settings,
                              json={"version": 2}).status_code == 200
     finally:
         running.stop()
+    looked: list[list[str]] = []
+    monkeypatch.setattr(erasure, "pending_erasures",
+                        lambda state: looked.append(pending_erasures(state)) or looked[-1])
     again = RunningRegistry(reg).start()  # the start-up resumption finds nothing to do
     try:
-        time.sleep(1.0)
+        assert wait_for(lambda: looked, 30, message="the start-up resumption") == [[]]
     finally:
-        again.stop()
+        again.stop()  # joins the resumption: it wrote whatever it was going to
     erased = [e for e in domain_events(reg) if e.type == "TenantBlobsDeleted"]
     assert len(erased) == 1 and erased[0].tenant == ACME
     assert erased[0].payload.deleted == sorted(exclusive)

@@ -5,12 +5,13 @@ writer steps down to standby without a restart and without taking the role back.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import httpx
 import pytest
 
+from services.catalog.state import Lease
 from services.config import Settings
+from services.registry.node import RegistryNode
 from tests.registry.artifacts import build_adapter
 from tests.registry.conftest import (
     RunningRegistry,
@@ -19,6 +20,7 @@ from tests.registry.conftest import (
     publish,
     register_base,
 )
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -29,13 +31,19 @@ def ha_settings(reg_settings: Settings) -> Settings:
                                            "lease_ttl_s": 2.0})
 
 
-def wait_for(what: Callable[[], bool], timeout_s: float, why: str) -> float:
-    """Seconds until `what()` held; fails with `why` at the timeout."""
-    started = time.monotonic()
-    while not what():
-        assert time.monotonic() - started < timeout_s, why
-        time.sleep(0.05)
-    return time.monotonic() - started
+def lease_of(node: RegistryNode) -> Lease | None:
+    with node.state_lock:
+        return node.state.lease
+
+
+def leases_seen(node: RegistryNode, writer: str, span_s: float) -> None:
+    """Until `node` has folded `writer`'s renewals over `span_s` seconds of leases: as long
+    as it would take to take over from a writer it thought silent."""
+    first = wait_for(lambda: (lease := lease_of(node)) and lease.registry_id == writer and lease,
+                     10, message=f"a lease of {writer}")
+    wait_for(lambda: (lease := lease_of(node)) and lease.registry_id == writer and
+             (lease.expires_at - first.expires_at).total_seconds() >= span_s,
+             span_s + 10, message=f"{span_s:g} s of {writer}'s leases")
 
 
 def test_the_standby_serves_reads_refuses_writes_and_takes_over_when_the_active_stops(
@@ -43,13 +51,13 @@ def test_the_standby_serves_reads_refuses_writes_and_takes_over_when_the_active_
     first = RunningRegistry(ha_settings, registry_id="registry-a").start()
     second: RunningRegistry | None = None
     try:
-        wait_for(first.node.active.is_set, 10, "the first registry never took the writer role")
+        wait_for(first.node.active.is_set, 10, message="the first registry to take the writer role")
         second = RunningRegistry(ha_settings, registry_id="registry-b").start()
         with first.client() as a, second.client() as b:
             register_base(a)
             assert publish(a, "bot", build_adapter(), "v1").status_code == 201
             wait_for(lambda: b.get("/v1/adapters/bot").status_code == 200, 5,
-                     "the standby never folded the publish")
+                     message="the standby to fold the publish")
             assert b.get("/v1/adapters/bot").json()["latest_version"] == 1
             refused = publish(b, "bot", build_adapter(seed=1), "v2")
             assert refused.status_code == 503, refused.text
@@ -61,14 +69,17 @@ def test_the_standby_serves_reads_refuses_writes_and_takes_over_when_the_active_
             assert ready.json()["role"] == "standby"
             assert ready.json()["leaseholder"]["registry_id"] == "registry-a"
             assert a.get("/readyz").json()["role"] == "active"
-        time.sleep(3 * ha_settings.lease_ttl_s)  # a live writer is never taken over from
+        # a live writer is never taken over from
+        leases_seen(second.node, "registry-a", 3 * ha_settings.lease_ttl_s)
         assert not second.node.active.is_set() and first.node.active.is_set()
         first.stop()
-        took = wait_for(second.node.active.is_set, 3 * ha_settings.lease_ttl_s,
-                        "the standby did not take over")
-        assert took < ha_settings.lease_ttl_s + 3.0
+        stopped = time.monotonic()
+        wait_for(second.node.active.is_set, 3 * ha_settings.lease_ttl_s,
+                 message="the standby to take over")
+        assert time.monotonic() - stopped < ha_settings.lease_ttl_s + 3.0
         with second.client() as b:
-            wait_for(lambda: b.get("/readyz").status_code == 200, 5, "not ready after takeover")
+            wait_for(lambda: b.get("/readyz").status_code == 200, 5,
+                     message="readiness after the takeover")
             taken = publish(b, "bot", build_adapter(seed=2), "v2")
             assert taken.status_code == 201 and taken.json()["version"] == 2, taken.text
         assert second.node.epoch > first.node.epoch
@@ -90,7 +101,7 @@ def test_a_silenced_writer_is_taken_over_and_steps_down_without_a_restart(
     by: it answers writes 503 `standby`, never takes the role back, and is a valid
     standby again (it would take over from the new writer in turn)."""
     first = RunningRegistry(ha_settings, registry_id="registry-a").start()
-    wait_for(first.node.active.is_set, 10, "the first registry never took the writer role")
+    wait_for(first.node.active.is_set, 10, message="the first registry to take the writer role")
     second = RunningRegistry(ha_settings, registry_id="registry-b").start()
     try:
         with first.client() as a:
@@ -100,27 +111,28 @@ def test_a_silenced_writer_is_taken_over_and_steps_down_without_a_restart(
         monkeypatch.setattr(first.node, "renew_lease", lambda: None)
         try:
             wait_for(second.node.active.is_set, 4 * ha_settings.lease_ttl_s,
-                     "the standby never took over from a silent writer")
+                     message="the standby to take over from a silent writer")
         finally:
             monkeypatch.undo()
         with second.client() as b:
-            wait_for(lambda: b.get("/readyz").status_code == 200, 5, "b not ready")
+            wait_for(lambda: b.get("/readyz").status_code == 200, 5, message="b ready")
             assert publish(b, "bot", build_adapter(seed=2), "v2").status_code == 201
         with first.client() as a:
             # the old writer hears of the new lease and stands by, no restart
             wait_for(lambda: a.get("/readyz").json()["role"] == "standby", 5,
-                     "the old writer did not step down")
+                     message="the old writer to step down")
             refused = publish(a, "bot", build_adapter(seed=3), "from-old-writer")
             assert refused.status_code == 503 and refused.json()["code"] == "standby"
             assert a.get("/v1/adapters/bot").json()["latest_version"] == 2
-        time.sleep(3 * ha_settings.lease_ttl_s)  # no ping-pong while the new writer leases
+        # no ping-pong while the new writer leases
+        leases_seen(first.node, "registry-b", 3 * ha_settings.lease_ttl_s)
         assert second.node.active.is_set() and not first.node.active.is_set()
         assert first.node.stepped_down is not None
         second.stop()  # and the old writer, a standby now, takes over in turn
         wait_for(first.node.active.is_set, 4 * ha_settings.lease_ttl_s,
-                 "the stepped-down registry did not take over again")
+                 message="the stepped-down registry to take over again")
         with first.client() as a:
-            wait_for(lambda: a.get("/readyz").status_code == 200, 5, "a not ready")
+            wait_for(lambda: a.get("/readyz").status_code == 200, 5, message="a ready")
             assert publish(a, "bot", build_adapter(seed=4), "v3").json()["version"] == 3
     finally:
         second.stop()
@@ -137,7 +149,7 @@ def test_a_client_with_both_urls_follows_the_active(ha_settings: Settings) -> No
     from services.client import RegistryClient
 
     first = RunningRegistry(ha_settings, registry_id="registry-a").start()
-    wait_for(first.node.active.is_set, 10, "the first registry never took the writer role")
+    wait_for(first.node.active.is_set, 10, message="the first registry to take the writer role")
     second = RunningRegistry(ha_settings, registry_id="registry-b").start()
     try:
         with first.client() as a:
@@ -149,9 +161,9 @@ def test_a_client_with_both_urls_follows_the_active(ha_settings: Settings) -> No
         with RegistryClient(client_settings, token="admin-token", retry_s=30) as client:
             assert client.switch("bot", 1)["to_version"] == 1
             first.stop()
-            wait_for(second.node.active.is_set, 4 * ha_settings.lease_ttl_s, "no takeover")
+            wait_for(second.node.active.is_set, 4 * ha_settings.lease_ttl_s, message="a takeover")
             with httpx.Client(base_url=second.url) as b:
-                wait_for(lambda: b.get("/readyz").status_code == 200, 5, "b not ready")
+                wait_for(lambda: b.get("/readyz").status_code == 200, 5, message="b ready")
             answer = client.disable("bot", 1, reason="after the takeover")
             assert answer["version"] == 1
             assert client.url == second.url
@@ -168,14 +180,14 @@ def test_a_standby_s_refusal_is_the_answer_when_the_other_url_does_not_answer(
     from services.stack.process import free_port
 
     first = RunningRegistry(ha_settings, registry_id="registry-a").start()
-    wait_for(first.node.active.is_set, 10, "the first registry never took the writer role")
+    wait_for(first.node.active.is_set, 10, message="the first registry to take the writer role")
     second = RunningRegistry(ha_settings, registry_id="registry-b").start()
     try:
         with first.client() as a, second.client() as b:
             register_base(a)
             assert publish(a, "bot", build_adapter(), "v1").status_code == 201
             wait_for(lambda: b.get("/v1/adapters/bot").status_code == 200, 5,
-                     "the standby never folded the publish")
+                     message="the standby to fold the publish")
         urls = f"{second.url},http://127.0.0.1:{free_port()}"
         client_settings = ha_settings.model_copy(update={"registry_url": urls})
         with RegistryClient(client_settings, token="admin-token", retry_s=1.5) as client, \

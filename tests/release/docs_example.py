@@ -31,8 +31,9 @@ from services.release.report import gate_report
 from tests.audit.docs_example import cell, render
 from tests.conftest import isolated_settings
 from tests.registry.conftest import TENANT, RunningRegistry, registry_settings
-from tests.release.harness import CANARY_TOKEN, GateWorker, Traffic, auth_setting, wait_for
+from tests.release.harness import CANARY_TOKEN, GateWorker, Traffic, auth_setting
 from tests.release.model import PROMPT, build_number_model, first_tokens
+from tests.waiting import wait_for
 
 PLAN = {"stages": [5, 25, 50, 100], "min_stage_s": 4, "min_requests": 50,
         "error_rate_floor": 0.05, "max_p95_ms": 800}
@@ -75,7 +76,8 @@ def run(settings: Settings, registry: RunningRegistry, numbers: Any, engine: Any
                                         "config": numbers.config}).raise_for_status()
     worker = GateWorker(settings, engine, registry.url).start()
     closers.append(worker.close)
-    wait_for(lambda: "w1" in registry.node.state.heartbeats, 30, "worker heartbeat")
+    wait_for(lambda: "w1" in registry.node.state.heartbeats, 30, interval_s=0.2,
+             message="worker heartbeat")
     labels = {n: first_tokens(engine, f)[0] for n, f in numbers.adapters.items()}
     allowed = sorted({labels["v1"], labels["good"], labels["other"]})
     cases = [
@@ -98,7 +100,8 @@ def run(settings: Settings, registry: RunningRegistry, numbers: Any, engine: Any
         response.raise_for_status()
         version = response.json()["version"]
         return wait_for(lambda: (g := pub.get(f"/v1/adapters/bot/versions/{version}/gate")
-                                 .json())["status"] != "pending" and g, 60, "gate")
+                                 .json())["status"] != "pending" and g, 60, interval_s=0.2,
+                        message="gate")
 
     def report(gate: dict[str, Any], name: str) -> None:
         console = Console(file=io.StringIO(), record=True, width=140, color_system=None)
@@ -132,7 +135,7 @@ def run(settings: Settings, registry: RunningRegistry, numbers: Any, engine: Any
     traffic.start()
     closers.append(traffic.close)
     wait_for(lambda: pub.get("/v1/aliases/bot-prod/rollout").json()["status"] == "completed",
-             120, "v2's rollout")
+             120, interval_s=0.2, message="v2's rollout")
     steps = pub.get("/v1/aliases/bot-prod/rollout").json()["steps"]
     show("$ curl …/v1/aliases/bot-prod/rollout   # steps",
          "\n".join(f"{s['at']}  {s['action']:<10} {s['actor']}" for s in steps))
@@ -141,7 +144,7 @@ def run(settings: Settings, registry: RunningRegistry, numbers: Any, engine: Any
     response = pub.post("/v1/aliases/bot-prod/rollout", json={**body, "version": 4})
     response.raise_for_status()
     done = wait_for(lambda: (r := pub.get("/v1/aliases/bot-prod/rollout").json())["status"]
-                    == "rolled_back" and r, 120, "v4's rollback")
+                    == "rolled_back" and r, 120, interval_s=0.2, message="v4's rollback")
     show("$ curl …/v1/aliases/bot-prod/rollout   # v4",
          json.dumps({k: done[k] for k in ("status", "weight", "status_reason", "split")},
                     indent=1))
@@ -160,7 +163,7 @@ FROM release_decisions WHERE adapter_id = 'bot' ORDER BY decided_at"""
             found = list(conn.execute(text(query)))
         return found if found and found[-1].decision == "rollout_rolled_back" else []
 
-    found = wait_for(rows, 60, "the projection")
+    found = wait_for(rows, 60, interval_s=0.2, message="the projection")
     projector.close()
     engine_db.dispose()
     columns = ["decided_at", "decision", "decided_by", "version", "w", "c_req", "c_err",

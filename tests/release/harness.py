@@ -21,10 +21,8 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
 
 import httpx
 
@@ -204,17 +202,6 @@ class Traffic(Follower):
             super().close()
         finally:
             self.stream.close()
-
-
-def wait_for(check: Callable[[], Any], timeout_s: float, what: str, every_s: float = 0.2) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(every_s)
 
 
 ENV_FIELDS = ("kafka_bootstrap", "adapter_events_topic", "worker_events_topic", "liveness_topic",

@@ -31,9 +31,9 @@ from tests.release.harness import (
     WorkerStream,
     auth_setting,
     controller_process,
-    wait_for,
 )
 from tests.release.model import PROMPT, NumberModel, first_tokens
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -97,7 +97,7 @@ class Stack:
         worker = GateWorker(self.settings, self.engine, self.registry.url, **kwargs).start()
         self.closers.append(worker.close)
         wait_for(lambda: worker.worker_id in self.registry.node.state.heartbeats, 30,
-                 "the registry to see the gate worker")
+                 interval_s=0.2, message="the registry to see the gate worker")
         return worker
 
     def publish(self, name: str, label: str, regression_set: bytes | None = None,
@@ -120,7 +120,7 @@ class Stack:
 
     def gate_settled(self, version: int, timeout_s: float = 60) -> dict[str, Any]:
         return wait_for(lambda: (g := self.gate(version))["status"] != "pending" and g,
-                        timeout_s, f"the gate of bot@{version}")
+                        timeout_s, interval_s=0.2, message=f"the gate of bot@{version}")
 
     def rollout(self) -> dict[str, Any]:
         response = self.publisher.get(f"/v1/aliases/{ALIAS}/rollout")
@@ -174,7 +174,7 @@ def test_a_good_version_passes_its_gate_and_walks_5_to_100(stack: Stack) -> None
     controller = stack.controller()
     port = controller.metrics.serve(0)
     done = wait_for(lambda: (r := stack.rollout())["status"] == "completed" and r, 90,
-                    "the rollout to complete")
+                    interval_s=0.2, message="the rollout to complete")
     assert [s["action"] for s in done["steps"]] == ["started", "advanced", "advanced",
                                                     "advanced", "completed"]
     assert all(s["actor"] == "canary:" + _token_id(CANARY_TOKEN) for s in done["steps"][1:])
@@ -192,7 +192,7 @@ def test_a_good_version_passes_its_gate_and_walks_5_to_100(stack: Stack) -> None
     done_line = 'loraplane_canary_rollout_steps_total{action="completed"} 1.0'
     metrics = wait_for(lambda: done_line in (m := scraped()) and
                        "loraplane_canary_rollouts_running 0.0" in m and m,
-                       10, "the completed rollout on /metrics")
+                       10, interval_s=0.2, message="the completed rollout on /metrics")
     for line in ('loraplane_canary_rollout_steps_total{action="advanced"} 3.0',
                  "loraplane_canary_ready 1.0"):
         assert line in metrics, metrics
@@ -265,13 +265,15 @@ def test_a_gate_that_cannot_complete_is_failed(stack: Stack) -> None:
 
     silent.emit(WorkerHeartbeat(worker_id="w-crashing", address="x:1", base_model="numbers",
                                 base_model_digest=stack.engine.base_digest))
-    wait_for(lambda: "w-crashing" in stack.registry.node.state.heartbeats, 10, "heartbeat")
+    wait_for(lambda: "w-crashing" in stack.registry.node.state.heartbeats, 10, interval_s=0.2,
+             message="heartbeat")
     response = stack.publisher.post("/v1/adapters/bot/versions/1/gate",
                                     data={"reason": "re-run now that a worker is up"})
     assert response.status_code == 202, response.text
     assert response.json()["worker_id"] == "w-crashing"
     gate = wait_for(lambda: (g := stack.gate(1))["status"] == "expired" and
-                    g["gate_id"] == response.json()["gate_id"] and g, 30, "worker_lost")
+                    g["gate_id"] == response.json()["gate_id"] and g, 30, interval_s=0.2,
+                    message="worker_lost")
     assert "expired (worker_lost): w-crashing stopped heartbeating" in gate["failures"][0]
     # a regression set that does not parse is refused before anything is stored
     response = stack.publish("good", "v2", b'{"prompt": "x", "checks": []}\n')
@@ -293,16 +295,16 @@ def test_an_error_spike_is_rolled_back_at_its_stage_and_the_view_shows_why(
     traffic = stack.traffic(errors={1: 0.02, 2: 0.30})
     controller = stack.controller()
     done = wait_for(lambda: (r := stack.rollout())["status"] == "rolled_back" and r, 60,
-                    "the automatic rollback")
+                    interval_s=0.2, message="the automatic rollback")
     wait_for(lambda: controller.metrics.registry.get_sample_value(
         "loraplane_canary_rollout_steps_total", {"action": "rolled_back"}) == 1.0, 10,
-        "the rollback counted")
+        interval_s=0.2, message="the rollback counted")
     assert done["weight"] == 5 and done["stage"] == 0
     assert done["split"] == [{"adapter_id": "bot", "version": 1, "weight": 100}]
     assert "> 1.5 x baseline" in done["status_reason"], done
     served_after = dict(traffic.served)
     wait_for(lambda: sum(traffic.served.values()) > sum(served_after.values()) + 100, 30,
-             "more traffic")
+             interval_s=0.2, message="more traffic")
     assert traffic.served.get(2, 0) == served_after.get(2, 0)  # v2 gets nothing any more
     refusal = stack.gate(2)["refusal"]
     assert refusal.startswith(f"bot@2: canary rollout {done['rollout_id']} rolled it back at 5%")
@@ -321,7 +323,7 @@ def test_an_error_spike_is_rolled_back_at_its_stage_and_the_view_shows_why(
                     "gate_cases, gate_failed_cases, gate_worker "
                     "FROM release_decisions ORDER BY decided_at")))
         rows = wait_for(lambda: (r := projected()) and r[-1].decision == "rollout_rolled_back"
-                        and r, 60, "release_decisions to show the rollback")
+                        and r, 60, interval_s=0.2, message="release_decisions to show the rollback")
     finally:
         projector.close()
         engine.dispose()
@@ -353,19 +355,20 @@ def test_a_controller_killed_mid_rollout_resumes_at_the_same_stage(stack: Stack,
     stack.traffic()
     first = controller_process(stack.settings, tmp_path / "canary-1.log")
     try:
-        wait_for(lambda: stack.rollout()["stage"] >= 1, 60, "stage 1 (25%)")
+        wait_for(lambda: stack.rollout()["stage"] >= 1, 60, interval_s=0.2, message="stage 1 (25%)")
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait(timeout=30)
     stage = stack.rollout()["stage"]
     assert stage in (1, 2)
-    held = wait_for(lambda: stack.rollout(), 1, "rollout")  # no controller: nothing moves
+    # no controller: nothing moves
+    held = wait_for(lambda: stack.rollout(), 1, interval_s=0.2, message="rollout")
     threading.Event().wait(plan["min_stage_s"] + 1.0)
     assert stack.rollout()["stage"] == held["stage"] == stage
     second = controller_process(stack.settings, tmp_path / "canary-2.log")
     try:
         done = wait_for(lambda: (r := stack.rollout())["status"] == "completed" and r, 90,
-                        "the resumed rollout to complete")
+                        interval_s=0.2, message="the resumed rollout to complete")
     finally:
         second.send_signal(signal.SIGTERM)
         second.wait(timeout=30)

@@ -8,7 +8,6 @@ import asyncio
 import hashlib
 import json
 import threading
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -36,6 +35,7 @@ from services.registry.auth import token_hash
 from services.router.app import RouterApp
 from services.stack.process import free_port
 from tests.router.standin import BASE_DIGEST, ServerLoop, StandInWorker
+from tests.waiting import wait_for
 
 ACME = TenantRef(org="acme", team="search", project="prod")
 RIVAL = TenantRef(org="rival", team="x", project="y")
@@ -155,7 +155,7 @@ class RunningRouter:
         self.thread.start()
         if not self.listening.wait(timeout_s) or self.error:
             raise RuntimeError(f"router did not start: {self.error}")
-        wait_for(lambda: self.dispatcher.ready, timeout_s, "router ready")
+        wait_for(lambda: self.dispatcher.ready, timeout_s, message="router ready")
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.app.grpc_port}")
         return self
 
@@ -165,21 +165,13 @@ class RunningRouter:
 
     def wait_ring(self, members: set[str], timeout_s: float = 15.0) -> None:
         wait_for(lambda: set(self.dispatcher.ring.members) == members, timeout_s,
-                 f"ring == {sorted(members)}")
+                 message=f"ring == {sorted(members)}")
 
     def stop(self) -> None:
         if self.channel is not None:
             self.channel.close()
         self.app.stop()
         self.thread.join(timeout=30)
-
-
-def wait_for(check: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def request(alias: str | None = None, *, pinned: tuple[str, int] | None = None,

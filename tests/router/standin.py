@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -237,10 +236,3 @@ class StandInWorker(pb_grpc.InferenceServicer, pb_grpc.WorkerControlServicer):
             self.held[key] = tier
         if self.beating.is_set():
             await asyncio.to_thread(self.heartbeat)
-
-    def wait_seen(self, count: int, timeout: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout
-        while len(self.seen) < count:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.worker_id} saw {len(self.seen)} < {count} requests")
-            time.sleep(0.01)

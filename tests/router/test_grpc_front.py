@@ -26,8 +26,8 @@ from tests.router.conftest import (
     bearer,
     collect,
     request,
-    wait_for,
 )
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -75,14 +75,14 @@ def test_canary_resolution_reaches_workers_pinned_sticky_and_only_forward(
              for u in users[:50]}
     assert again == {u: first[u] for u in users[:50]}  # sticky
     catalog.split("support", {("acme-support", 1): 75, ("acme-support", 2): 25})
-    wait_for(lambda: state.aliases["support"].split[1].weight == 25, 10, "split folded")
+    wait_for(lambda: state.aliases["support"].split[1].weight == 25, 10, message="split folded")
     later = {u: served(collect(stub, request("support", user=u))).served_adapter.version
              for u in users}
     assert all(later[u] == 2 for u in users if first[u] == 2)  # 5 -> 25 only moves forward
     share = sum(v == 2 for v in later.values()) / len(users)
     assert abs(share - 0.25) < 4 * math.sqrt(0.25 * 0.75 / len(users))
     catalog.disable("acme-support", 2)
-    wait_for(lambda: state.adapters["acme-support"].versions[2].disabled, 10, "disable")
+    wait_for(lambda: state.adapters["acme-support"].versions[2].disabled, 10, message="disable")
     assert {served(collect(stub, request("support", user=u))).served_adapter.version
             for u in users[:60]} == {1}
     health = health_pb2_grpc.HealthStub(router.channel)
@@ -123,7 +123,7 @@ def test_bounded_load_spreads_one_hot_tenant(catalog: CatalogWriter, fleet: Flee
         futures = [pool.submit(collect, stub, request("acme-support", user=f"u{i}"))
                    for i in range(total)]
         wait_for(lambda: sum(len(w.seen) for w in fleet.workers.values()) == total, 20,
-                 "all requests at workers")
+                 message="all requests at workers")
         loads = {w: worker.in_flight for w, worker in fleet.workers.items()}
         server_loop.loop.call_soon_threadsafe(gate.set)
         results = [f.result(timeout=20) for f in futures]
@@ -195,7 +195,7 @@ def test_failover_before_the_first_token_and_none_after_it(
     home.heartbeat()
     wait_for(lambda: router.dispatcher.membership.tier(
         home.worker_id, catalog.catalog[("acme-support", 1)], time.monotonic()) == "device",
-        10, "home warm")
+        10, message="home warm")
     home.behaviour.fail_after_tokens = 1
     counts = {w: len(x.seen) for w, x in fleet.workers.items()}
     tokens = []
@@ -289,13 +289,13 @@ def test_cold_placements_hint_and_ring_joins_are_prewarmed(
                      ("warm neighbour serving", pb.PREFETCH_TIER_HOST)}
     wait_for(lambda: all(sha in router.dispatcher.membership.workers[w].held
                          for w in ("w1", "w2", "w3")
-                         if fleet[w].held), 10, "holdings reported")
+                         if fleet[w].held), 10, message="holdings reported")
     old_ring = router.dispatcher.ring.copy()
     newcomer = fleet.add("w4")
     newcomer.behaviour.cold_load_s = 0.3
     router.wait_ring({"w1", "w2", "w3", "w4"})
     wait_for(lambda: any(p.reason == "ring join" for p in newcomer.prefetches), 10,
-             "ring-join prefetch")
+             message="ring-join prefetch")
     join = [p for p in newcomer.prefetches if p.reason == "ring join"]
     assert join[0].tier == pb.PREFETCH_TIER_HOST
     assert [(a.adapter_id, a.version) for a in join[0].adapters] == [("acme-support", 1)]
@@ -304,7 +304,7 @@ def test_cold_placements_hint_and_ring_joins_are_prewarmed(
     assert gained and all(old_ring.home(ring_key("acme", "search", "prod", "", r)) != "w4"
                           for r in gained)
     wait_for(lambda: router.dispatcher.membership.tier("w4", sha, time.monotonic()) == "host",
-             10, "newcomer warm")
+             10, message="newcomer warm")
     req = request("acme-support")
     req.tenant.region_hint = gained[0]
     assert served(collect(stub, req)).worker_id == "w4"
@@ -336,7 +336,7 @@ def _cut_through_a_new_router(settings, attempt: int) -> None:
             collect(router.stub(), cut)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         witness = router.app.witness
-        wait_for(lambda: witness.written == 1, 10, "the cut traced")
+        wait_for(lambda: witness.written == 1, 10, message="the cut traced")
     finally:
         router.stop()
 

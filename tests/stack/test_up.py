@@ -19,6 +19,7 @@ import pytest
 
 from services.stack.process import free_port
 from tests.conftest import CACHE, REPO, service_dir
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -207,7 +208,9 @@ def test_tansu_restart_is_refilled_from_the_audit_store(scratch: Path, models: M
         published = _run(env, "publish", str(models.adapter), "--tenant", "acme/support/chat",
                          "--adapter", "acme-support", "--label", "first")
         assert published.returncode == 0, published.stderr
-        time.sleep(3)  # the projector stores it (lag 0 well before this)
+        wait_for(lambda: '"first"' in _run(env, "audit", "sql", "select label from "
+                                           "adapter_lineage", "--json").stdout,
+                 60, interval_s=0.5, message="the projector to store v1")
         _stop(up, children)
 
         up = subprocess.Popen(_cli(*args), cwd=REPO, env=env, stdout=subprocess.PIPE,

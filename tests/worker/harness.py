@@ -35,6 +35,7 @@ from services.worker.engine import checkpoint_digest
 from tests.conftest import REPO
 from tests.registry.artifacts import AdapterFiles, build_adapter
 from tests.registry.conftest import TOKENS, RunningRegistry, registry_settings
+from tests.waiting import wait_for
 
 CHAT_TEMPLATE = (
     "{{ bos_token }} {% for m in messages %}{{ m['role'] }} {{ m['content'] }} "
@@ -105,14 +106,16 @@ class WorkerProcess:
             return int(answer.status)
 
     def wait_serving(self, timeout_s: float = 90.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            assert self.proc is not None and self.proc.poll() is None, (
-                f"worker {self.worker_id} exited:\n{self.log_tail()}")
-            if self.health() == health_pb2.HealthCheckResponse.SERVING:
-                return
-            time.sleep(0.2)
-        raise AssertionError(f"worker {self.worker_id} never served:\n{self.log_tail()}")
+        proc = self.proc
+        assert proc is not None
+
+        def serving_or_gone() -> bool:
+            return proc.poll() is not None or \
+                self.health() == health_pb2.HealthCheckResponse.SERVING
+
+        wait_for(serving_or_gone, timeout_s, interval_s=0.2,
+                 message=lambda: f"worker {self.worker_id} to serve:\n{self.log_tail()}")
+        assert proc.poll() is None, f"worker {self.worker_id} exited:\n{self.log_tail()}"
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         if self.child is not None:
@@ -219,10 +222,8 @@ class Stack:
     def wait_live(self, worker_id: str, timeout_s: float = 30.0) -> None:
         """Until the registry has folded a heartbeat of the worker (purges and quality
         gates are decided on the workers the registry sees live)."""
-        deadline = time.monotonic() + timeout_s
-        while worker_id not in self.registry.node.state.heartbeats:
-            assert time.monotonic() < deadline, f"the registry never saw {worker_id} live"
-            time.sleep(0.05)
+        wait_for(lambda: worker_id in self.registry.node.state.heartbeats, timeout_s,
+                 message=f"the registry to see {worker_id} live")
 
     def close(self) -> None:
         for process in self.workers.values():

@@ -107,13 +107,6 @@ def end(ticket: Ticket, timeout_s: float = 60.0) -> Finished | Refused:
             return output
 
 
-def wait_for(predicate: Any, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition never held"
-        time.sleep(0.02)
-
-
 @contextlib.contextmanager
 def make_rig(served_model: ServedModel, tmp_path: Path, *, register: bool = True,
              **overrides: Any) -> Iterator[Rig]:

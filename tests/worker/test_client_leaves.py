@@ -26,6 +26,7 @@ from services.contracts.events import ServedRequest
 from services.contracts.grpc import inference_pb2 as pb
 from tests.conftest import isolated_settings
 from tests.router.conftest import TOKENS, RunningRouter, bearer, router_settings
+from tests.waiting import wait_for
 from tests.worker.conftest import ServedModel
 from tests.worker.harness import BASE_NAME, Stack, running_stack, signature
 
@@ -65,10 +66,8 @@ def generated(stack: Stack) -> float:
 
 def wait_generating(stack: Stack, before: float, timeout_s: float = 30.0) -> None:
     """Until the worker has generated tokens since `before` (the request is running)."""
-    deadline = time.monotonic() + timeout_s
-    while generated(stack) <= before:
-        assert time.monotonic() < deadline, "the worker never started generating"
-        time.sleep(0.02)
+    wait_for(lambda: generated(stack) > before, timeout_s, interval_s=0.02,
+             message="the worker to start generating")
 
 
 def trace_of(stack: Stack, **match: str) -> ServedRequest:
@@ -90,11 +89,10 @@ def assert_stopped(stack: Stack, trace: ServedRequest, left_at: datetime) -> Non
     assert trace.completion_tokens < MAX_TOKENS // 2, trace
     assert (trace.finished_at - left_at).total_seconds() < 2.0, (trace.finished_at, left_at)
     settled = generated(stack)
-    time.sleep(0.5)
-    assert generated(stack) == settled, "the worker went on generating"
     assert stack.tail is not None
-    after = datetime.now(UTC)
+    after = datetime.now(UTC)  # the worker's next heartbeat bounds "nothing more"
     beat = stack.tail.wait("WorkerHeartbeat", where=lambda e: e.occurred_at > after)[-1]
+    assert generated(stack) == settled, "the worker went on generating"
     assert beat.payload.free_kv_blocks == KV_BLOCKS, "every KV block is free (or cached) again"
 
 

@@ -27,8 +27,9 @@ from services.contracts.events import (
 from services.worker.engine_loop import Finished, Refused
 from services.worker.lifecycle import AdapterState, Transition
 from tests.registry.artifacts import build_adapter
+from tests.waiting import wait_for
 from tests.worker.conftest import ServedModel
-from tests.worker.rig import ACME, OTHER, Rig, end, first_token, make_rig, wait_for
+from tests.worker.rig import ACME, OTHER, Rig, end, first_token, make_rig
 
 
 @pytest.fixture
@@ -50,7 +51,7 @@ def test_not_ready_until_the_base_model_is_registered(served_model: ServedModel,
         assert "not registered" in refused.message
         unregistered.fold(BaseModelRegistered(name="tiny", digest=unregistered.engine.base_digest,
                                               config={}), "base-model/tiny")
-        wait_for(loop.ready.is_set)
+        wait_for(loop.ready.is_set, 20)
         assert loop.base_model_name == "tiny"
         assert isinstance(end(unregistered.ask()), Finished)
 
@@ -58,7 +59,7 @@ def test_not_ready_until_the_base_model_is_registered(served_model: ServedModel,
 def test_full_pool_bronze_refused_gold_evicts_platinum_stays(rig: Rig) -> None:
     rig.publish("plat", 1, 1, "platinum")
     rig.switch("plat", 1)  # platinum: loaded and pinned ahead of traffic
-    wait_for(lambda: rig.state("plat", 1) is AdapterState.LOADED)
+    wait_for(lambda: rig.state("plat", 1) is AdapterState.LOADED, 20)
     rig.publish("b1", 1, 2, "bronze")
     rig.switch("b1", 1)
     rig.publish("b2", 1, 3, "bronze")
@@ -79,7 +80,8 @@ def test_full_pool_bronze_refused_gold_evicts_platinum_stays(rig: Rig) -> None:
     rig.publish("gold", 1, 4, "gold")
     rig.switch("gold", 1)  # ahead of traffic it takes no busy or more important slot
     gold = rig.ask("gold")  # waits for b1's slot, never takes platinum's
-    time.sleep(0.5)
+    seen = busy.completion_tokens  # gold has had 20 steps of b1's to take a slot in, and did not
+    wait_for(lambda: busy.completion_tokens >= seen + 20, 20, message="b1's next 20 tokens")
     assert gold.sink.empty() and rig.state("gold", 1) is AdapterState.LOADING
     assert busy.status == "running"
     rig.loop.cancel(busy)  # b1 goes idle: now gold may take its slot
@@ -99,18 +101,18 @@ def test_switch_drains_then_invalidates_then_unloads(rig: Rig) -> None:
     old = rig.ask("bot", max_tokens=40)
     first_token(old)
     rig.switch("bot", 2)
-    wait_for(lambda: rig.state("bot", 1) is AdapterState.PENDING_SWITCH)
+    wait_for(lambda: rig.state("bot", 1) is AdapterState.PENDING_SWITCH, 20)
     new = end(rig.ask("bot"))
     assert isinstance(new, Finished) and new.choice.sha256 == v2.sha256  # type: ignore[union-attr]
     finished = end(old)
     assert isinstance(finished, Finished) and finished.choice.sha256 == v1.sha256  # type: ignore[union-attr]
     assert finished.completion_tokens == 40
-    wait_for(lambda: rig.state("bot", 1) is AdapterState.UNLOADED)
+    wait_for(lambda: rig.state("bot", 1) is AdapterState.UNLOADED, 20)
     freed = [p for p in rig.events.of(KVInvalidated) if p.adapter_sha256 == v1.sha256]
     assert freed and freed[0].reason == "switch"
     assert freed[0].blocks_freed == (5 + 40 - 1) // 4
     rig.fold(AdapterDisabled(adapter_id="bot", version=2, reason="bad"), "adapter/bot", ACME)
-    wait_for(lambda: rig.state("bot", 2) is AdapterState.UNLOADED)
+    wait_for(lambda: rig.state("bot", 2) is AdapterState.UNLOADED, 20)
     assert [p.reason for p in rig.events.of(KVInvalidated)
             if p.adapter_sha256 == v2.sha256] == ["disable"]
     refused = end(rig.ask("bot"))
@@ -152,7 +154,7 @@ def test_soft_purge_lets_sequences_finish_then_acks(rig: Rig) -> None:
     assert isinstance(refused, Refused) and "purged" in refused.message
     finished = end(running)
     assert isinstance(finished, Finished) and finished.reason == "length"
-    wait_for(lambda: rig.events.of(TenantPurged))
+    wait_for(lambda: rig.events.of(TenantPurged), 20)
     ack = rig.events.of(TenantPurged)[0]
     assert ack.purge_id == "p1" and ack.refcounts_zero and ack.sequences_aborted == 0
     assert ack.adapters_unloaded == 1 and ack.kv_blocks_freed > 0
@@ -169,11 +171,11 @@ def test_a_purged_version_is_never_fetched_again(rig: Rig) -> None:
     purge was read before it: none of them fetches a purged version's files."""
     rig.publish("gone", 1, 32, tier="gold", tenant=OTHER)
     rig.switch("gone", 1, tenant=OTHER)
-    wait_for(lambda: rig.state("gone", 1) is AdapterState.LOADED)
+    wait_for(lambda: rig.state("gone", 1) is AdapterState.LOADED, 20)
     published = datetime.now(UTC)
     rig.fold(TenantPurgeRequested(purge_id="p9", deadline_s=60, expected_workers=["w-test"]),
              "tenant/other/t/p", OTHER)
-    wait_for(lambda: rig.events.of(TenantPurged))
+    wait_for(lambda: rig.events.of(TenantPurged), 20)
     fetches = rig.blobs.fetches
     refused = end(rig.ask("gone", tenant=OTHER))
     assert isinstance(refused, Refused) and refused.code == "NOT_FOUND"
@@ -203,7 +205,7 @@ def test_prefetch_hints_and_illegal_transitions(rig: Rig) -> None:
     rig.publish("later", 1, 40)
     out = rig.call(lambda: rig.loop.prefetch([("later", 1), ("nope", 1)], device=True))
     assert [o.accepted for o in out] == [True, False] and out[1].detail
-    wait_for(lambda: rig.call(lambda: rig.loop.residency.tier_of(("later", 1))) == "host")
+    wait_for(lambda: rig.call(lambda: rig.loop.residency.tier_of(("later", 1))) == "host", 20)
     assert rig.state("later", 1) is AdapterState.UNLOADED, "not servable yet: host only"
     assert rig.call(lambda: rig.loop.residency.states.fire(("later", 1),
                                                            Transition.LOADED)) is None

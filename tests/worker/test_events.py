@@ -16,6 +16,7 @@ from services.config import Settings
 from services.contracts.events import RequestServed, ServedRequest, TenantRef
 from services.eventlog import BrokerUnavailable, EventConsumer, EventProducer
 from services.worker.events import WorkerEvents
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -79,7 +80,10 @@ def test_no_trace_is_acknowledged_while_the_broker_is_away(settings: Settings) -
     away = threading.Event()
     away.set()
 
+    tries: list[float] = []
+
     def producer() -> EventProducer:
+        tries.append(time.monotonic())
         if away.is_set():
             raise BrokerUnavailable("the broker is away (test)")
         return EventProducer(settings, client_id="w1-events")
@@ -89,7 +93,8 @@ def test_no_trace_is_acknowledged_while_the_broker_is_away(settings: Settings) -
     try:
         future = events.trace(served("held"))
         assert future is not None
-        time.sleep(1.0)
+        before = len(tries)  # two more failed tries at the broker, the trace among them
+        wait_for(lambda: len(tries) >= before + 2, 30, message="two more tries at the broker")
         assert not future.done(), "acknowledged without a broker"
         away.clear()
         future.result(timeout=30)
@@ -105,9 +110,7 @@ def test_batched_traces_when_durability_is_off(settings: Settings) -> None:
     events.start({})
     try:
         assert events.trace(served("a")) is None and events.trace(served("b")) is None
-        deadline = time.monotonic() + 30
-        while events.unsent and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for(lambda: not events.unsent, 30, message="the batch sent")
         assert [ids for _, ids in logged_traces(settings)] == [["a", "b"]]
     finally:
         events.stop()

@@ -19,6 +19,7 @@ from prometheus_client.samples import Sample
 
 from tests.conftest import isolated_settings
 from tests.registry.conftest import TENANT
+from tests.waiting import wait_for
 from tests.worker.conftest import ServedModel
 from tests.worker.harness import (
     Stack,
@@ -106,11 +107,16 @@ def test_gateway_series_have_vllms_names_types_and_labels(stack: Stack) -> None:
             tokens, final = generate(stub, ACME, adapter=pinned("gw-support", 1),
                                      ids=[5, 6, 7, 8], max_tokens=6)
             assert len(tokens) == 6 and final.worker_id == "w2"
-    time.sleep(0.2)  # the loop reports its load at most every 50 ms
-    families = scrape(stack, "w2")
+    loads = ("vllm:num_requests_running", "vllm:num_requests_waiting",
+             "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 
-    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
-                 "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
+    def reported() -> dict[str, tuple[str, list[Sample]]] | None:
+        families = scrape(stack, "w2")  # the loop reports its load at most every 50 ms
+        return families if all(name in families for name in loads) else None
+
+    families = wait_for(reported, 10, message="w2's load gauges")
+
+    for name in loads:
         kind, samples = families[name]
         assert kind == "gauge", name
         (sample,) = samples
@@ -158,13 +164,13 @@ def test_an_endpoint_picker_routes_lora_requests_from_the_metrics_alone(stack: S
         switch(pub, "gw-only-w1", 1)
     with channel(stack.workers["w1"].address) as stub:
         generate(stub, ACME, adapter=pinned("gw-only-w1", 1), ids=[5, 6, 7], max_tokens=2)
-    deadline = time.monotonic() + 10
-    while True:
+
+    def scraped() -> tuple[dict, dict] | None:
         scrapes = {w: scrape(stack, w) for w in ("w1", "w2")}
         held = {w: adapters(lora_info(f)["running_lora_adapters"]) for w, f in scrapes.items()}
-        if "gw-only-w1" in held["w1"] or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
+        return (scrapes, held) if "gw-only-w1" in held["w1"] else None
+
+    scrapes, held = wait_for(scraped, 10, interval_s=0.1, message="w1 to report gw-only-w1")
     assert "gw-only-w1" in held["w1"] and "gw-only-w1" not in held["w2"], held
     assert pick(scrapes, "gw-only-w1") == "w1"
     # and the adapter w2 served in the test before goes to w2

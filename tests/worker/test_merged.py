@@ -18,8 +18,9 @@ from services.contracts.events import (
 from services.worker.engine import AdapterDigest
 from services.worker.engine.request import TokenEvent
 from services.worker.engine_loop import Finished, Refused
+from tests.waiting import wait_for
 from tests.worker.conftest import ServedModel
-from tests.worker.rig import ACME, Rig, make_rig, wait_for
+from tests.worker.rig import ACME, Rig, make_rig
 
 SEEDS = {1: 71, 2: 72}
 """bot's versions → the seed of their weights (the same bytes in every rig)."""
@@ -90,7 +91,7 @@ def test_merged_mode_follows_the_log(served_model: ServedModel, tmp_path: Path) 
         assert merged(rig) == AdapterDigest(v2.sha256, v2.config_sha256)
 
         rig.fold(AdapterDisabled(adapter_id="bot", version=2, reason="bad"), "adapter/bot", ACME)
-        wait_for(lambda: merged(rig) is None)  # unmerged: the base weights are back
+        wait_for(lambda: merged(rig) is None, 20)  # unmerged: the base weights are back
         gone = refused(rig, "bot")
         assert gone.code == "FAILED_PRECONDITION" and "disabled" in gone.message
         beat = rig.loop.heartbeat()
@@ -103,7 +104,7 @@ def test_merged_mode_follows_the_log(served_model: ServedModel, tmp_path: Path) 
 
         rig.fold(TenantPurgeRequested(purge_id="p-merged", deadline_s=60, hard=True,
                                       expected_workers=["w-test"]), "tenant/acme/t/p", ACME)
-        wait_for(lambda: rig.events.of(TenantPurged))
+        wait_for(lambda: rig.events.of(TenantPurged), 20)
         ack = rig.events.of(TenantPurged)[0]
         assert ack.purge_id == "p-merged" and ack.adapters_unloaded >= 1
         assert merged(rig) is None  # the purged tenant's delta left the base weights
@@ -120,7 +121,7 @@ def test_a_pinned_version_is_unmerged_once_switched_away_from(
         _, out = greedy(rig, "bot")
         assert isinstance(out, Finished) and out.choice and out.choice.sha256 == v1.sha256
         rig.switch("bot", 2)
-        wait_for(lambda: merged(rig) is None)
+        wait_for(lambda: merged(rig) is None, 20)
         moved = refused(rig, "bot")  # bot@2 now: not the version this worker pins
         assert moved.code == "FAILED_PRECONDITION" and "bot@1" in moved.message
 

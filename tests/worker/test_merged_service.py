@@ -8,7 +8,6 @@ else; the router sends it that adapter's requests and no others.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import grpc
@@ -17,6 +16,7 @@ import pytest
 from services.contracts.grpc import inference_pb2 as pb
 from tests.conftest import isolated_settings
 from tests.registry.conftest import TENANT
+from tests.waiting import wait_for
 from tests.worker.conftest import ServedModel
 from tests.worker.harness import (
     Stack,
@@ -62,18 +62,12 @@ def refusal(stack: Stack, worker: str, adapter: str | None) -> grpc.RpcError:
 def until_served(stack: Stack, worker: str, adapter: str, version: int,
                  timeout_s: float = 30.0) -> tuple[list[int], pb.FinalUsage]:
     """The worker folds the log on its own schedule: ask until it serves `version`."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            tokens, final = ask(stack, worker, adapter)
-        except grpc.RpcError as error:
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{worker} never served {adapter}@{version}") from error
-        else:
-            if final.served_adapter.version == version:
-                return tokens, final
-            assert time.monotonic() < deadline, (worker, final.served_adapter)
-        time.sleep(0.2)
+    def served() -> tuple[list[int], pb.FinalUsage] | None:
+        tokens, final = ask(stack, worker, adapter)
+        return (tokens, final) if final.served_adapter.version == version else None
+
+    return wait_for(served, timeout_s, interval_s=0.2, ignoring=(grpc.RpcError,),
+                    message=f"{worker} to serve {adapter}@{version}")
 
 
 def test_merged_worker_serves_its_adapter_and_follows_the_log(stack: Stack) -> None:

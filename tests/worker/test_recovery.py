@@ -4,7 +4,6 @@ the log; a worker that stops hearing registry leases refuses to serve until it d
 from __future__ import annotations
 
 import re
-import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
 
@@ -13,8 +12,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.contracts.events import Envelope
+from services.contracts.grpc import inference_pb2 as pb
 from tests.conftest import isolated_settings
 from tests.registry.conftest import TENANT, RunningRegistry
+from tests.waiting import wait_for
 from tests.worker.conftest import ServedModel
 from tests.worker.harness import (
     Stack,
@@ -87,13 +88,9 @@ def test_kill_9_and_restart_replays_to_the_same_adapter_states(stack: Stack) -> 
     w1.kill()  # SIGKILL: no goodbye, no flush
     restarted_at = datetime.now(UTC)
     w1.start().wait_serving()
-    deadline = time.monotonic() + 30
-    while True:  # loads replay from the disk tier; wait until all three are back
-        after = last_beat(stack, restarted_at)
-        if device_set(after) == expected or time.monotonic() > deadline:
-            break
-        time.sleep(0.3)
-    assert device_set(after) == expected
+    # loads replay from the disk tier; wait until all three are back
+    wait_for(lambda: device_set(last_beat(stack, restarted_at)) == expected, 30, interval_s=0.3,
+             message="a heartbeat with all three on the device")
     with channel(w1.address) as stub:
         with pytest.raises(grpc.RpcError) as caught:
             generate(stub, ACME, adapter=pinned("bad", 1), ids=[4, 5])
@@ -119,25 +116,26 @@ def test_stale_lease_refused_then_served_again(stack: Stack) -> None:
     with channel(w1.address) as stub:
         generate(stub, ACME, ids=[7, 8, 9])
         stack.registry.stop()  # no more leases
-        deadline = time.monotonic() + 30
-        while True:
+
+        def refused() -> grpc.RpcError | None:
             try:
                 generate(stub, ACME, ids=[7, 8, 9], timeout=10)
             except grpc.RpcError as exc:
-                assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc.details()
-                assert "version wall" in exc.details() and "lease" in exc.details()
-                break
-            assert time.monotonic() < deadline, "never refused behind the version wall"
-            time.sleep(0.3)
+                return exc
+            return None
+
+        exc = wait_for(refused, 30, interval_s=0.3, message="a refusal behind the version wall")
+        assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc.details()
+        assert "version wall" in exc.details() and "lease" in exc.details()
         stack.registry = RunningRegistry(stack.settings).start()  # leases again
-        deadline = time.monotonic() + 30
-        while True:
+
+        def served() -> pb.FinalUsage | None:
             try:
-                _, final = generate(stub, ACME, ids=[7, 8, 9], timeout=10)
-                break
+                return generate(stub, ACME, ids=[7, 8, 9], timeout=10)[1]
             except grpc.RpcError as exc:
-                assert exc.code() == grpc.StatusCode.UNAVAILABLE
-                assert time.monotonic() < deadline, "never served again after a fresh lease"
-                time.sleep(0.2)
+                assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc.details()
+                return None
+
+        final = wait_for(served, 30, interval_s=0.2, message="service again after a fresh lease")
         assert final.completion_tokens == 8
     assert re.search(r"stale_lease_rejections_total [1-9]", w1.metrics())

@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import signal
 import threading
-import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
 
@@ -25,6 +24,7 @@ from services.audit.projector import AuditProjector
 from services.contracts.grpc import inference_pb2 as pb
 from tests.conftest import isolated_settings
 from tests.registry.conftest import TENANT
+from tests.waiting import wait_for
 from tests.worker.conftest import ServedModel
 from tests.worker.harness import (
     Stack,
@@ -70,13 +70,13 @@ def audit_db(stack: Stack) -> Iterator[tuple[AuditProjector, Engine]]:
 def project_until(audit: tuple[AuditProjector, Engine], sql: str, timeout_s: float = 30.0,
                   **params: object) -> list[dict]:
     projector, engine = audit
-    deadline = time.monotonic() + timeout_s
-    while True:
+
+    def projected() -> list[dict]:
         projector.project_batch(timeout=0.2)
         with engine.connect() as conn:
-            rows = [dict(r._mapping) for r in conn.execute(text(sql), params)]
-        if rows or time.monotonic() > deadline:
-            return rows
+            return [dict(r._mapping) for r in conn.execute(text(sql), params)]
+
+    return wait_for(projected, timeout_s, interval_s=0, message=f"rows of {sql}")
 
 
 def peft_greedy(served: ServedModel, name: str, prompt: list[int], n: int) -> list[int]:

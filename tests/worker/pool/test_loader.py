@@ -5,7 +5,6 @@ purged digests never cached."""
 from __future__ import annotations
 
 import hashlib
-import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ from services.worker.pool.host import HostCache, adapter_bytes
 from services.worker.pool.loader import AdapterLoader, FetchResult
 from services.worker.pool.tiers import Tier
 from tests.registry.artifacts import LLAMA_CONFIG, build_adapter
+from tests.waiting import wait_for
 from tests.worker.doubles import DictBlobs
 
 CFG = ModelConfig.from_dict(LLAMA_CONFIG)
@@ -157,9 +157,7 @@ def test_queue_dedupes_and_reports(tmp_path: Path) -> None:
     try:
         loader.request(digest, "bronze", urgent=False)
         loader.request(digest, "bronze", urgent=True)  # moved up, not fetched twice
-        deadline = time.monotonic() + 10
-        while not done and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_for(lambda: done, 10, interval_s=0.01, message="the fetch done")
     finally:
         loader.stop()
     assert len(done) == 1 and done[0].adapter is not None and blobs.fetches == 2
