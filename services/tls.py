@@ -128,6 +128,18 @@ def files_of(settings: Settings) -> ReloadingFiles:
 # --- gRPC --------------------------------------------------------------------------------
 
 
+def _listener(settings: Settings, hop: Hop) -> tuple[ReloadingFiles, Material, bool]:
+    """A TLS listener's files, their current material and whether it requires client
+    certificates; mutual TLS without a CA to check them against is a setting error."""
+    files = files_of(settings)
+    material, _ = files.current()
+    required = mutual(settings, hop)
+    if required and material.ca is None:
+        raise TlsConfigError(f"LORAPLANE_TLS_CLIENT_AUTH names {hop}: set "
+                             "LORAPLANE_TLS_CA_FILE to verify client certificates")
+    return files, material, required
+
+
 def _grpc_config(material: Material) -> Any:
     return grpc.ssl_server_certificate_configuration(
         [(material.key, material.cert)], root_certificates=material.ca)
@@ -138,12 +150,7 @@ def grpc_server_credentials(settings: Settings, hop: Hop) -> grpc.ServerCredenti
     this process serves plaintext."""
     if not serves_tls(settings):
         return None
-    files = files_of(settings)
-    material, _ = files.current()
-    required = mutual(settings, hop)
-    if required and material.ca is None:
-        raise TlsConfigError(f"LORAPLANE_TLS_CLIENT_AUTH names {hop}: set "
-                             "LORAPLANE_TLS_CA_FILE to verify client certificates")
+    files, material, required = _listener(settings, hop)
 
     seen = {"generation": files.generation}
 
@@ -238,12 +245,7 @@ def server_ssl_context(settings: Settings, hop: Hop) -> ssl.SSLContext | None:
     handshake looks at them, and switches to a fresh context when they changed."""
     if not serves_tls(settings):
         return None
-    files = files_of(settings)
-    material, _ = files.current()
-    required = mutual(settings, hop)
-    if required and material.ca is None:
-        raise TlsConfigError(f"LORAPLANE_TLS_CLIENT_AUTH names {hop}: set "
-                             "LORAPLANE_TLS_CA_FILE to verify client certificates")
+    files, material, required = _listener(settings, hop)
     live = {"context": _server_context(material, required, files),
             "generation": files.generation}
     lock = threading.Lock()
