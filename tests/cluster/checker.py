@@ -95,8 +95,12 @@ class Report:
 # --- reading the log and the store -----------------------------------------------------------
 
 
-def read_topic(bootstrap: str, topic: str, timeout_s: float = 60.0) -> list[LogRecord]:
-    """Every committed record of `topic`, in offset order per partition."""
+def read_topic(bootstrap: str, topic: str, timeout_s: float = 150.0) -> list[LogRecord]:
+    """Every committed record of `topic`, in offset order per partition.
+
+    `timeout_s` exceeds the registry's `transaction.timeout.ms` (60 s) with room for the
+    broker's abort sweep: a transaction left open by a writer cut off from the brokers
+    holds a read_committed reader at its first offset until the broker aborts it."""
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"checker-{uuid.uuid4()}",
                          "enable.auto.commit": False, "isolation.level": "read_committed",
                          "enable.partition.eof": True, "auto.offset.reset": "earliest",
@@ -110,7 +114,12 @@ def read_topic(bootstrap: str, topic: str, timeout_s: float = 60.0) -> list[LogR
         deadline = time.monotonic() + timeout_s
         while open_partitions:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"reading {topic}: partitions {open_partitions} not at end")
+                where = {p: (consumer.position([TopicPartition(topic, p)])[0].offset,
+                             consumer.get_watermark_offsets(TopicPartition(topic, p),
+                                                            timeout=5))
+                         for p in open_partitions}
+                raise TimeoutError(f"reading {topic}: partitions {open_partitions} not at end "
+                                   f"(position, (low, high) watermarks): {where}")
             message = consumer.poll(0.5)
             if message is None:
                 continue

@@ -82,11 +82,12 @@ def trace_of(stack: Stack, **match: str) -> ServedRequest:
     return trace
 
 
-def assert_stopped(stack: Stack, trace: ServedRequest, left_at: datetime) -> None:
-    """The worker aborted the sequence: traced `cancelled` far short of MAX_TOKENS, soon
+def assert_stopped(stack: Stack, trace: ServedRequest, left_at: datetime,
+                   most: int = MAX_TOKENS // 2) -> None:
+    """The worker aborted the sequence: traced `cancelled` short of `most` tokens, soon
     after the client left; it generates nothing more; every KV block is free again."""
     assert trace.status == "cancelled", trace
-    assert trace.completion_tokens < MAX_TOKENS // 2, trace
+    assert trace.completion_tokens < most, trace
     assert (trace.finished_at - left_at).total_seconds() < 2.0, (trace.finished_at, left_at)
     settled = generated(stack)
     assert stack.tail is not None
@@ -165,13 +166,18 @@ def test_grpc_cancel(stack: Stack, router: RunningRouter) -> None:
 
 
 def test_grpc_deadline(stack: Stack, router: RunningRouter) -> None:
-    """A deadline a fifth of what the whole answer takes here (timed first: the tiny model's
-    speed follows the machine's load)."""
-    sent_at = time.monotonic()
-    answer = list(router.stub().Generate(_grpc_request(f"whole-{uuid.uuid4().hex[:8]}"),
-                                         metadata=bearer("acme"), timeout=120))
-    assert answer[-1].final.completion_tokens == MAX_TOKENS
-    deadline_s = max(0.2, (time.monotonic() - sent_at) / 5)
+    """A deadline a fifth of what the whole answer takes here: timed first, the faster of
+    two answers (the tiny model's speed follows the machine's load, which varies by
+    several times on a busy machine). The stop is checked against the whole answer, not
+    a fifth of it, for the same reason."""
+    whole_s = []
+    for _ in range(2):
+        sent_at = time.monotonic()
+        answer = list(router.stub().Generate(_grpc_request(f"whole-{uuid.uuid4().hex[:8]}"),
+                                             metadata=bearer("acme"), timeout=120))
+        assert answer[-1].final.completion_tokens == MAX_TOKENS
+        whole_s.append(time.monotonic() - sent_at)
+    deadline_s = max(0.2, min(whole_s) / 5)
     request_id = f"deadline-{uuid.uuid4().hex[:8]}"
     sent_at = time.monotonic()
     with pytest.raises(grpc.RpcError) as caught:
@@ -180,4 +186,4 @@ def test_grpc_deadline(stack: Stack, router: RunningRouter) -> None:
     left_at = datetime.now(UTC)
     assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert time.monotonic() - sent_at < deadline_s + 2.0
-    assert_stopped(stack, trace_of(stack, request_id=request_id), left_at)
+    assert_stopped(stack, trace_of(stack, request_id=request_id), left_at, most=MAX_TOKENS)
