@@ -119,7 +119,8 @@ def resume_erasures(node: RegistryNode, blobs: BlobStore, stop: threading.Event)
     another), erase what purges interrupted earlier left behind."""
     done = 0
     while not stop.is_set():
-        if not node.active.wait(0.5) or node.activations == done:
+        if not node.active.is_set() or node.activations == done:
+            stop.wait(0.5)  # `active.wait` returns at once while active: it would spin
             continue
         done = node.activations
         with node.state_lock:
