@@ -43,10 +43,10 @@ from safetensors.torch import save
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.record import BenchRun, Figure
+from services.catalog.auth import token_hash
 from services.config import Settings
 from services.contracts.peft import TARGET_MODULES
 from services.registry.app import create_app
-from services.registry.auth import token_hash
 from services.registry.blobstore import LocalBlobStore
 from services.stack.process import free_port
 from services.worker.engine import (

@@ -42,11 +42,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.record import BenchRun, Figure, load_average  # noqa: E402
+from services.catalog.auth import token_hash  # noqa: E402
 from services.config import Settings  # noqa: E402
 from services.contracts.capacity import AdapterLimits  # noqa: E402
 from services.eventlog import ensure_topics  # noqa: E402
 from services.registry.app import create_app  # noqa: E402
-from services.registry.auth import token_hash  # noqa: E402
 from services.registry.validation import validate_adapter  # noqa: E402
 from services.stack.brokers import ApacheKafka  # noqa: E402
 from services.stack.process import free_port  # noqa: E402

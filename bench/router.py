@@ -51,6 +51,7 @@ sys.path.insert(0, str(ROOT))
 import grpc  # noqa: E402
 
 from bench.record import BenchRun, Figure  # noqa: E402
+from services.catalog.auth import Principal  # noqa: E402
 from services.catalog.state import adapter_stream, alias_stream  # noqa: E402
 from services.config import Settings  # noqa: E402
 from services.contracts.events import (  # noqa: E402
@@ -67,7 +68,6 @@ from services.contracts.events import (  # noqa: E402
 from services.contracts.grpc import inference_pb2 as pb  # noqa: E402
 from services.contracts.grpc import inference_pb2_grpc as pb_grpc  # noqa: E402
 from services.eventlog import ensure_topics  # noqa: E402
-from services.registry.auth import Principal  # noqa: E402
 from services.router.dispatch import Dispatcher, asked_of  # noqa: E402
 from services.router.ring import Ring, ring_key  # noqa: E402
 from services.router.routing import Asked  # noqa: E402

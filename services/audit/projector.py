@@ -85,6 +85,7 @@ from services.audit.tables import (
 from services.audit.verifier import Checkpoint
 from services.config import Settings
 from services.contracts import structs
+from services.eventlog.backoff import Backoff
 from services.eventlog.consumer import EventConsumer, Record, Rejected
 from services.eventlog.errors import EventLogError
 
@@ -669,18 +670,17 @@ class AuditProjector:
             self._run(stop)
 
     def _run(self, stop: threading.Event) -> None:
-        backoff = 0.5
+        backoff = Backoff(first=0.5, most=10.0)
         last_log, written = time.monotonic(), 0
         while not stop.is_set():
             try:
                 written += self._run_pipeline(stop)
-                backoff = 0.5
+                backoff.succeeded()
             except (SQLAlchemyError, EventLogError, ProjectionConflict, OSError) as exc:
                 self.metrics.failures.inc()
                 log.error("audit batch failed (%s); resuming from stored offsets in %.1fs",
-                          exc, backoff)
-                stop.wait(backoff)
-                backoff = min(backoff * 2, 10.0)
+                          exc, backoff.pause)
+                backoff.wait(stop)
             finally:
                 self.close()
             if time.monotonic() - last_log > 10 and written:

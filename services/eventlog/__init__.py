@@ -1,6 +1,7 @@
 """Kafka plumbing: producer and consumer wrappers, topic bootstrap, and the log follower
 (the reader loop with snapshots that every folding process runs)."""
 
+from services.eventlog.backoff import Backoff
 from services.eventlog.consumer import EventConsumer, Record
 from services.eventlog.errors import (
     BrokerUnavailable,
@@ -13,6 +14,7 @@ from services.eventlog.producer import EventProducer, RecordPosition
 from services.eventlog.topics import ensure_topics, topic_for
 
 __all__ = [
+    "Backoff",
     "BrokerUnavailable",
     "EventConsumer",
     "EventLogError",

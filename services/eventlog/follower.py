@@ -52,6 +52,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from services.config import Settings
+from services.eventlog.backoff import Backoff
 from services.eventlog.consumer import (
     Anchor,
     AnchorMismatch,
@@ -233,13 +234,13 @@ class LogFollower:
     # --- the reading thread --------------------------------------------------------------
 
     def _run(self) -> None:
-        backoff = 0.5
+        backoff = Backoff(first=0.5)
         use_snapshot = self.store is not None
         while not self._stop.is_set() and self.halt is None:
             consumer: EventConsumer | None = None
             try:
                 consumer = self._open(use_snapshot)
-                backoff = 0.5
+                backoff.succeeded()
                 self._follow(consumer)
             except AnchorMismatch as exc:
                 if self._established:
@@ -252,11 +253,10 @@ class LogFollower:
             except Exception as exc:
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 log.warning("%s: reading the log failed (%s); retrying in %.1fs",
-                            self.reader_id, exc, backoff)
+                            self.reader_id, exc, backoff.pause)
                 if consumer is not None and self._established:
                     self._resume = (consumer.positions(), consumer.last_read())
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, 5.0)
+                backoff.wait(self._stop)
             finally:
                 if consumer is not None:
                     consumer.close()

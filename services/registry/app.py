@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from services.catalog.auth import TokenBook
 from services.catalog.state import Refusal
 from services.config import Settings
 from services.contracts.events import PATTERN_WORDS
@@ -36,7 +37,6 @@ from services.contracts.problems import (
     problem_response,
     validation_problem,
 )
-from services.registry.auth import TokenBook
 from services.registry.blobstore import LocalBlobStore
 from services.registry.erasure import resume_erasures
 from services.registry.gate_sweeper import GateSweeper

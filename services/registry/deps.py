@@ -20,12 +20,12 @@ from fastapi import Depends, Header, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel
 
+from services.catalog.auth import Principal, TokenBook
 from services.catalog.state import Adapter, RefusalKind, foreign
 from services.contracts.codec import canonical_bytes
 from services.contracts.events import TenantRef
 from services.contracts.problems import ProblemError
 from services.contracts.roles import Permission, holders
-from services.registry.auth import Principal, TokenBook
 from services.registry.blobstore import LocalBlobStore
 from services.registry.node import Deadline, RegistryNode
 

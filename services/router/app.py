@@ -27,9 +27,9 @@ from collections.abc import Callable, Iterator
 import uvicorn
 
 from services import tls
+from services.catalog.auth import TokenBook
 from services.config import Settings
 from services.eventlog.follower import FollowerHalted, LogFollower
-from services.registry.auth import TokenBook
 from services.router.dispatch import Dispatcher
 from services.router.fold import RouterFold
 from services.router.metrics import RouterMetrics

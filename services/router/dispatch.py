@@ -49,6 +49,7 @@ from datetime import UTC, datetime
 import grpc
 
 from services import tls
+from services.catalog.auth import Principal
 from services.catalog.serving import purged_reason
 from services.catalog.state import CatalogState
 from services.config import Settings
@@ -57,7 +58,6 @@ from services.contracts.generate import InvalidArgument, check_generate, check_l
 from services.contracts.grpc import inference_pb2 as pb
 from services.contracts.grpc import inference_pb2_grpc as pb_grpc
 from services.contracts.qos import TIER_TO_PROTO
-from services.registry.auth import Principal
 from services.router.limits import Limits
 from services.router.membership import Membership
 from services.router.metrics import RouterMetrics

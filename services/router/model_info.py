@@ -13,11 +13,11 @@ from typing import Any
 
 import grpc
 
+from services.catalog.auth import Principal
 from services.catalog.state import CatalogState
 from services.contracts.events import TenantRef
 from services.contracts.grpc import inference_pb2 as pb
 from services.contracts.grpc import inference_pb2_grpc as pb_grpc
-from services.registry.auth import Principal
 from services.router.dispatch import Dispatcher, RouteError, asked_of
 
 MAX_TOKENIZE_IDS = 1_000_000

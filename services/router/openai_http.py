@@ -39,13 +39,13 @@ from fastapi import Depends, Header, Request
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from services.catalog.auth import Principal, TokenBook
 from services.catalog.serving import purged_reason, split_order
 from services.catalog.state import CatalogState
 from services.contracts.events import TenantRef
 from services.contracts.generate import UINT32_MAX
 from services.contracts.grpc import inference_pb2 as pb
 from services.contracts.roles import Permission, holders
-from services.registry.auth import Principal, TokenBook
 from services.router.dispatch import Dispatcher, RouteError, authorize
 from services.router.openai_answers import (
     PromptAnswer,

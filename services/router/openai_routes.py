@@ -19,8 +19,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
+from services.catalog.auth import TokenBook
 from services.contracts.grpc import inference_pb2 as pb
-from services.registry.auth import TokenBook
 from services.router.dispatch import Dispatcher, RouteError
 from services.router.model_info import on_worker
 from services.router.openai_answers import (

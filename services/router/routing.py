@@ -16,6 +16,7 @@ import functools
 import re
 from typing import NamedTuple
 
+from services.catalog.auth import Principal
 from services.catalog.serving import (
     MergeSpec,
     Resolution,
@@ -29,7 +30,6 @@ from services.contracts.events import SLUG_PATTERN, TenantRef
 from services.contracts.generate import ModelLimits
 from services.contracts.qos import lower_tier, tier_of
 from services.contracts.roles import TENANT_SCOPED, Permission
-from services.registry.auth import Principal
 from services.router.limits import DEFAULT_TIER, Admission, Limits
 from services.router.membership import Membership
 from services.router.prewarm import RecentAdapter, RecentUse

@@ -18,12 +18,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services import tls
+from services.catalog.auth import Principal, TokenBook
 from services.config import Settings
 from services.contracts.generate import Undecodable, add_inference_servicer
 from services.contracts.grpc import inference_pb2 as pb
 from services.contracts.grpc import inference_pb2_grpc as pb_grpc
 from services.contracts.roles import Permission, holders
-from services.registry.auth import Principal, TokenBook
 from services.router.dispatch import Dispatcher, RouteError, authorize
 from services.router.model_info import model_entries, on_worker
 

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 from services.config import Settings
 from services.contracts.events import Envelope, RequestServed, ServedRequest
-from services.eventlog import EventLogError, EventProducer
+from services.eventlog import Backoff, EventLogError, EventProducer
 
 log = logging.getLogger("loraplane.router.witness")
 
@@ -91,20 +91,19 @@ class CutWitness:
             self._producer = None
 
     def _run(self) -> None:
-        backoff = 0.2
+        backoff = Backoff()
         while True:
             stopping = self._stop.is_set()
             try:
                 self._write()
-                backoff = 0.2
+                backoff.succeeded()
             except EventLogError as exc:
                 self.last_error = str(exc)
                 log.warning("cut requests not traced yet (%d waiting): %s", self.unwritten, exc)
                 self._producer = None
                 if stopping:
                     return
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, 5.0)
+                backoff.wait(self._stop)
                 continue
             if stopping:
                 return

@@ -37,7 +37,7 @@ from services.contracts.events import (
     TenantRef,
     WorkerHeartbeat,
 )
-from services.eventlog import EventLogError, EventProducer
+from services.eventlog import Backoff, EventLogError, EventProducer
 from services.worker.follower import worker_stream
 
 log = logging.getLogger("loraplane.worker.events")
@@ -134,7 +134,7 @@ class WorkerEvents:
         flush = self.settings.worker_trace_flush_s
         next_beat = time.monotonic()
         next_flush = time.monotonic() + flush
-        backoff = 0.2
+        backoff = Backoff()
         while True:
             now = time.monotonic()
             stopping = self._stop.is_set()
@@ -150,15 +150,14 @@ class WorkerEvents:
                 next_flush = now + flush
             try:
                 self._send()
-                backoff = 0.2
+                backoff.succeeded()
             except EventLogError as exc:
                 self.last_error = str(exc)
                 log.warning("worker events not sent yet (%d waiting): %s", self.unsent, exc)
                 self._producer = None
                 if stopping:
                     return
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, 5.0)
+                backoff.wait(self._stop)
                 continue
             if stopping:
                 return

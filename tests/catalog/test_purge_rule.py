@@ -15,6 +15,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from services.catalog.auth import Principal
 from services.catalog.release_rule import gate_baseline
 from services.catalog.serving import (
     MergeSpec,
@@ -43,7 +44,6 @@ from services.contracts.events import (
     WorkerHeartbeat,
 )
 from services.contracts.grpc import inference_pb2 as pb
-from services.registry.auth import Principal
 from services.registry.domain import roll_back, set_split, switch_active
 from services.router.dispatch import Dispatcher, RouteError, asked_of
 from services.router.prewarm import RecentAdapter

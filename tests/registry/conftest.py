@@ -15,10 +15,10 @@ import httpx
 import pytest
 import uvicorn
 
+from services.catalog.auth import token_hash
 from services.config import Settings
 from services.eventlog import EventConsumer
 from services.registry.app import create_app
-from services.registry.auth import token_hash
 from services.registry.node import RegistryNode
 from services.stack.brokers import ApacheKafka
 from services.stack.process import free_port

@@ -16,9 +16,9 @@ from fastapi import FastAPI
 from fastapi.dependencies.models import Dependant
 from fastapi.routing import APIRoute, iter_route_contexts
 
+from services.catalog.auth import token_hash
 from services.config import Settings
 from services.contracts.roles import ROLE_PERMISSIONS, ROLES, Permission
-from services.registry.auth import token_hash
 from services.registry.deps import Allowed
 from tests.registry.artifacts import build_adapter
 from tests.registry.conftest import RunningRegistry, publish, register_base, registry_settings

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import httpx
 
+from services.catalog.auth import token_hash
 from services.catalog.serving import resolve_reference
 from services.catalog.state import CatalogState, Refusal
 from services.config import Settings
@@ -38,7 +39,6 @@ from services.contracts.events import (
     WorkerHeartbeat,
 )
 from services.eventlog import EventConsumer, EventProducer
-from services.registry.auth import token_hash
 from services.worker.engine import Engine
 from services.worker.gate_runner import GateDuty
 from services.worker.pool.blobs import BlobMissing

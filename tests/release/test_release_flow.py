@@ -203,7 +203,7 @@ def test_a_good_version_passes_its_gate_and_walks_5_to_100(stack: Stack) -> None
 
 
 def _token_id(token: str) -> str:
-    from services.registry.auth import token_hash
+    from services.catalog.auth import token_hash
 
     return token_hash(token)[:12]
 

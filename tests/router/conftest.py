@@ -14,6 +14,7 @@ from typing import Any
 import grpc
 import pytest
 
+from services.catalog.auth import token_hash
 from services.catalog.state import adapter_stream, alias_stream, base_model_stream
 from services.config import Settings
 from services.contracts.events import (
@@ -31,7 +32,6 @@ from services.contracts.events import (
 from services.contracts.grpc import inference_pb2 as pb
 from services.contracts.grpc import inference_pb2_grpc as pb_grpc
 from services.eventlog import EventProducer
-from services.registry.auth import token_hash
 from services.router.app import RouterApp
 from services.stack.process import free_port
 from tests.router.standin import BASE_DIGEST, ServerLoop, StandInWorker

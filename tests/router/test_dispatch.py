@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from services.catalog.auth import Principal
 from services.catalog.serving import resolve_reference
 from services.catalog.state import adapter_stream, alias_stream
 from services.config import Settings
@@ -31,7 +32,6 @@ from services.contracts.events import (
     WorkerHeartbeat,
 )
 from services.contracts.grpc import inference_pb2 as pb
-from services.registry.auth import Principal
 from services.router.dispatch import Dispatcher, RouteError, asked_of, authorize
 from services.router.routing import Asked
 

@@ -15,9 +15,9 @@ import httpx
 import pytest
 from fastapi.routing import APIRoute, iter_route_contexts
 
+from services.catalog.auth import token_hash
 from services.contracts.grpc import inference_pb2 as pb
 from services.contracts.roles import ROLE_PERMISSIONS, ROLES, Permission, holders
-from services.registry.auth import token_hash
 from services.router.openai_http import Allowed
 from services.router.openai_routes import create_http_app
 from services.router.server import RPC_PERMISSIONS

@@ -24,7 +24,10 @@ from typing import Any
 import grpc
 import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from sqlalchemy import Engine, text
 
+from services.audit.db import make_engine
+from services.audit.projector import AuditProjector
 from services.config import Settings
 from services.contracts.events import Envelope
 from services.contracts.grpc import inference_pb2 as pb
@@ -356,3 +359,31 @@ def save_report(out: str | Path, report: dict[str, Any]) -> None:
     Path(out).write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
 
+
+
+@contextlib.contextmanager
+def audit_projection(stack: Stack) -> Iterator[tuple[AuditProjector, Engine]]:
+    """A projector on the stack's database, driven by the test (`project_until`), and an
+    engine to query what it wrote."""
+    assert stack.settings.database_url
+    engine = make_engine(stack.settings.database_url)
+    projector = AuditProjector(stack.settings, engine)
+    try:
+        yield projector, engine
+    finally:
+        projector.close()
+        engine.dispose()
+
+
+def project_until(audit: tuple[AuditProjector, Engine], sql: str, timeout_s: float = 30.0,
+                  at_least: int = 1, **params: object) -> list[dict]:
+    """Project batches until `sql` returns `at_least` rows; those rows."""
+    projector, engine = audit
+
+    def projected() -> list[dict]:
+        projector.project_batch(timeout=0.2)
+        with engine.connect() as conn:
+            rows = [dict(r._mapping) for r in conn.execute(text(sql), params)]
+        return rows if len(rows) >= at_least else []
+
+    return wait_for(projected, timeout_s, interval_s=0, message=f"rows of {sql}")

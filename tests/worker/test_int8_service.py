@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import pytest
 from sqlalchemy import Engine
 
-from services.audit.db import make_engine, upgrade
+from services.audit.db import upgrade
 from services.audit.projector import AuditProjector
 from tests.conftest import isolated_settings
 from tests.registry.conftest import TENANT
@@ -30,12 +30,12 @@ from tests.worker.harness import (
     channel,
     fresh_adapter,
     generate,
+    project_until,
     publish_files,
     running_stack,
     signature,
     switch,
 )
-from tests.worker.test_service import project_until
 
 pytestmark = pytest.mark.slow
 
@@ -51,16 +51,6 @@ def stack(kafka_bootstrap: str, database_url: str, served_model: ServedModel,
     with running_stack(settings, tmp_path_factory.mktemp("int8"), served_model.path,
                        database_url, worker_weights="int8") as running:
         yield running
-
-
-@pytest.fixture(scope="module")
-def audit_db(stack: Stack) -> Iterator[tuple[AuditProjector, Engine]]:
-    assert stack.settings.database_url
-    engine = make_engine(stack.settings.database_url)
-    projector = AuditProjector(stack.settings, engine)
-    yield projector, engine
-    projector.close()
-    engine.dispose()
 
 
 def test_an_int8_worker_names_its_weights_in_heartbeats_registry_and_traces(
@@ -95,12 +85,7 @@ def test_an_int8_worker_names_its_weights_in_heartbeats_registry_and_traces(
         r.request_id == "req-int8-lora" for r in e.payload.requests))
     assert all(r.base_weights == "int8" for e in traces for r in e.payload.requests)
     rows = project_until(audit_db, "SELECT request_id, adapter_id, base_weights FROM served_by "
-                         "WHERE request_id LIKE 'req-int8-%' ORDER BY request_id")
-    deadline = time.monotonic() + 30
-    while len(rows) < 2 and time.monotonic() < deadline:
-        rows = project_until(audit_db, "SELECT request_id, adapter_id, base_weights "
-                             "FROM served_by WHERE request_id LIKE 'req-int8-%' "
-                             "ORDER BY request_id")
+                         "WHERE request_id LIKE 'req-int8-%' ORDER BY request_id", at_least=2)
     assert rows == [
         {"request_id": "req-int8-base", "adapter_id": None, "base_weights": "int8"},
         {"request_id": "req-int8-lora", "adapter_id": "int8-support", "base_weights": "int8"}]

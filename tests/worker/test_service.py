@@ -17,14 +17,13 @@ from datetime import UTC, datetime
 import grpc
 import pytest
 import torch
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
 
-from services.audit.db import make_engine, upgrade
+from services.audit.db import upgrade
 from services.audit.projector import AuditProjector
 from services.contracts.grpc import inference_pb2 as pb
 from tests.conftest import isolated_settings
 from tests.registry.conftest import TENANT
-from tests.waiting import wait_for
 from tests.worker.conftest import ServedModel
 from tests.worker.harness import (
     Stack,
@@ -34,6 +33,7 @@ from tests.worker.harness import (
     generate,
     peft_files,
     pinned,
+    project_until,
     publish_files,
     running_stack,
     signature,
@@ -55,28 +55,6 @@ def stack(kafka_bootstrap: str, database_url: str, served_model: ServedModel,
     with running_stack(settings, tmp_path_factory.mktemp("service"), served_model.path,
                        database_url, worker_adapter_slots=6) as running:
         yield running
-
-
-@pytest.fixture(scope="module")
-def audit_db(stack: Stack) -> Iterator[tuple[AuditProjector, Engine]]:
-    assert stack.settings.database_url
-    engine = make_engine(stack.settings.database_url)
-    projector = AuditProjector(stack.settings, engine)
-    yield projector, engine
-    projector.close()
-    engine.dispose()
-
-
-def project_until(audit: tuple[AuditProjector, Engine], sql: str, timeout_s: float = 30.0,
-                  **params: object) -> list[dict]:
-    projector, engine = audit
-
-    def projected() -> list[dict]:
-        projector.project_batch(timeout=0.2)
-        with engine.connect() as conn:
-            return [dict(r._mapping) for r in conn.execute(text(sql), params)]
-
-    return wait_for(projected, timeout_s, interval_s=0, message=f"rows of {sql}")
 
 
 def peft_greedy(served: ServedModel, name: str, prompt: list[int], n: int) -> list[int]:

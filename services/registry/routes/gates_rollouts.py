@@ -21,6 +21,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, File, Form, Path, Response, UploadFile
 from pydantic import BaseModel, Field
 
+from services.catalog.auth import Principal
 from services.catalog.regression import RegressionSet, RegressionSetError, parse_regression_set
 from services.catalog.release_rule import GateSpec, release_refusal
 from services.catalog.state import (
@@ -45,7 +46,6 @@ from services.contracts.events import (
 )
 from services.contracts.problems import ProblemError, problem_responses
 from services.contracts.roles import Permission
-from services.registry.auth import Principal
 from services.registry.deps import (
     Blobs,
     ExpectedVersion,
