@@ -110,11 +110,16 @@ def test_gateway_series_have_vllms_names_types_and_labels(stack: Stack) -> None:
     loads = ("vllm:num_requests_running", "vllm:num_requests_waiting",
              "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 
-    def reported() -> dict[str, tuple[str, list[Sample]]] | None:
-        families = scrape(stack, "w2")  # the loop reports its load at most every 50 ms
-        return families if all(name in families for name in loads) else None
+    def settled() -> dict[str, tuple[str, list[Sample]]] | None:
+        """Every load gauge there, and the finished requests no longer counted (the loop
+        reports its load at most every 50 ms, so a scrape can still see the last one)."""
+        families = scrape(stack, "w2")
+        if not all(name in families for name in loads):
+            return None
+        busy = families["vllm:num_requests_running"][1][0].value
+        return families if busy == 0 else None
 
-    families = wait_for(reported, 10, message="w2's load gauges")
+    families = wait_for(settled, 10, message="w2's load gauges, with nothing running")
 
     for name in loads:
         kind, samples = families[name]
@@ -122,7 +127,6 @@ def test_gateway_series_have_vllms_names_types_and_labels(stack: Stack) -> None:
         (sample,) = samples
         assert set(sample.labels) == {"model_name", "engine"}, name
         assert sample.labels["engine"] == "0"
-    assert families["vllm:num_requests_running"][1][0].value == 0  # all finished
     assert families["vllm:num_requests_waiting"][1][0].value == 0
     usage = families["vllm:kv_cache_usage_perc"][1][0].value
     assert 0.0 <= usage <= 1.0
