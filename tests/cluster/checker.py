@@ -95,6 +95,36 @@ class Report:
 # --- reading the log and the store -----------------------------------------------------------
 
 
+def uncommitted_at(bootstrap: str, topic: str,
+                   where: dict[int, tuple[int, tuple[int, int]]]) -> dict[int, str]:
+    """For a reader held short of a partition's end: the record it is held at, read
+    uncommitted (an open transaction's record names its writer; none found means only
+    transaction markers remain)."""
+    found: dict[int, str] = {}
+    for partition, (position, _) in where.items():
+        probe = Consumer({"bootstrap.servers": bootstrap, "group.id": f"checker-{uuid.uuid4()}",
+                          "enable.auto.commit": False, "isolation.level": "read_uncommitted",
+                          "enable.partition.eof": True, "log_level": 0})
+        try:
+            probe.assign([TopicPartition(topic, partition, max(position, 0))])
+            found[partition] = "nothing within 10 s"
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                message = probe.poll(0.5)
+                if message is None:
+                    continue
+                if message.error() is None:
+                    found[partition] = f"offset {message.offset()}: {message.value()[:300]!r}"
+                elif message.error().code() == KafkaError._PARTITION_EOF:
+                    found[partition] = "only transaction markers"
+                else:
+                    found[partition] = str(message.error())
+                break
+        finally:
+            probe.close()
+    return found
+
+
 def read_topic(bootstrap: str, topic: str, timeout_s: float = 150.0) -> list[LogRecord]:
     """Every committed record of `topic`, in offset order per partition.
 
@@ -119,7 +149,9 @@ def read_topic(bootstrap: str, topic: str, timeout_s: float = 150.0) -> list[Log
                                                             timeout=5))
                          for p in open_partitions}
                 raise TimeoutError(f"reading {topic}: partitions {open_partitions} not at end "
-                                   f"(position, (low, high) watermarks): {where}")
+                                   f"(position, (low, high) watermarks): {where}; what "
+                                   f"read_uncommitted finds there: "
+                                   f"{uncommitted_at(bootstrap, topic, where)}")
             message = consumer.poll(0.5)
             if message is None:
                 continue
