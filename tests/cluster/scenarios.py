@@ -304,7 +304,11 @@ SCENARIOS = {s.name: s for s in (
              "PostgreSQL paused (SIGSTOP) under the projector, resumed, then killed and "
              "restarted"),
 )}
-QUICK = ("registry-kafka-partition", "worker-kafka-partition", "kafka-leader-kill")
+QUICK = ("worker-kafka-partition", "kafka-leader-kill", "registry-kafka-partition")
+"""Run in `make test`, on one cluster, in this order. The registry partition goes last:
+twice (of five runs) a liveness partition was still held by an undecided record more
+than 150 s after that partition healed, and the next scenario's checker could not read
+the topic to its end (it then names the record it is held at)."""
 
 
 # --- running one ---------------------------------------------------------------------------------
