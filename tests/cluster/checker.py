@@ -95,16 +95,21 @@ class Report:
 # --- reading the log and the store -----------------------------------------------------------
 
 
-def uncommitted_at(bootstrap: str, topic: str,
-                   where: dict[int, tuple[int, tuple[int, int]]]) -> dict[int, str]:
+def _consumer(bootstrap: str, isolation: str) -> Consumer:
+    """A consumer of its own group that commits nothing and reports each partition's end."""
+    return Consumer({"bootstrap.servers": bootstrap, "group.id": f"checker-{uuid.uuid4()}",
+                     "enable.auto.commit": False, "isolation.level": isolation,
+                     "enable.partition.eof": True, "auto.offset.reset": "earliest",
+                     "log_level": 0})
+
+
+def uncommitted_at(bootstrap: str, topic: str, positions: dict[int, int]) -> dict[int, str]:
     """For a reader held short of a partition's end: the record it is held at, read
     uncommitted (an open transaction's record names its writer; none found means only
     transaction markers remain)."""
     found: dict[int, str] = {}
-    for partition, (position, _) in where.items():
-        probe = Consumer({"bootstrap.servers": bootstrap, "group.id": f"checker-{uuid.uuid4()}",
-                          "enable.auto.commit": False, "isolation.level": "read_uncommitted",
-                          "enable.partition.eof": True, "log_level": 0})
+    for partition, position in positions.items():
+        probe = _consumer(bootstrap, "read_uncommitted")
         try:
             probe.assign([TopicPartition(topic, partition, max(position, 0))])
             found[partition] = "nothing within 10 s"
@@ -129,12 +134,9 @@ def read_topic(bootstrap: str, topic: str, timeout_s: float = 150.0) -> list[Log
     """Every committed record of `topic`, in offset order per partition.
 
     `timeout_s` exceeds the registry's `transaction.timeout.ms` (60 s) with room for the
-    broker's abort sweep: a transaction left open by a writer cut off from the brokers
-    holds a read_committed reader at its first offset until the broker aborts it."""
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"checker-{uuid.uuid4()}",
-                         "enable.auto.commit": False, "isolation.level": "read_committed",
-                         "enable.partition.eof": True, "auto.offset.reset": "earliest",
-                         "log_level": 0})
+    broker's abort sweep. (A transaction still open does not hold the end back: the reader
+    is told it reached the end at the first open record.)"""
+    consumer = _consumer(bootstrap, "read_committed")
     try:
         metadata = consumer.list_topics(topic, timeout=30)
         partitions = sorted(metadata.topics[topic].partitions)
@@ -144,14 +146,14 @@ def read_topic(bootstrap: str, topic: str, timeout_s: float = 150.0) -> list[Log
         deadline = time.monotonic() + timeout_s
         while open_partitions:
             if time.monotonic() > deadline:
-                where = {p: (consumer.position([TopicPartition(topic, p)])[0].offset,
-                             consumer.get_watermark_offsets(TopicPartition(topic, p),
-                                                            timeout=5))
-                         for p in open_partitions}
+                held = {p: consumer.position([TopicPartition(topic, p)])[0].offset
+                        for p in open_partitions}
+                ends = {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=5)
+                        for p in open_partitions}
                 raise TimeoutError(f"reading {topic}: partitions {open_partitions} not at end "
-                                   f"(position, (low, high) watermarks): {where}; what "
+                                   f"(positions {held}, (low, high) watermarks {ends}); what "
                                    f"read_uncommitted finds there: "
-                                   f"{uncommitted_at(bootstrap, topic, where)}")
+                                   f"{uncommitted_at(bootstrap, topic, held)}")
             message = consumer.poll(0.5)
             if message is None:
                 continue
