@@ -306,9 +306,9 @@ SCENARIOS = {s.name: s for s in (
 )}
 QUICK = ("worker-kafka-partition", "kafka-leader-kill", "registry-kafka-partition")
 """Run in `make test`, on one cluster, in this order. The registry partition goes last:
-twice (of five runs) a liveness partition was still held by an undecided record more
-than 150 s after that partition healed, and the next scenario's checker could not read
-the topic to its end (it then names the record it is held at)."""
+twice (of five runs), in the scenario after it, the checker could not read a liveness
+partition to its end within 150 s, for a reason not yet known (on a timeout it now says
+what lies at the offset it is held at)."""
 
 
 # --- running one ---------------------------------------------------------------------------------
