@@ -96,11 +96,16 @@ class Report:
 
 
 def _consumer(bootstrap: str, isolation: str) -> Consumer:
-    """A consumer of its own group that commits nothing and reports each partition's end."""
+    """A consumer of its own group that commits nothing and reports each partition's end.
+
+    librdkafka reports a partition's end only from a fetch that comes back empty, and the
+    broker holds a fetch until `fetch.wait.max.ms` has passed: with the default 500 ms, a
+    partition written more often than twice a second (three workers' heartbeats) never
+    reports it. 10 ms is what the services' readers use."""
     return Consumer({"bootstrap.servers": bootstrap, "group.id": f"checker-{uuid.uuid4()}",
                      "enable.auto.commit": False, "isolation.level": isolation,
                      "enable.partition.eof": True, "auto.offset.reset": "earliest",
-                     "log_level": 0})
+                     "fetch.wait.max.ms": 10, "log_level": 0})
 
 
 def uncommitted_at(bootstrap: str, topic: str, positions: dict[int, int]) -> dict[int, str]:
@@ -131,27 +136,34 @@ def uncommitted_at(bootstrap: str, topic: str, positions: dict[int, int]) -> dic
 
 
 def read_topic(bootstrap: str, topic: str, timeout_s: float = 150.0) -> list[LogRecord]:
-    """Every committed record of `topic`, in offset order per partition.
+    """Every committed record of `topic` up to its end when the read starts (or later), in
+    offset order per partition.
 
-    `timeout_s` exceeds the registry's `transaction.timeout.ms` (60 s) with room for the
-    broker's abort sweep. (A transaction still open does not hold the end back: the reader
-    is told it reached the end at the first open record.)"""
+    A partition is read once it reports its end, or once the reader is past the end it had
+    when the read started: a partition still being written to (heartbeats) may not report
+    its end for as long as the writes keep coming faster than the fetch wait. `timeout_s`
+    exceeds the registry's `transaction.timeout.ms` (60 s) with room for the broker's abort
+    sweep. (A transaction still open does not hold the end back: the reader is told it
+    reached the end at the first open record.)"""
     consumer = _consumer(bootstrap, "read_committed")
     try:
         metadata = consumer.list_topics(topic, timeout=30)
         partitions = sorted(metadata.topics[topic].partitions)
+        ends = {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30)[1]
+                for p in partitions}
         consumer.assign([TopicPartition(topic, p, 0) for p in partitions])
-        open_partitions = set(partitions)
+        open_partitions = {p for p in partitions if ends[p] > 0}
         records: list[LogRecord] = []
         deadline = time.monotonic() + timeout_s
         while open_partitions:
             if time.monotonic() > deadline:
                 held = {p: consumer.position([TopicPartition(topic, p)])[0].offset
                         for p in open_partitions}
-                ends = {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=5)
-                        for p in open_partitions}
+                marks = {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=5)
+                         for p in open_partitions}
                 raise TimeoutError(f"reading {topic}: partitions {open_partitions} not at end "
-                                   f"(positions {held}, (low, high) watermarks {ends}); what "
+                                   f"(positions {held}, ends at the start {ends}, (low, high) "
+                                   f"watermarks {marks}); what "
                                    f"read_uncommitted finds there: "
                                    f"{uncommitted_at(bootstrap, topic, held)}")
             message = consumer.poll(0.5)
@@ -168,6 +180,8 @@ def read_topic(bootstrap: str, topic: str, timeout_s: float = 150.0) -> list[Log
             except ValueError:
                 event = {}
             records.append(LogRecord(topic, message.partition(), message.offset(), value, event))
+            if message.offset() + 1 >= ends[message.partition()]:
+                open_partitions.discard(message.partition())
         return records
     finally:
         consumer.close()
