@@ -34,7 +34,9 @@ The 1-minute load average is recorded after every run: on 2 shared cores the sam
 ratios are what count. Results: bench/results/peer.json (rendered by bench/report.py).
 
 The Q8_0 row sets llama.cpp's Q8_0 base beside the engine's int8 weight-only base where
-this tree has one (`EngineConfig.weights`), else records Q8_0 alone.
+this tree has one (`EngineConfig.weights`), else records Q8_0 alone. llama-server runs it
+with `--no-repack` (`PEER_FLAGS`): on a CPU with AMX this build repacks Q8_0 weights for
+it and then dies of a segmentation fault at start, LoRAs or not.
 """
 
 from __future__ import annotations
@@ -87,6 +89,8 @@ DTYPES = {
     "bf16": ("bf16", "bf16", "bf16", "bfloat16"),
     "q8_0": ("q8_0", "bf16", "bf16", "bfloat16"),
 }
+PEER_FLAGS = {"q8_0": ("--no-repack",)}
+"""llama-server flags of one run only (the module doc says why)."""
 CONVERT = """\
 import runpy, sys
 from pathlib import Path
@@ -196,7 +200,7 @@ class Server:
     """One llama-server process on a free local port, stopped by `close`."""
 
     def __init__(self, binary: Path, base: Path, loras: list[Path], kv_type: str,
-                 ctx: int) -> None:
+                 ctx: int, flags: tuple[str, ...] = ()) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -204,7 +208,7 @@ class Server:
             ("--lora", str(p)) for p in loras), "--lora-init-without-apply",
             "-t", str(THREADS), "-tb", str(THREADS), "-np", str(SLOTS), "-c", str(ctx),
             "-kvu", "-ctk", kv_type, "-ctv", kv_type, "--no-cache-prompt", "--cache-ram", "0",
-            "--no-webui", "--host", "127.0.0.1", "--port", str(self.port)]
+            "--no-webui", *flags, "--host", "127.0.0.1", "--port", str(self.port)]
         fd, self.log = tempfile.mkstemp(suffix=".log")
         self.proc = subprocess.Popen(self.argv, stdout=fd, stderr=subprocess.STDOUT)
         os.close(fd)
@@ -381,7 +385,8 @@ def run_dtype(run: str, args, model_dir: Path, binary: Path, files: dict[str, Pa
     base_type, lora_type, kv_type, _ = DTYPES[run]
     ctx = SLOTS * (max(args.prompt, 96) + args.new + 32)
     server = Server(binary, files[f"base-{base_type}"],
-                    [files[f"{name}-{lora_type}"] for name, _ in adapters], kv_type, ctx)
+                    [files[f"{name}-{lora_type}"] for name, _ in adapters], kv_type, ctx,
+                    PEER_FLAGS.get(run, ()))
     eng, digests, engine_label = engine_for(model_dir, run, adapters)
     n = len(adapters)
     single, mix = workloads(args, eng.model.cfg.vocab_size if eng else 49152, n)
