@@ -52,8 +52,9 @@ from services.stack.brokers import ApacheKafka  # noqa: E402
 from services.stack.process import free_port  # noqa: E402
 
 TOKEN = "bench-admin"
-BASE = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 16, "num_hidden_layers": 2}
+BASE = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64,
+        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "num_hidden_layers": 2}
 TENANT = {"org": "bench", "team": "t", "project": "p"}
 SHAPES = {"q_proj": (64, 64), "k_proj": (64, 32), "v_proj": (64, 32), "o_proj": (64, 64)}
 
