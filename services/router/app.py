@@ -2,9 +2,10 @@
 server (uvicorn) and the fold of the log, so the state the request path reads is only
 ever changed on that loop's thread, between two requests' decisions.
 
-Stop (SIGTERM, SIGINT): the drain. gRPC health NOT_SERVING, both servers stop taking new
-calls, and the calls in flight, streams included, get `router_drain_s` to finish before
-the process exits (clients with another router fail over to it).
+Stop (SIGTERM, SIGINT): the drain. gRPC health NOT_SERVING, new gRPC calls refused
+UNAVAILABLE ("router is draining"), the HTTP listener closed, and the calls in flight,
+streams included, get `router_drain_s` to finish before the process exits (clients with
+another router fail over to it).
 
 Start-up: both servers listen at once (gRPC health NOT_SERVING, HTTP `/readyz` 503, and
 requests answered UNAVAILABLE / 503 with a retry hint), while the shared log follower
@@ -117,7 +118,15 @@ class RouterApp:
             log.info("router %s draining: up to %.0f s for the requests in flight",
                      self.router_id, self.settings.router_drain_s)
             self._http.should_exit = True
-            await grpc_server.stop(grace=self.settings.router_drain_s)
+            # gRPC's own stop refuses a call that races it with CANCELLED, which clients
+            # do not retry: the router refuses new calls itself (UNAVAILABLE) until those
+            # in flight are done, and stops its server only then
+            self.dispatcher.start_draining()
+            loop = asyncio.get_running_loop()
+            until = loop.time() + self.settings.router_drain_s
+            while self.dispatcher.in_flight and loop.time() < until:
+                await asyncio.sleep(0.05)
+            await grpc_server.stop(grace=max(0.0, until - loop.time()))
             await http_task
             await self.dispatcher.close()
             await asyncio.to_thread(self.witness.stop)

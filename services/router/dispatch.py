@@ -211,6 +211,16 @@ class Dispatcher:
     def ready(self, value: bool) -> None:
         self.routing.ready = value
 
+    def start_draining(self) -> None:
+        """Refuse new calls (UNAVAILABLE, from this router's own code) from now on."""
+        self.routing.draining = True
+        self.routing.ready = False
+
+    @property
+    def in_flight(self) -> int:
+        """Calls placed on a worker and not finished."""
+        return sum(self.membership.in_flight.values())
+
     def decide(self, principal: Principal, asked: Asked, now: float) -> RouteDecision:
         """`Routing.decide`: steps 1-4 of the module doc, no I/O; raises `RouteError`."""
         return self.routing.decide(principal, asked, now)

@@ -266,6 +266,8 @@ class Routing:
                              overrides=settings.router_rate_overrides)
         self.recent = RecentUse(per_key=settings.router_recent_adapters)
         self.ready = False
+        self.draining = False
+        """Set at stop: new calls are refused while the ones in flight finish."""
         self._routes: dict[tuple[object, ...], CallerRoute] = {}
         self._limits: dict[str, ModelLimits] = {}
 
@@ -275,7 +277,8 @@ class Routing:
         reference and base model) costs one lookup of its `CallerRoute`, then straight-line
         code: the user's pick on a canary line, the walk, one admission, tuples."""
         if not self.ready:
-            raise RouteError("UNAVAILABLE", "router is replaying the log",
+            raise RouteError("UNAVAILABLE", "router is draining; send it to another router"
+                             if self.draining else "router is replaying the log",
                              "not_ready", retry_after_s=1.0, retry_after="1")
         key = (principal.token_id, asked.org, asked.team, asked.project, asked.qos_tier,
                asked.compliance_scope, asked.region_hint, asked.adapter, asked.base_model)
