@@ -82,10 +82,18 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor,
 
     `window`: a sliding-window layer's decodes see only their last `window` positions;
     `softcap`: ``cap * tanh(s / cap)`` on the scaled scores before the softmax."""
+    decode_attention_arrays(as_array(q), as_array(k_cache), as_array(v_cache), as_array(out),
+                            plan, scale, window, softcap)
+
+
+def decode_attention_arrays(q: Any, k_cache: Any, v_cache: Any, out: Any, plan: DecodePlan,
+                            scale: float, window: int | None = None,
+                            softcap: float | None = None) -> None:
+    """`decode_attention` over numpy views (`as_array`) the caller made once for many
+    calls."""
     kernel_fn = _attention()
-    args = (as_array(q), as_array(k_cache), as_array(v_cache), as_array(out), plan.rows,
-            plan.tables, plan.lens, plan.block_size, np.float32(scale), int(window or 0),
-            np.float32(softcap or 0.0))
+    args = (q, k_cache, v_cache, out, plan.rows, plan.tables, plan.lens, plan.block_size,
+            np.float32(scale), int(window or 0), np.float32(softcap or 0.0))
     cuts = plan.cuts(torch.get_num_threads())
     shares = list(itertools.pairwise(cuts))
     pending = [_helper_threads(len(shares) - 1).submit(kernel_fn, *args, lo, hi)

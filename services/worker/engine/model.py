@@ -13,13 +13,16 @@ family's description (`services.families`) once, at load.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import get_args
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from loraplane_kernels import cpu_decode, cpu_layer
 from loraplane_kernels.int8 import Int8Weight, int8_linear, needs_dequant_buffer, quantize_int8
 from loraplane_kernels.threads import one_thread
 from services.contracts.events import BaseWeights
@@ -42,6 +45,19 @@ against two, per layer: at 64 tokens 0.36 ms against 1.2 CPU-ms (1.4 ms wall) wi
 against 0.45 ms wall with spinning threads; at 128 tokens, spinning, the same wall time
 (0.63 and 0.60 ms) at half the CPU time; at 256 tokens two spinning threads are faster.
 Every op works row by row, so the bits do not depend on the thread count. 0 turns it off."""
+
+ONEDNN_FP32 = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn,
+                                                                 "_linear_pointwise")
+"""Whether fp32 dense projections on the CPU go to oneDNN (`mkldnn._linear_pointwise`
+over the plain weights, no packed copy) rather than `torch.mm`'s BLAS. torch's bf16
+matmuls already go there. Measured on the 2-core AMD EPYC (AVX-512) that runs the peer
+bench, 30 [3072, 576] weights: at 1 row 3.9 against 11.2 ms (55 against 20 GB/s of
+weights), 32 rows 14.6 against 31.8 ms, 2048 rows 14.8 against 31.1 ms; the results differ
+from BLAS's in the order of the fp32 sums only."""
+
+COMPILED_LAYERS = True
+"""Whether the families `DecoderModel._compiled_layers_apply` accepts run small steps'
+elementwise ops through the compiled kernels (off: the torch ops, for comparison)."""
 
 
 @dataclass
@@ -254,6 +270,36 @@ class DecoderModel:
         """Per packed projection, the PEFT modules that adapt it and their column offsets."""
         self.workspace = Workspace(self.dtype, self.device)
         """Step activations are written into reused buffers (see `Workspace`)."""
+        self.onednn_linear = ONEDNN_FP32 and self.device.type == "cpu" and (
+            self.dtype == torch.float32)
+        """fp32 dense projections and the LM head through oneDNN (`ONEDNN_FP32`)."""
+        self.compiled_layers = self._compiled_layers_apply()
+        """Whether steps of at most `SERIAL_TOKENS` rows run each layer's elementwise ops
+        through `loraplane_kernels.cpu_layer` (three calls a layer) instead of torch's."""
+        self._kv_arrays: tuple[KVStorage, list[tuple[np.ndarray, np.ndarray]]] | None = None
+        self._norm_arrays = [(cpu_layer.as_array(w.attn_in_norm), cpu_layer.as_array(
+            w.mlp_in_norm)) for w in self.layers] if self.compiled_layers else []
+
+    def _compiled_layers_apply(self) -> bool:
+        """The compiled elementwise ops cover the common layer shape: a norm before
+        attention and before the MLP and none after, rope on every layer and no q/k norm,
+        SiLU, no residual multiplier, on the CPU in fp32 or bf16; every other family takes
+        the torch ops."""
+        cfg, fam = self.cfg, self.cfg.family
+        return (cpu_layer.AVAILABLE and COMPILED_LAYERS and self.device.type == "cpu"
+                and self.dtype in cpu_layer.DTYPES and not fam.qk_norm
+                and cfg.hidden_act == "silu" and cfg.residual_multiplier == 1.0
+                and all(r is not None for r in self.layer_ropes)
+                and all(w.attn_in_norm is not None and w.mlp_in_norm is not None
+                        and w.attn_out_norm is None and w.mlp_out_norm is None
+                        for w in self.layers))
+
+    def _cache_arrays(self, kv: KVStorage) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Each layer's K and V cache as numpy views, made once per cache."""
+        if self._kv_arrays is None or self._kv_arrays[0] is not kv:
+            self._kv_arrays = (kv, [(cpu_layer.as_array(kv.k[i]), cpu_layer.as_array(kv.v[i]))
+                                    for i in range(len(self.layers))])
+        return self._kv_arrays[1]
 
     def _norm_weight(self, w: torch.Tensor) -> torch.Tensor:
         """Gemma stores norm weights minus one and multiplies by 1 + w in float32."""
@@ -307,6 +353,7 @@ class DecoderModel:
         runs, split = batch.lora_runs, batch.fused_from
 
         ws = self.workspace
+        onednn = self.onednn_linear
 
         def project(layer: int, x: torch.Tensor, weight: Weight,
                     modules: tuple[tuple[str, int], ...], role: str,
@@ -316,6 +363,13 @@ class DecoderModel:
             if isinstance(weight, Int8Weight):  # never fused: the engine turns fusion off
                 y = int8_linear(x, weight, bias=bias, scratch=ws.take("dequant", *weight.shape)
                                 if needs_dequant_buffer(x) else None)
+                if use_lora:
+                    for module, off in modules:
+                        if adapters.layer_has_lora(layer, module, slots):  # type: ignore[union-attr]
+                            adapters.apply(layer, module, y, x, idx, seg, off, runs)  # type: ignore[union-attr,arg-type]
+                return y
+            if split is None and onednn:
+                y = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
                 if use_lora:
                     for module, off in modules:
                         if adapters.layer_has_lora(layer, module, slots):  # type: ignore[union-attr]
@@ -366,7 +420,10 @@ class DecoderModel:
                     self.embed_scale if self.scale_in_embedding else None)  # type: ignore[arg-type]
             if self.embed_scale is not None and not self.scale_in_embedding:
                 h.mul_(self.embed_scale)
-        for li, w in enumerate(self.layers):
+        compiled = self.compiled_layers and t <= SERIAL_TOKENS and kv.k.dtype == self.dtype
+        if compiled:
+            self._compiled_layer_loop(h, batch, kv, tables, project)
+        for li, w in enumerate(() if compiled else self.layers):
             with serial():
                 x = h if w.attn_in_norm is None else self._norm(h, w.attn_in_norm, "norm",
                                                                  norm_sq)
@@ -415,12 +472,82 @@ class DecoderModel:
                 if cfg.residual_multiplier != 1.0:
                     delta.mul_(cfg.residual_multiplier)
                 h.add_(delta)
+        return self._logits(h, batch, adapters, idx, vocab)
+
+    def _compiled_layer_loop(self, h: torch.Tensor, batch: ForwardBatch, kv: KVStorage,
+                             tables: dict[int, tuple[torch.Tensor, ...]],
+                             project: Callable[..., torch.Tensor]) -> None:
+        """Every layer with its elementwise ops as three compiled calls
+        (`loraplane_kernels.cpu_layer`): the residual add fused with the next norm, rope
+        with the cache write, SwiGLU. The projections (with their LoRA) and attention are
+        the torch path's own."""
+        cfg, ws, mods = self.cfg, self.workspace, self.lora_mods
+        kernels, as_array = cpu_layer.kernels(), cpu_layer.as_array
+        t, hidden = h.shape
+        heads, kv_heads, dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        qs, ks = cfg.q_size, cfg.kv_size
+        held: dict[int, tuple[torch.Tensor, np.ndarray]] = {}
+
+        def arr(x: torch.Tensor) -> np.ndarray:
+            # keyed by identity, with the tensor held so that its id is not reused
+            got = held.get(id(x))
+            if got is None:
+                got = held[id(x)] = (x, as_array(x))
+            return got[1]
+
+        x = ws.take("norm", t, hidden)
+        q, k = ws.take("q", t, heads, dim), ws.take("k", t, kv_heads, dim)
+        act = ws.take("act", t, cfg.intermediate_size)
+        h_a, x_a, q_a, k_a, act_a = arr(h), arr(x), arr(q), arr(k), arr(act)
+        slots = batch.slot_mapping.numpy()
+        rope_arrays = {key: (as_array(c), as_array(s)) for key, (c, s) in tables.items()}
+        caches = self._cache_arrays(kv)
+        eps, fp32_weigh = np.float32(cfg.rms_norm_eps), self.weigh_in_fp32
+        layers = self.layers
+        meta = batch.attention
+        decodes_only = meta.host_decodes is not None and not meta.prefills
+        attn = ws.take("attn", t, heads, dim)  # paged_attention's output buffer too
+        attn_a = arr(attn)
+        kernels.residual_norm(h_a, h_a, False, self._norm_arrays[0][0], eps, fp32_weigh, x_a)
+        for li, w in enumerate(layers):
+            qkv = project(li, x, w.qkv, mods["qkv"], "qkv", w.qkv_bias)
+            cos, sin = rope_arrays[id(self.layer_ropes[li])]
+            k_cache, v_cache = caches[li]
+            kernels.rope_cache(arr(qkv), cos, sin, heads, kv_heads, q_a, k_a, k_cache,
+                               v_cache, slots)
+            if decodes_only:  # straight to the kernel, over the views made above
+                cpu_decode.decode_attention_arrays(q_a, k_cache, v_cache, attn_a,
+                                                   meta.host_decodes, self.scale,
+                                                   cfg.window(li), cfg.attn_softcap)
+            else:
+                v = qkv[:, qs + ks:].view(t, kv_heads, dim)
+                attn = paged_attention(q, k, v, kv.k[li], kv.v[li], meta, self.scale,
+                                       workspace=ws, window=cfg.window(li),
+                                       softcap=cfg.attn_softcap)
+            delta = project(li, attn.view(t, qs), w.o, mods["o"], "delta", w.o_bias)
+            kernels.residual_norm(h_a, arr(delta), True, self._norm_arrays[li][1], eps,
+                                  fp32_weigh, x_a)
+            gu = project(li, x, w.gate_up, mods["gate_up"], "gate_up", w.gate_up_bias)
+            kernels.swiglu(arr(gu), act_a)
+            delta = project(li, act, w.down, mods["down"], "delta", w.down_bias)
+            if li + 1 < len(layers):
+                kernels.residual_norm(h_a, arr(delta), True, self._norm_arrays[li + 1][0],
+                                      eps, fp32_weigh, x_a)
+            else:
+                with one_thread():
+                    h.add_(delta)
+
+    def _logits(self, h: torch.Tensor, batch: ForwardBatch, adapters: AdapterPool | None,
+                idx: torch.Tensor | None, vocab: bool) -> torch.Tensor:
+        cfg, ws = self.cfg, self.workspace
         last = rms_norm(h[batch.logits_rows], self.norm, cfg.rms_norm_eps,
                         weigh_in_fp32=self.weigh_in_fp32)
         if self.lm_head_int8 is not None:
             logits = int8_linear(last, self.lm_head_int8,
                                  scratch=ws.take("dequant", *self.lm_head_int8.shape)
                                  if needs_dequant_buffer(last) else None)
+        elif self.onednn_linear:
+            logits = torch.ops.mkldnn._linear_pointwise(last, self.lm_head, None, "none", [], "")
         else:
             logits = F.linear(last, self.lm_head)
         if vocab:

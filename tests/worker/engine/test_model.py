@@ -129,6 +129,7 @@ def test_serial_elementwise_ops_give_the_same_bits(tmp_path, monkeypatch):
     from services.worker.engine import model as model_mod
 
     build_model(tmp_path, seed=5, hidden_size=256, intermediate_size=512)
+    monkeypatch.setattr(model_mod, "COMPILED_LAYERS", False)  # the torch ops' threads here
     prompt = [(7 * i + 3) % 90 + 3 for i in range(200)]
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -141,3 +142,28 @@ def test_serial_elementwise_ops_give_the_same_bits(tmp_path, monkeypatch):
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(got[0], got[10_000])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_compiled_layer_ops_match_the_torch_ops(tmp_path, monkeypatch, dtype):
+    """Steps of up to `SERIAL_TOKENS` rows run norms, rope, the cache write and SwiGLU
+    through `loraplane_kernels.cpu_layer`: prefill and decode of several sequences give the
+    torch ops' tokens, and logits within rounding of theirs."""
+    from services.worker.engine import GenerationRequest, SamplingParams
+    from services.worker.engine import model as model_mod
+
+    pytest.importorskip("numba")
+    build_model(tmp_path, seed=6, num_key_value_heads=2)
+    prompts = [PROMPT, PROMPT[:7], PROMPT[3:16], [9] * 30]
+    got = {}
+    for compiled in (False, True):
+        monkeypatch.setattr(model_mod, "COMPILED_LAYERS", compiled)
+        eng = Engine.from_pretrained(tmp_path, EngineConfig(dtype=dtype, num_kv_blocks=64,
+                                                            block_size=4))
+        assert eng.model.compiled_layers is compiled
+        res = eng.generate([GenerationRequest(prompt_token_ids=p, sampling=SamplingParams(
+            max_tokens=12, min_tokens=12, ignore_eos=True, logprobs=True)) for p in prompts])
+        got[compiled] = ([r.token_ids for r in res], eng.score(PROMPT))
+    assert got[True][0] == got[False][0]
+    tol = 1e-5 if dtype == "float32" else 5e-2
+    torch.testing.assert_close(got[True][1], got[False][1], atol=tol, rtol=tol)
