@@ -449,3 +449,14 @@ def swiglu(gate_up: Any, out: Any) -> None:
         for j in range(inter):
             a = rounded_like(g, silu(value(g, j)))
             put(o, j, a * value(g, inter + j))
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def decode_attention_shares(q: Any, k_cache: Any, v_cache: Any, out: Any, rows: Any,
+                            tables: Any, lens: Any, block_size: int, scale: Any, window: int,
+                            softcap: Any, cuts: Any) -> None:
+    """`decode_attention` over each share ``cuts[i]:cuts[i + 1]`` of a step's decodes, the
+    shares on numba's threads."""
+    for i in numba.prange(cuts.shape[0] - 1):
+        decode_attention(q, k_cache, v_cache, out, rows, tables, lens, block_size, scale,
+                         window, softcap, cuts[i], cuts[i + 1])

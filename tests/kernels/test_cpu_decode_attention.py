@@ -117,9 +117,14 @@ def test_bf16_decodes_are_the_exact_result_rounded_once(
     assert kernel_err <= torch_err  # fp32 scores and probabilities: never worse
 
 
+@pytest.mark.parametrize("numba_threads", [True, False], ids=["numba-threads", "helpers"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_every_thread_count_gives_the_same_bits(dtype: torch.dtype) -> None:
-    """Each decode is computed whole by one thread, so how a step is cut cannot change it."""
+def test_every_thread_count_gives_the_same_bits(dtype: torch.dtype, numba_threads: bool,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each decode is computed whole by one thread, so how a step is cut, and whether the
+    shares run on numba's threads or on the Python helper threads, cannot change it."""
+    monkeypatch.setattr(cpu_decode, "_PARALLEL", [numba_threads])
+    cpu_decode._shares.cache_clear()
     block = 16
     q, k_new, v_new, k_cache, v_cache, rows, tables, spans = step(
         LENS, PREFILL, 9, 3, block, dtype, seed=11)
@@ -132,6 +137,7 @@ def test_every_thread_count_gives_the_same_bits(dtype: torch.dtype) -> None:
                                block)[0])
     finally:
         torch.set_num_threads(threads)
+        cpu_decode._shares.cache_clear()
     assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 
