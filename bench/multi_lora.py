@@ -361,8 +361,7 @@ class DenseYardstick:
 
     def __init__(self, model: LlamaModel) -> None:
         self.model = model
-        self.weights = [w for layer in model.layers for w in (layer.qkv, layer.o,
-                                                               layer.gate_up, layer.down)]
+        self.weights = model.plain_projections()
         self.per_token = sum(w.numel() for w in self.weights)
         self._inputs: dict[tuple[int, int], torch.Tensor] = {}
 
@@ -702,7 +701,7 @@ def section_cpu_fused(model_dir: Path, dirs: list[Path]) -> dict:
     """Decode-sized steps: 64 tokens in buckets of 2 over 32 adapters, on q|k|v."""
     eng, digests = make_engine(model_dir, dirs, "float32")
     mc = eng.model.cfg
-    w = eng.model.layers[0].qkv
+    w = eng.model.plain_projections()[0]  # layer 0's q|k|v
     pool = eng.adapters.weights[0]
     slots = [eng.adapters.info(d).slot for d in digests]
     out = {}

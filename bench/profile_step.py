@@ -12,10 +12,12 @@ prefill:
 
 Each step is first timed bare (median wall ms per step), then again under torch.profiler
 with ranges around the LoRA pass (`AdapterPool.apply`), decode attention
-(`paged_attention`), the sampler (`sample`) and the scheduler plus batch building. The
-profiled time splits into: base GEMMs (top-level `aten::mm` / `aten::addmm` in the
-forward, outside LoRA and attention), the LM head (`aten::linear`), LoRA, attention, other
-ops in the forward (norms, rope, SwiGLU, the KV write, the embedding), the sampler,
+(`paged_attention` and the compiled kernel's own entry), the compiled layer ops
+(`loraplane_kernels.cpu_layer`), the logits (`DecoderModel._logits`), the sampler (`sample`)
+and the scheduler plus batch building. The profiled time splits into: base GEMMs
+(top-level `aten::mm` / `aten::addmm` / `mkldnn::_linear_pointwise` in the forward,
+outside LoRA and attention), the LM head (the final norm and the logits), LoRA, attention,
+other ops in the forward (norms, rope, SwiGLU, the KV write, the embedding), the sampler,
 schedule + batch build, and Python (the forward's and the step's own time outside any
 op). Each bare step's process CPU time is recorded beside its wall time: on a shared
 machine whose load exceeds its cores, wall time is mostly waiting for a core. The
@@ -47,6 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.record import BenchRun, Figure  # noqa: E402
+from loraplane_kernels import cpu_decode, cpu_layer  # noqa: E402
 from services.config import Settings  # noqa: E402
 from services.stack.models import ensure_smollm2  # noqa: E402
 from services.worker.engine import (  # noqa: E402
@@ -61,7 +64,7 @@ from services.worker.engine.adapter_pool import AdapterPool  # noqa: E402
 
 THREADS = 2
 RANGES = {"lora": "LoRA pass", "attention": "decode attention", "sampler": "sampler",
-          "schedule": "schedule + batch build"}
+          "schedule": "schedule + batch build", "layer_ops": "other ops", "logits": "LM head"}
 COMPONENTS = ("base GEMMs", "LM head", "LoRA pass", "decode attention", "other ops",
               "sampler", "schedule + batch build", "Python")
 
@@ -77,6 +80,13 @@ def instrument() -> None:
     """Ranges around the components the forward and the step call (profiling only)."""
     AdapterPool.apply = labelled("lora", AdapterPool.apply)  # type: ignore[method-assign]
     model_mod.paged_attention = labelled("attention", model_mod.paged_attention)
+    cpu_decode.decode_attention_arrays = labelled("attention",
+                                                  cpu_decode.decode_attention_arrays)
+    kernels = cpu_layer.kernels()  # the compiled elementwise ops of small steps
+    for name in ("residual_norm", "rope_cache", "swiglu"):
+        setattr(kernels, name, labelled("layer_ops", getattr(kernels, name)))
+    model_mod.DecoderModel._logits = labelled(  # type: ignore[method-assign]
+        "logits", model_mod.DecoderModel._logits)
     engine_mod.sample = labelled("sampler", engine_mod.sample)
     Engine._build_batch = labelled("schedule", Engine._build_batch)  # type: ignore[method-assign]
 
@@ -126,11 +136,11 @@ def categorise(prof) -> dict[str, float]:
             forward += dur
         elif e.name in RANGES:
             ms[RANGES[e.name]] += dur
-        elif e.name.startswith("aten::"):
+        elif e.name.startswith(("aten::", "mkldnn::")):
             parent, inside = e.cpu_parent, None
             top = True
             while parent is not None:
-                if parent.name.startswith("aten::"):
+                if parent.name.startswith(("aten::", "mkldnn::")):
                     top = False
                     break
                 if parent.name in RANGES or parent.name in ("forward", "step"):
@@ -139,7 +149,7 @@ def categorise(prof) -> dict[str, float]:
                 parent = parent.cpu_parent
             if not top or inside != "forward":
                 continue
-            if e.name in ("aten::mm", "aten::addmm"):
+            if e.name in ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise"):
                 ms["base GEMMs"] += dur
             elif e.name == "aten::linear":
                 ms["LM head"] += dur

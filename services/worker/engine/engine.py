@@ -116,6 +116,8 @@ class Engine:
         """Adapter buckets up to this many tokens take the fused base + LoRA kernel; None
         (CPU, int8 base weights, or a GPU model without a measured table) = always the
         separate path."""
+        if self.fusion_threshold is None:
+            model.pack_weights()  # nothing reads the plain weights per step then
         self._seqs: dict[str, Sequence] = {}
         self._groups: dict[str, ChoiceGroup] = {}
         self.grammars = GrammarCache(model.tokenizer, mc.vocab_size, mc.eos_token_ids)
@@ -205,7 +207,7 @@ class Engine:
             w = self.model.projection_weight(layer, module)
             self._pristine[(layer, module)] = w.clone()
             merged = w.float() + scale * (bt.float().T @ a.float())
-            w.copy_(merged.to(w.dtype))
+            self.model.set_projection_weight(layer, module, merged.to(w.dtype))
         self._merged = digest
         self._merge_pinned = not self.adapters.info(digest).pinned
         self.adapters.pin(digest)
@@ -222,7 +224,7 @@ class Engine:
         if digest is None:
             return None
         for (layer, module), original in self._pristine.items():
-            self.model.projection_weight(layer, module).copy_(original)
+            self.model.set_projection_weight(layer, module, original)
         self._pristine.clear()
         self._merged = None
         if self._merge_pinned and self.adapters.is_loaded(digest):

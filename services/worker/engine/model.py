@@ -46,14 +46,29 @@ against 0.45 ms wall with spinning threads; at 128 tokens, spinning, the same wa
 (0.63 and 0.60 ms) at half the CPU time; at 256 tokens two spinning threads are faster.
 Every op works row by row, so the bits do not depend on the thread count. 0 turns it off."""
 
-ONEDNN_FP32 = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn,
-                                                                 "_linear_pointwise")
-"""Whether fp32 dense projections on the CPU go to oneDNN (`mkldnn._linear_pointwise`
-over the plain weights, no packed copy) rather than `torch.mm`'s BLAS. torch's bf16
-matmuls already go there. Measured on the 2-core AMD EPYC (AVX-512) that runs the peer
-bench, 30 [3072, 576] weights: at 1 row 3.9 against 11.2 ms (55 against 20 GB/s of
-weights), 32 rows 14.6 against 31.8 ms, 2048 rows 14.8 against 31.1 ms; the results differ
-from BLAS's in the order of the fp32 sums only."""
+ONEDNN = torch.backends.mkldnn.is_available() and all(
+    hasattr(torch.ops.mkldnn, op) for op in ("_linear_pointwise", "_reorder_linear_weight"))
+"""Whether CPU projections can call oneDNN directly (`mkldnn._linear_pointwise`), over
+weights packed into its blocked layout (`mkldnn._reorder_linear_weight`, see
+`DecoderModel.pack_weights`); without it, `torch.mm`."""
+
+PACK_ROWS = 128
+"""The batch size oneDNN packs the weights for. On the 2-core AMD EPYC (AVX-512 BF16) of
+the peer bench, 30 SmolLM2-shaped bf16 weights packed for 128 rows against `torch.mm` over
+the plain ones ([3072, 576]): 1 row 1.7 against 1.9 ms, 8 rows 2.6 against 5.7, 32 rows
+5.0 against 9.4, 128 rows 14.8 against 19.7, 1024 rows 106 against 126 ms; never slower at
+the other shapes (packed for 1 row, 128 rows ran 16% slower than plain). The bf16 results
+are `torch.mm`'s bit for bit, but for one row through the widest matrix (gate|up), where
+`torch.mm`'s own one-row kernel sums in another order. fp32 `torch.mm` goes to the BLAS
+(MKL), which streamed fp32 weights at 20 GB/s against oneDNN's 40-55 on that CPU (1 row
+5.1 against 11.9 ms, 32 rows 9.3 against 24.0, 1024 rows 262 against 465); oneDNN's fp32
+sums come in another order than MKL's, so fp32 results differ from `torch.mm`'s in the
+last bits."""
+
+LINEAR = getattr(torch.ops.mkldnn._linear_pointwise.default, "_op",
+                 torch.ops.mkldnn._linear_pointwise.default) if ONEDNN else None
+"""oneDNN's linear over packed weights, called as the C++ op itself: through
+`torch.ops`' Python dispatch it cost a few microseconds more a call, 120 calls a step."""
 
 COMPILED_LAYERS = True
 """Whether the families `DecoderModel._compiled_layers_apply` accepts run small steps'
@@ -147,6 +162,11 @@ class LayerWeights:
     @property
     def post_norm(self) -> torch.Tensor | None:
         return self.mlp_in_norm
+
+
+def plain_weight(w: torch.Tensor) -> torch.Tensor:
+    """A weight in the plain layout: itself, or a copy out of oneDNN's packed layout."""
+    return w.to_dense() if w.is_mkldnn else w
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -270,9 +290,10 @@ class DecoderModel:
         """Per packed projection, the PEFT modules that adapt it and their column offsets."""
         self.workspace = Workspace(self.dtype, self.device)
         """Step activations are written into reused buffers (see `Workspace`)."""
-        self.onednn_linear = ONEDNN_FP32 and self.device.type == "cpu" and (
-            self.dtype == torch.float32)
-        """fp32 dense projections and the LM head through oneDNN (`ONEDNN_FP32`)."""
+        self.packed = False
+        """The layers' projections are in oneDNN's packed layout (`pack_weights`)."""
+        self.lm_head_packed: torch.Tensor | None = None
+        """A packed copy of the LM head beside the plain one (`pack_weights`)."""
         self.compiled_layers = self._compiled_layers_apply()
         """Whether steps of at most `SERIAL_TOKENS` rows run each layer's elementwise ops
         through `loraplane_kernels.cpu_layer` (three calls a layer) instead of torch's."""
@@ -305,16 +326,55 @@ class DecoderModel:
         """Gemma stores norm weights minus one and multiplies by 1 + w in float32."""
         return 1.0 + w.float() if self.cfg.family.norm_style == "gemma" else w
 
+    def pack_weights(self) -> bool:
+        """Store the layers' projections in oneDNN's packed layout, in place of the plain
+        ones (the same bytes, no second copy), where that serves: dense fp32 or bf16
+        weights on the CPU with oneDNN's ops present. The engine asks for it when no fused
+        base + LoRA kernel reads the plain weights (`PACK_ROWS` has the figures). Returns
+        whether they are packed."""
+        if self.packed or not (ONEDNN and self.weights == "dense" and self.device.type == "cpu"
+                               and self.dtype in (torch.float32, torch.bfloat16)):
+            return self.packed
+        for w in self.layers:
+            for name in ("qkv", "o", "gate_up", "down"):
+                setattr(w, name, torch.ops.mkldnn._reorder_linear_weight(getattr(w, name),
+                                                                         PACK_ROWS))
+        if self.lm_head_int8 is None:
+            # a copy: the plain LM head is the embedding where they are tied, and adapters
+            # that replace lm_head rows read it. SmolLM2's 49,152 x 576 in bf16, 32 rows:
+            # 2.3 against 4.5 ms plain (8 rows 1.0 against 2.7), for 57 MB more
+            self.lm_head_packed = torch.ops.mkldnn._reorder_linear_weight(self.lm_head,
+                                                                          PACK_ROWS)
+        self.packed = True
+        return True
+
     def projection_weight(self, layer: int, module: str) -> torch.Tensor:
-        """The [out, in] weight a PEFT target module adapts: a view into the packed q|k|v
-        or gate|up matrix where the module is packed there, so writing it changes what
-        forward uses. Dense weights only (merging and the fused kernel write or read them
-        in the serving dtype)."""
+        """The [out, in] weight a PEFT target module adapts, in the serving dtype: a view
+        into the plain q|k|v or gate|up matrix where the module is fused there, or a copy
+        out of the packed layout (`pack_weights`); write it with `set_projection_weight`.
+        Dense weights only (merging and the fused kernel write or read them)."""
         if self.weights != "dense":
             raise ValueError(f"{self.weights} base weights have no dense projection weight")
-        w = self.layers[layer]
         packed, lo, hi = self.cfg.lora_rows(module)
-        return {"qkv": w.qkv, "o": w.o, "gate_up": w.gate_up, "down": w.down}[packed][lo:hi]
+        return plain_weight(getattr(self.layers[layer], packed))[lo:hi]
+
+    def set_projection_weight(self, layer: int, module: str, value: torch.Tensor) -> None:
+        """Write a module's [out, in] weight (merged mode); a packed matrix is unpacked,
+        written and packed again."""
+        if not self.packed:
+            self.projection_weight(layer, module).copy_(value)
+            return
+        packed, lo, hi = self.cfg.lora_rows(module)
+        w = self.layers[layer]
+        dense = plain_weight(getattr(w, packed))
+        dense[lo:hi] = value
+        setattr(w, packed, torch.ops.mkldnn._reorder_linear_weight(dense, PACK_ROWS))
+
+    def plain_projections(self) -> list[torch.Tensor]:
+        """Every layer's q|k|v, o, gate|up and down weights in the plain layout (copies
+        where packed): what comparisons and benchmarks read."""
+        return [plain_weight(getattr(w, name)) for w in self.layers
+                for name in ("qkv", "o", "gate_up", "down")]
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, dtype: str | torch.dtype = "float32",
@@ -353,7 +413,7 @@ class DecoderModel:
         runs, split = batch.lora_runs, batch.fused_from
 
         ws = self.workspace
-        onednn = self.onednn_linear
+        onednn = self.packed
 
         def project(layer: int, x: torch.Tensor, weight: Weight,
                     modules: tuple[tuple[str, int], ...], role: str,
@@ -369,7 +429,9 @@ class DecoderModel:
                             adapters.apply(layer, module, y, x, idx, seg, off, runs)  # type: ignore[union-attr,arg-type]
                 return y
             if split is None and onednn:
-                y = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+                y = LINEAR(x, weight, bias, "none", [], "")  # type: ignore[misc]
+                if t <= SERIAL_TOKENS:  # into the role's buffer: the compiled ops' views
+                    y = ws.take(role, t, weight.shape[0]).copy_(y)  # of it stay valid
                 if use_lora:
                     for module, off in modules:
                         if adapters.layer_has_lora(layer, module, slots):  # type: ignore[union-attr]
@@ -508,31 +570,34 @@ class DecoderModel:
         decodes_only = meta.host_decodes is not None and not meta.prefills
         attn = ws.take("attn", t, heads, dim)  # paged_attention's output buffer too
         attn_a = arr(attn)
-        kernels.residual_norm(h_a, h_a, False, self._norm_arrays[0][0], eps, fp32_weigh, x_a)
+        residual_norm, rope_cache, swiglu = (kernels.residual_norm, kernels.rope_cache,
+                                             kernels.swiglu)
+        attend = cpu_decode.decode_attention_arrays
+        plan, scale, softcap = meta.host_decodes, self.scale, cfg.attn_softcap
+        attn_flat = attn.view(t, qs)
+        norms = self._norm_arrays
+        last = len(layers) - 1
+        residual_norm(h_a, h_a, False, norms[0][0], eps, fp32_weigh, x_a)
         for li, w in enumerate(layers):
             qkv = project(li, x, w.qkv, mods["qkv"], "qkv", w.qkv_bias)
             cos, sin = rope_arrays[id(self.layer_ropes[li])]
             k_cache, v_cache = caches[li]
-            kernels.rope_cache(arr(qkv), cos, sin, heads, kv_heads, q_a, k_a, k_cache,
-                               v_cache, slots)
+            rope_cache(arr(qkv), cos, sin, heads, kv_heads, q_a, k_a, k_cache, v_cache, slots)
+            window = cfg.window(li)
             if decodes_only:  # straight to the kernel, over the views made above
-                cpu_decode.decode_attention_arrays(q_a, k_cache, v_cache, attn_a,
-                                                   meta.host_decodes, self.scale,
-                                                   cfg.window(li), cfg.attn_softcap)
+                attend(q_a, k_cache, v_cache, attn_a, plan, scale, window, softcap)
             else:
                 v = qkv[:, qs + ks:].view(t, kv_heads, dim)
-                attn = paged_attention(q, k, v, kv.k[li], kv.v[li], meta, self.scale,
-                                       workspace=ws, window=cfg.window(li),
-                                       softcap=cfg.attn_softcap)
-            delta = project(li, attn.view(t, qs), w.o, mods["o"], "delta", w.o_bias)
-            kernels.residual_norm(h_a, arr(delta), True, self._norm_arrays[li][1], eps,
-                                  fp32_weigh, x_a)
+                attn_flat = paged_attention(q, k, v, kv.k[li], kv.v[li], meta, scale,
+                                            workspace=ws, window=window,
+                                            softcap=softcap).view(t, qs)
+            delta = project(li, attn_flat, w.o, mods["o"], "delta", w.o_bias)
+            residual_norm(h_a, arr(delta), True, norms[li][1], eps, fp32_weigh, x_a)
             gu = project(li, x, w.gate_up, mods["gate_up"], "gate_up", w.gate_up_bias)
-            kernels.swiglu(arr(gu), act_a)
+            swiglu(arr(gu), act_a)
             delta = project(li, act, w.down, mods["down"], "delta", w.down_bias)
-            if li + 1 < len(layers):
-                kernels.residual_norm(h_a, arr(delta), True, self._norm_arrays[li + 1][0],
-                                      eps, fp32_weigh, x_a)
+            if li < last:
+                residual_norm(h_a, arr(delta), True, norms[li + 1][0], eps, fp32_weigh, x_a)
             else:
                 with one_thread():
                     h.add_(delta)
@@ -546,8 +611,8 @@ class DecoderModel:
             logits = int8_linear(last, self.lm_head_int8,
                                  scratch=ws.take("dequant", *self.lm_head_int8.shape)
                                  if needs_dequant_buffer(last) else None)
-        elif self.onednn_linear:
-            logits = torch.ops.mkldnn._linear_pointwise(last, self.lm_head, None, "none", [], "")
+        elif self.lm_head_packed is not None:
+            logits = LINEAR(last, self.lm_head_packed, None, "none", [], "")  # type: ignore[misc]
         else:
             logits = F.linear(last, self.lm_head)
         if vocab:

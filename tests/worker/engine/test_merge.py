@@ -22,7 +22,7 @@ def make_engine(tiny) -> Engine:
 
 
 def weights(eng: Engine) -> list[torch.Tensor]:
-    return [t.clone() for w in eng.model.layers for t in (w.qkv, w.o, w.gate_up, w.down)]
+    return [t.clone() for t in eng.model.plain_projections()]
 
 
 def run(eng: Engine, digest, n=6):

@@ -167,3 +167,32 @@ def test_compiled_layer_ops_match_the_torch_ops(tmp_path, monkeypatch, dtype):
     assert got[True][0] == got[False][0]
     tol = 1e-5 if dtype == "float32" else 5e-2
     torch.testing.assert_close(got[True][1], got[False][1], atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_packed_projections_give_the_plain_weights_logits(tmp_path, monkeypatch, dtype):
+    """On the CPU the engine keeps the projections in oneDNN's packed layout
+    (`DecoderModel.pack_weights`, in place of the plain ones): the logits are the plain
+    weights' within rounding, the plain weights read back unchanged, and a written
+    projection lands in what forward uses."""
+    from services.worker.engine import model as model_mod
+
+    if not model_mod.ONEDNN:
+        pytest.skip("no oneDNN ops in this torch")
+    build_model(tmp_path, seed=7)
+    config = EngineConfig(dtype=dtype, num_kv_blocks=64, block_size=4)
+    packed = Engine.from_pretrained(tmp_path, config)
+    assert packed.model.packed and packed.model.layers[0].qkv.is_mkldnn
+    monkeypatch.setattr(model_mod.DecoderModel, "pack_weights", lambda self: False)
+    plain = Engine.from_pretrained(tmp_path, config)
+    assert not plain.model.packed
+    for a, b in zip(packed.model.plain_projections(), plain.model.plain_projections(),
+                    strict=True):
+        assert torch.equal(a, b)
+    tol = 1e-5 if dtype == "float32" else 2e-2
+    torch.testing.assert_close(packed.score(PROMPT), plain.score(PROMPT), atol=tol, rtol=tol)
+    for eng in (packed, plain):
+        w = eng.model.projection_weight(1, "k_proj").clone()
+        eng.model.set_projection_weight(1, "k_proj", w * 2)
+        assert torch.equal(eng.model.projection_weight(1, "k_proj"), w * 2)
+    torch.testing.assert_close(packed.score(PROMPT), plain.score(PROMPT), atol=tol, rtol=tol)
