@@ -117,6 +117,9 @@ def decode_attention_arrays(q: Any, k_cache: Any, v_cache: Any, out: Any, plan: 
     kernel_fn = _attention()
     args = (q, k_cache, v_cache, out, plan.rows, plan.tables, plan.lens, plan.block_size,
             np.float32(scale), int(window or 0), np.float32(softcap or 0.0))
+    if len(plan.lens) == 1:  # one share: no cutting (a single stream's every layer)
+        kernel_fn(*args, 0, 1)
+        return
     cuts = plan.cuts(torch.get_num_threads())
     if len(cuts) > 2 and (shared := _shares()) is not None:
         try:
