@@ -16,6 +16,7 @@ uses the element, rather than into a scratch row first, made the bf16 LoRA pass 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numba
@@ -23,6 +24,8 @@ import numpy as np
 from llvmlite import ir as llvm_ir
 
 _FAST = {"reassoc", "nsz", "contract"}
+_NO_CONTRACT = {"reassoc", "nsz"}
+"""For ops that round between a product and a sum, as torch's do (no fused multiply-add)."""
 _U16 = np.uint32(16)
 _HI = np.uint32(0xFFFF0000)
 _HALF = np.uint32(0x7FFF)
@@ -363,13 +366,14 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, out: Any, rows: Any, ta
 
 # -- the elementwise ops of a layer (`loraplane_kernels.cpu_layer`) ------------------------
 
-@numba.njit(cache=True, nogil=True, fastmath=_FAST, error_model="numpy")
-def residual_norm(h: Any, delta: Any, add: bool, weight: Any, eps: Any,
+@numba.njit(cache=True, nogil=True, fastmath=_NO_CONTRACT, error_model="numpy")
+def residual_norm(h: Any, delta: Any, add: bool, multiplier: Any, weight: Any, eps: Any,
                   weigh_in_fp32: bool, out: Any) -> None:
-    """``h += delta`` (when `add`) and ``out = rms_norm(h) * weight``, row by row, with
-    the roundings of the torch ops they replace: the sum rounded to h's dtype; the norm in
-    fp32; Llama's order casts the normalised value and then multiplies by the weight
-    (rounded again), Gemma's and OLMo 2's multiply in fp32 and round once."""
+    """``h += delta * multiplier`` (when `add`) and ``out = rms_norm(h) * weight``, row by
+    row, with the roundings of the torch ops they replace: the scaled delta and the sum
+    rounded to h's dtype (a multiplier of 1 is exact); the norm in fp32; Llama's order
+    casts the normalised value and then multiplies by the weight (rounded again), Gemma's
+    and OLMo 2's multiply in fp32 and round once."""
     t, n = h.shape
     inv_n = np.float32(1.0) / np.float32(n)
     xs = np.empty(n, np.float32)
@@ -378,7 +382,8 @@ def residual_norm(h: Any, delta: Any, add: bool, weight: Any, eps: Any,
         if add:
             dr = delta[r]
             for j in range(n):
-                v = rounded_like(hr, value(hr, j) + value(dr, j))
+                d = rounded_like(dr, value(dr, j) * multiplier)
+                v = rounded_like(hr, value(hr, j) + d)
                 put(hr, j, v)
                 xs[j] = v
         else:
@@ -437,18 +442,43 @@ def silu(x: Any) -> Any:
     return (x * e if x < 0 else x) / (np.float32(1.0) + e)
 
 
+_GELU_BETA = np.float32(0.7978845608028654)  # sqrt(2 / pi), as torch's tanh approximation
+_GELU_KAPPA = np.float32(0.044715)
+_SQRT_HALF = np.float32(0.7071067811865476)
+
+
+@numba.njit(inline="always", fastmath=_FAST)
+def activation(x: Any, kind: int) -> Any:
+    """transformers' ACT2FN entry `kind` (`GATED_ACTIVATIONS`) in fp32, in torch's form."""
+    if kind == 0:
+        return silu(x)
+    if kind == 1:
+        inner = _GELU_BETA * (x + _GELU_KAPPA * (x * x * x))
+        return np.float32(0.5) * x * (np.float32(1.0) + np.tanh(inner))
+    return np.float32(0.5) * x * (np.float32(1.0) + math.erf(x * _SQRT_HALF))
+
+
+GATED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")
+"""The activations `gated` computes, by their `kind` index."""
+
+
 # numpy's error model: Python's ZeroDivisionError check on every division stops LLVM from
 # vectorising the loop (SiLU at 2.3 against 0.14 ns an element)
 @numba.njit(cache=True, nogil=True, fastmath=_FAST, error_model="numpy")
-def swiglu(gate_up: Any, out: Any) -> None:
-    """``out = silu(gate) * up`` over the fused gate|up rows ([T, 2I] into [T, I]), each
-    op rounded to the rows' dtype as torch's are."""
+def gated(gate_up: Any, kind: int, out: Any) -> None:
+    """``out = act(gate) * up`` over the fused gate|up rows ([T, 2I] into [T, I]), each
+    op rounded to the rows' dtype as torch's are; `kind` indexes `GATED_ACTIVATIONS`."""
     t, inter = out.shape
     for r in range(t):
         g, o = gate_up[r], out[r]
-        for j in range(inter):
-            a = rounded_like(g, silu(value(g, j)))
-            put(o, j, a * value(g, inter + j))
+        if kind == 0:  # its own loop: the branch-free SiLU vectorises
+            for j in range(inter):
+                a = rounded_like(g, silu(value(g, j)))
+                put(o, j, a * value(g, inter + j))
+        else:
+            for j in range(inter):
+                a = rounded_like(g, activation(value(g, j), kind))
+                put(o, j, a * value(g, inter + j))
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)

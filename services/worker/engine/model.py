@@ -302,15 +302,15 @@ class DecoderModel:
             w.mlp_in_norm)) for w in self.layers] if self.compiled_layers else []
 
     def _compiled_layers_apply(self) -> bool:
-        """The compiled elementwise ops cover the common layer shape: a norm before
-        attention and before the MLP and none after, rope on every layer and no q/k norm,
-        SiLU, no residual multiplier, on the CPU in fp32 or bf16; every other family takes
-        the torch ops."""
+        """The compiled elementwise ops cover layers with a norm before attention and
+        before the MLP and none after them, no q/k norm, and a gated activation they
+        compute (`cpu_layer.GATED_ACTIVATIONS`), on the CPU in fp32 or bf16: Llama,
+        Mistral, Qwen2, Gemma, Phi-3, Granite, SmolLM3. The other families take the torch
+        ops."""
         cfg, fam = self.cfg, self.cfg.family
         return (cpu_layer.AVAILABLE and COMPILED_LAYERS and self.device.type == "cpu"
                 and self.dtype in cpu_layer.DTYPES and not fam.qk_norm
-                and cfg.hidden_act == "silu" and cfg.residual_multiplier == 1.0
-                and all(r is not None for r in self.layer_ropes)
+                and cfg.hidden_act in cpu_layer.GATED_ACTIVATIONS
                 and all(w.attn_in_norm is not None and w.mlp_in_norm is not None
                         and w.attn_out_norm is None and w.mlp_out_norm is None
                         for w in self.layers))
@@ -563,6 +563,10 @@ class DecoderModel:
         h_a, x_a, q_a, k_a, act_a = arr(h), arr(x), arr(q), arr(k), arr(act)
         slots = batch.slot_mapping.numpy()
         rope_arrays = {key: (as_array(c), as_array(s)) for key, (c, s) in tables.items()}
+        no_rope = np.empty((t, 0), dtype=h_a.dtype)  # a layer without rope: k passes through
+        rope_arrays[id(None)] = (no_rope, no_rope)
+        kind = cpu_layer.GATED_ACTIVATIONS.index(cfg.hidden_act)
+        mult = np.float32(cfg.residual_multiplier)
         caches = self._cache_arrays(kv)
         eps, fp32_weigh = np.float32(cfg.rms_norm_eps), self.weigh_in_fp32
         layers = self.layers
@@ -570,14 +574,14 @@ class DecoderModel:
         decodes_only = meta.host_decodes is not None and not meta.prefills
         attn = ws.take("attn", t, heads, dim)  # paged_attention's output buffer too
         attn_a = arr(attn)
-        residual_norm, rope_cache, swiglu = (kernels.residual_norm, kernels.rope_cache,
-                                             kernels.swiglu)
+        residual_norm, rope_cache, gated = (kernels.residual_norm, kernels.rope_cache,
+                                            kernels.gated)
         attend = cpu_decode.decode_attention_arrays
         plan, scale, softcap = meta.host_decodes, self.scale, cfg.attn_softcap
         attn_flat = attn.view(t, qs)
         norms = self._norm_arrays
         last = len(layers) - 1
-        residual_norm(h_a, h_a, False, norms[0][0], eps, fp32_weigh, x_a)
+        residual_norm(h_a, h_a, False, mult, norms[0][0], eps, fp32_weigh, x_a)
         for li, w in enumerate(layers):
             qkv = project(li, x, w.qkv, mods["qkv"], "qkv", w.qkv_bias)
             cos, sin = rope_arrays[id(self.layer_ropes[li])]
@@ -592,14 +596,17 @@ class DecoderModel:
                                             workspace=ws, window=window,
                                             softcap=softcap).view(t, qs)
             delta = project(li, attn_flat, w.o, mods["o"], "delta", w.o_bias)
-            residual_norm(h_a, arr(delta), True, norms[li][1], eps, fp32_weigh, x_a)
+            residual_norm(h_a, arr(delta), True, mult, norms[li][1], eps, fp32_weigh, x_a)
             gu = project(li, x, w.gate_up, mods["gate_up"], "gate_up", w.gate_up_bias)
-            swiglu(arr(gu), act_a)
+            gated(arr(gu), kind, act_a)
             delta = project(li, act, w.down, mods["down"], "delta", w.down_bias)
             if li < last:
-                residual_norm(h_a, arr(delta), True, norms[li + 1][0], eps, fp32_weigh, x_a)
+                residual_norm(h_a, arr(delta), True, mult, norms[li + 1][0], eps, fp32_weigh,
+                              x_a)
             else:
                 with one_thread():
+                    if cfg.residual_multiplier != 1.0:
+                        delta.mul_(cfg.residual_multiplier)
                     h.add_(delta)
 
     def _logits(self, h: torch.Tensor, batch: ForwardBatch, adapters: AdapterPool | None,

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from .families import PROMPTS, Variant, build_with_adapters, check_parity
+from .families import (
+    PROMPTS,
+    Variant,
+    build_family,
+    build_with_adapters,
+    check_parity,
+    make_engine,
+)
 
 WINDOW = 8
 
@@ -75,6 +82,20 @@ VARIANTS = [
 @pytest.mark.parametrize("variant", VARIANTS, ids=[v.id for v in VARIANTS])
 def test_family_matches_transformers_and_peft(tmp_path, variant: Variant) -> None:
     check_parity(build_with_adapters(tmp_path, variant))
+
+
+COMPILED_LAYER_OPS = {"llama", "mistral", "qwen2", "gemma", "phi3", "granite", "smollm3"}
+"""The families whose small steps (all of the parity test's) run their elementwise ops
+through the compiled kernels (`DecoderModel.compiled_layers`); the others (q/k norms,
+norms after attention and the MLP) keep the torch ops."""
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=[v.id for v in VARIANTS])
+def test_the_parity_test_covers_the_compiled_layer_ops(tmp_path, variant: Variant) -> None:
+    pytest.importorskip("numba")
+    build_family(tmp_path, variant)
+    compiled = make_engine(tmp_path).model.compiled_layers
+    assert compiled == (variant.model_type in COMPILED_LAYER_OPS)
 
 
 def test_sliding_window_on_the_torch_decode_path(tmp_path, monkeypatch) -> None:
