@@ -156,9 +156,12 @@ def start_build(cache: Path, src: Path) -> tuple[Path, subprocess.Popen | None]:
     log(f"building llama-server into {build} (minutes; log: {build}.log)")
     script = (f"cmake -S {src / 'llama.cpp'} -B {build} {' '.join(CMAKE_FLAGS)} && "
               f"cmake --build {build} --config Release --target llama-server -j{THREADS}")
+    # the sdist has no .git: without a ceiling, llama.cpp's build-info step finds this
+    # repository around the cache and stamps its commit into `llama-server --version`
+    env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(src)}
     with open(f"{build}.log", "w") as out:
         proc = subprocess.Popen(["nice", "-n", "5", "sh", "-c", script], stdout=out,
-                                stderr=subprocess.STDOUT)
+                                stderr=subprocess.STDOUT, env=env)
     return binary, proc
 
 
