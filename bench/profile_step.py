@@ -83,7 +83,7 @@ def instrument() -> None:
     cpu_decode.decode_attention_arrays = labelled("attention",
                                                   cpu_decode.decode_attention_arrays)
     kernels = cpu_layer.kernels()  # the compiled elementwise ops of small steps
-    for name in ("residual_norm", "rope_cache", "swiglu"):
+    for name in ("residual_norm", "rope_cache", "gated"):
         setattr(kernels, name, labelled("layer_ops", getattr(kernels, name)))
     model_mod.DecoderModel._logits = labelled(  # type: ignore[method-assign]
         "logits", model_mod.DecoderModel._logits)

@@ -1,7 +1,8 @@
-"""The registry's and the release controller's benches, run small: a change to what the
-registry accepts must not leave `make bench` stopping at them. (The registry bench
-stopped at a 422 for a while: its base model config lacked what registration had come to
-require, and nothing ran it.)"""
+"""Benches that nothing else runs, run small: the registry's and the release
+controller's, so that a change to what the registry accepts does not leave `make bench`
+stopping at them (the registry bench stopped at a 422 for a while: its base model config
+lacked what registration had come to require); and the per-step profile, which wraps the
+engine's kernels by name (it stopped at a renamed one)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.parametrize(("script", "args"), [
     ("registry.py", ["--quick", "--versions", "8", "--rollbacks", "8"]),
     ("release.py", ["--quick"]),
+    ("profile_step.py", ["--steps", "2", "--label", "suite"]),
 ])
 def test_bench_runs_and_records_its_figures(tmp_path: Path, script: str,
                                             args: list[str]) -> None:
