@@ -449,7 +449,8 @@ _SQRT_HALF = np.float32(0.7071067811865476)
 
 @numba.njit(inline="always", fastmath=_FAST)
 def activation(x: Any, kind: int) -> Any:
-    """transformers' ACT2FN entry `kind` (`GATED_ACTIVATIONS`) in fp32, in torch's form."""
+    """transformers' ACT2FN entry `kind` (indexing `cpu_layer.GATED_ACTIVATIONS`) in fp32,
+    in torch's form."""
     if kind == 0:
         return silu(x)
     if kind == 1:
@@ -458,16 +459,13 @@ def activation(x: Any, kind: int) -> Any:
     return np.float32(0.5) * x * (np.float32(1.0) + math.erf(x * _SQRT_HALF))
 
 
-GATED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")
-"""The activations `gated` computes, by their `kind` index."""
-
-
 # numpy's error model: Python's ZeroDivisionError check on every division stops LLVM from
 # vectorising the loop (SiLU at 2.3 against 0.14 ns an element)
 @numba.njit(cache=True, nogil=True, fastmath=_FAST, error_model="numpy")
 def gated(gate_up: Any, kind: int, out: Any) -> None:
     """``out = act(gate) * up`` over the fused gate|up rows ([T, 2I] into [T, I]), each
-    op rounded to the rows' dtype as torch's are; `kind` indexes `GATED_ACTIVATIONS`."""
+    op rounded to the rows' dtype as torch's are; `kind` indexes
+    `cpu_layer.GATED_ACTIVATIONS`."""
     t, inter = out.shape
     for r in range(t):
         g, o = gate_up[r], out[r]

@@ -22,7 +22,8 @@ __all__ = ["AVAILABLE", "DTYPES", "GATED_ACTIVATIONS", "as_array", "kernels"]
 
 GATED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")
 """transformers' ACT2FN names the compiled gated activation computes, by the index its
-kernel takes (the kernels' module holds the same tuple; a test pins the two)."""
+kernel takes (`tests/kernels/test_cpu_layer.py` checks each index against torch's op of
+that name)."""
 
 
 @functools.cache

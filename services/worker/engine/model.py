@@ -413,7 +413,7 @@ class DecoderModel:
         runs, split = batch.lora_runs, batch.fused_from
 
         ws = self.workspace
-        onednn = self.packed
+        packed = self.packed
 
         def project(layer: int, x: torch.Tensor, weight: Weight,
                     modules: tuple[tuple[str, int], ...], role: str,
@@ -423,44 +423,36 @@ class DecoderModel:
             if isinstance(weight, Int8Weight):  # never fused: the engine turns fusion off
                 y = int8_linear(x, weight, bias=bias, scratch=ws.take("dequant", *weight.shape)
                                 if needs_dequant_buffer(x) else None)
-                if use_lora:
-                    for module, off in modules:
-                        if adapters.layer_has_lora(layer, module, slots):  # type: ignore[union-attr]
-                            adapters.apply(layer, module, y, x, idx, seg, off, runs)  # type: ignore[union-attr,arg-type]
-                return y
-            if split is None and onednn:
+            elif split is None and packed:
                 y = LINEAR(x, weight, bias, "none", [], "")  # type: ignore[misc]
                 if t <= SERIAL_TOKENS:  # into the role's buffer: the compiled ops' views
                     y = ws.take(role, t, weight.shape[0]).copy_(y)  # of it stay valid
-                if use_lora:
-                    for module, off in modules:
-                        if adapters.layer_has_lora(layer, module, slots):  # type: ignore[union-attr]
-                            adapters.apply(layer, module, y, x, idx, seg, off, runs)  # type: ignore[union-attr,arg-type]
-                return y
-            y = ws.take(role, t, weight.shape[0])
-            if split is None:
+            elif split is None:
+                y = ws.take(role, t, weight.shape[0])
                 if bias is None:
                     torch.mm(x, weight.t(), out=y)
                 else:
                     torch.addmm(bias, x, weight.t(), out=y)
-                if use_lora:
+            else:
+                # two-level batching: large buckets separate, small ones fused (rows >= split)
+                y = ws.take(role, t, weight.shape[0])
+                if split:
+                    torch.mm(x[:split], weight.t(), out=y[:split])  # bias added below
                     for module, off in modules:
                         if adapters.layer_has_lora(layer, module, slots):  # type: ignore[union-attr]
-                            adapters.apply(layer, module, y, x, idx, seg, off, runs)  # type: ignore[union-attr,arg-type]
+                            adapters.apply(layer, module, y[:split], x[:split], idx[:split],  # type: ignore[union-attr,index]
+                                           seg, off)
+                for module, off in modules:
+                    adapters.apply_fused_base(  # type: ignore[union-attr]
+                        layer, module, y[split:], x[split:],
+                        self.projection_weight(layer, module), batch.fused_segments, off)  # type: ignore[arg-type]
+                if bias is not None:  # after the deltas here: rounding order only differs
+                    y += bias
                 return y
-            # two-level batching: large buckets separate, small ones fused (rows >= split)
-            if split:
-                torch.mm(x[:split], weight.t(), out=y[:split])  # bias added below
+            if use_lora:
                 for module, off in modules:
                     if adapters.layer_has_lora(layer, module, slots):  # type: ignore[union-attr]
-                        adapters.apply(layer, module, y[:split], x[:split], idx[:split], seg,  # type: ignore[union-attr,index]
-                                       off)
-            for module, off in modules:
-                adapters.apply_fused_base(  # type: ignore[union-attr]
-                    layer, module, y[split:], x[split:], self.projection_weight(layer, module),
-                    batch.fused_segments, off)  # type: ignore[arg-type]
-            if bias is not None:  # after the deltas here: rounding order only differs
-                y += bias
+                        adapters.apply(layer, module, y, x, idx, seg, off, runs)  # type: ignore[union-attr,arg-type]
             return y
 
         heads, kv_heads, dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -482,10 +474,10 @@ class DecoderModel:
                     self.embed_scale if self.scale_in_embedding else None)  # type: ignore[arg-type]
             if self.embed_scale is not None and not self.scale_in_embedding:
                 h.mul_(self.embed_scale)
-        compiled = self.compiled_layers and t <= SERIAL_TOKENS and kv.k.dtype == self.dtype
-        if compiled:
+        if self.compiled_layers and t <= SERIAL_TOKENS and kv.k.dtype == self.dtype:
             self._compiled_layer_loop(h, batch, kv, tables, project)
-        for li, w in enumerate(() if compiled else self.layers):
+            return self._logits(h, batch, adapters, idx, vocab)
+        for li, w in enumerate(self.layers):
             with serial():
                 x = h if w.attn_in_norm is None else self._norm(h, w.attn_in_norm, "norm",
                                                                  norm_sq)
