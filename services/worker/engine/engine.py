@@ -23,10 +23,17 @@ from .decoding import ChoiceGroup, fork, logits_plan
 from .errors import AdapterNotLoadedError, RequestError
 from .grammar import GrammarCache
 from .kv_cache import BlockPool, InvalidationResult, KVStorage
-from .lora_ops import Segments, base_fusion_threshold
+from .lora_ops import Segments, base_fusion_threshold, lora_apply_pooled
 from .model import DecoderModel, ForwardBatch
 from .precision import serving_dtype
-from .request import ChoiceResult, FinishReason, GenerationRequest, GenerationResult, TokenEvent
+from .request import (
+    ChoiceResult,
+    FinishReason,
+    GenerationRequest,
+    GenerationResult,
+    SamplingParams,
+    TokenEvent,
+)
 from .sampling import (
     SamplerRow,
     find_stop,
@@ -89,7 +96,8 @@ class EngineStats:
 class Engine:
     """Multi-LoRA generation over one base model."""
 
-    def __init__(self, model: DecoderModel, config: EngineConfig | None = None) -> None:
+    def __init__(self, model: DecoderModel, config: EngineConfig | None = None, *,
+                 warm_up: bool = True) -> None:
         cfg = config or EngineConfig()
         self.config = cfg
         self.model = model
@@ -130,6 +138,35 @@ class Engine:
         """The merge pinned the adapter (it was not pinned before): unmerging unpins it."""
         self._pristine: dict[tuple[int, str], torch.Tensor] = {}
         self.steps = 0
+        if warm_up and model.device.type == "cpu" and not model.warmed:
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Step a scratch engine on this model through every compiled CPU path a step can
+        take (a short prefill, one decode, decodes in shares, the LoRA pass), so numba
+        compiles them or loads them from its cache here and not inside a request's step.
+        From a cold cache that took about 8 s and held the GIL: a worker's first request
+        stalled its heartbeats, and a benchmark counted it into the first step it timed.
+        Once per model: the compiled code is the process's."""
+        model = self.model
+        model.warmed = True
+        cfg = self.config
+        scratch = Engine(model, EngineConfig(
+            dtype=cfg.dtype, device=cfg.device, weights=cfg.weights, block_size=cfg.block_size,
+            num_kv_blocks=32, max_lora_rank=min(8, cfg.max_lora_rank), adapter_slots=1,
+            prefix_cache=False), warm_up=False)
+        vocab = model.cfg.vocab_size
+        prompt = [1 + i % (vocab - 1) for i in range(24)]
+        once = SamplingParams(max_tokens=2)
+        scratch.generate([GenerationRequest(prompt_token_ids=prompt, sampling=once)])
+        scratch.generate([GenerationRequest(prompt_token_ids=prompt[: 4 + i], sampling=once)
+                          for i in range(3)])
+        weights = next(iter(scratch.adapters.weights[0].values()))
+        x = torch.zeros(1, weights.in_features, dtype=model.dtype)
+        y = torch.zeros(1, weights.out_features, dtype=model.dtype)
+        lora_apply_pooled(y, x, weights, torch.zeros(1, dtype=torch.int32),
+                          runs=((0, 0, 1),))  # slot 0 is empty (rank 0): adds nothing
+        model.drop_scratch()
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, config: EngineConfig | None = None) -> Engine:

@@ -223,6 +223,8 @@ class DecoderModel:
         fam = cfg.family
         self.digest = digest
         self.tokenizer = tokenizer
+        self.warmed = False
+        """An engine ran its kernels once on this model (`Engine._warm_up`)."""
         self.dtype = tensors["model.embed_tokens.weight"].dtype
         self.device = tensors["model.embed_tokens.weight"].device
         self.embed = tensors["model.embed_tokens.weight"]
@@ -314,6 +316,12 @@ class DecoderModel:
                 and all(w.attn_in_norm is not None and w.mlp_in_norm is not None
                         and w.attn_out_norm is None and w.mlp_out_norm is None
                         for w in self.layers))
+
+    def drop_scratch(self) -> None:
+        """Let go of the step buffers and cache views a warm-up's steps left: the engine's
+        first step sizes its own, and reports none held until then."""
+        self.workspace = Workspace(self.dtype, self.device)
+        self._kv_arrays = None
 
     def _cache_arrays(self, kv: KVStorage) -> list[tuple[np.ndarray, np.ndarray]]:
         """Each layer's K and V cache as numpy views, made once per cache."""

@@ -1,0 +1,57 @@
+"""An engine compiles its CPU kernels when it is built, not in a request's step."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from loraplane_kernels import cpu_decode
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.skipif(not cpu_decode.AVAILABLE, reason="numba is not installed")
+
+SCRIPT = """
+import json, sys
+import numba
+from loraplane_kernels import _cpu_decode_numba as k
+from services.worker.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
+
+def signatures():
+    return {name: len(f.signatures) for name, f in vars(k).items()
+            if isinstance(f, numba.core.registry.CPUDispatcher)
+            and f.targetoptions.get("inline") != "always"}
+
+model_dir, adapters = sys.argv[1], sys.argv[2:]
+out = {}
+for dtype in ("bfloat16", "float32"):
+    eng = Engine.from_pretrained(model_dir, EngineConfig(dtype=dtype, adapter_slots=4))
+    before = signatures()
+    digests = [None, *(eng.load_adapter(a).digest for a in adapters)]
+    prompts = [[1 + (i * 7 + j) % 90 for j in range(n)] for i, n in enumerate((3, 9, 40, 150))]
+    eng.generate([GenerationRequest(prompt_token_ids=prompts[i % 4], adapter_digest=d,
+                                    sampling=SamplingParams(max_tokens=3 + i % 3))
+                  for i, d in enumerate(digests * 3)])
+    out[dtype] = {"before": before, "after": signatures()}
+print(json.dumps(out))
+"""
+
+
+def test_a_mixed_workload_compiles_nothing_after_the_engine_is_built(tiny) -> None:
+    """Every signature the steps of a mixed workload (base and adapters, prompts of 3 to
+    150 tokens, one to twelve decodes a step) call is there once the engine is built,
+    in bf16 and fp32: nothing compiles, or loads from numba's cache, inside a step."""
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(tiny.path), *map(str, tiny.adapters.values())],
+        cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = json.loads(proc.stdout.splitlines()[-1])
+    for dtype, run in runs.items():
+        assert run["after"] == run["before"], dtype
+        kernels = {"runs", "decode_attention", "residual_norm", "rope_cache", "gated"}
+        if torch.get_num_threads() > 1:  # one thread never cuts a step's decodes in shares
+            kernels.add("decode_attention_shares")
+        assert {name for name, n in run["before"].items() if n} == kernels, dtype
