@@ -201,6 +201,8 @@ class RegistryNode:
         """When the last sign of a writer (an adapter event, another instance's lease) was
         folded: the standby's clock for a silent writer."""
         self._last_commit: float | None = None
+        self._last_lease: float | None = None
+        """When a lease of this instance last committed (monotonic)."""
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
@@ -332,11 +334,9 @@ class RegistryNode:
         """One lease, with a write's deadline: over a slow link a commit takes seconds, and
         a lease that gave up after one interval would never commit there, while the
         version wall of every worker ran out although writes still went through."""
-        expires = datetime.now(UTC) + timedelta(seconds=self.settings.lease_ttl_s)
         deadline = Deadline(self.settings.registry_write_timeout_s)
-        return self.execute("lease", lambda s: renew_lease(s, self.registry_id, self.epoch,
-                                                           expires),
-                            actor=self.registry_id, deadline=deadline)
+        return self.execute("lease", self._lease_decision, actor=self.registry_id,
+                            deadline=deadline)
 
     def writer_silent_s(self) -> float:
         """Seconds since this instance last folded a sign of a writer."""
@@ -514,23 +514,12 @@ class RegistryNode:
                         return Committed(prior.envelope, prior.position, replayed=True)
                 self._check_writable()
                 producer = self._ready_producer(deadline)
-                with self.state_lock:
-                    decision = decide(self.state)
-                payload = decision.payload
-                if request_sha256 and "request_sha256" in type(payload).model_fields:
-                    payload = payload.model_copy(update={"request_sha256": request_sha256})
-                envelope = Envelope.new(payload, stream=decision.stream,
-                                        seq=decision.seq, actor=actor, tenant=decision.tenant,
-                                        trace_id=trace_id)
-                written = self._publish(producer, envelope, deadline)
-                if not self._wait_folded(written, deadline):
-                    raise WritesUnavailable(
-                        f"event committed at {written.topic}[{written.partition}]@"
-                        f"{written.offset} but not read back yet; retry with the same "
-                        "Idempotency-Key", code="timeout", outcome="committed")
+                committed = self._commit(producer, decide, actor, trace_id, request_sha256,
+                                         deadline)
                 outcome = "ok"
-                return Committed(envelope, LogPosition(written.topic, written.partition,
-                                                       written.offset))
+                if command != "lease" and self._lease_overdue():
+                    self._lease_before_answering(producer, deadline)
+                return committed
             finally:
                 self._command_lock.release()
         except WritesUnavailable:
@@ -541,6 +530,51 @@ class RegistryNode:
             if outcome == "ok":
                 self.metrics.command_seconds.labels(command).observe(
                     time.perf_counter() - started)
+
+    def _commit(self, producer: EventProducer, decide: Callable[[CatalogState], CommandEvent],
+                actor: str, trace_id: str | None, request_sha256: str | None,
+                deadline: Deadline) -> Committed:
+        """Decide on the folded state, write the event and wait until it is folded back;
+        the caller holds the command lock."""
+        with self.state_lock:
+            decision = decide(self.state)
+        payload = decision.payload
+        if request_sha256 and "request_sha256" in type(payload).model_fields:
+            payload = payload.model_copy(update={"request_sha256": request_sha256})
+        envelope = Envelope.new(payload, stream=decision.stream, seq=decision.seq, actor=actor,
+                                tenant=decision.tenant, trace_id=trace_id)
+        written = self._publish(producer, envelope, deadline)
+        if not self._wait_folded(written, deadline):
+            raise WritesUnavailable(
+                f"event committed at {written.topic}[{written.partition}]@{written.offset} "
+                "but not read back yet; retry with the same Idempotency-Key", code="timeout",
+                outcome="committed")
+        if isinstance(payload, RegistryLease):
+            self._last_lease = time.monotonic()
+        return Committed(envelope, LogPosition(written.topic, written.partition,
+                                               written.offset))
+
+    def _lease_decision(self, state: CatalogState) -> CommandEvent:
+        expires = datetime.now(UTC) + timedelta(seconds=self.settings.lease_ttl_s)
+        return renew_lease(state, self.registry_id, self.epoch, expires)
+
+    def _lease_overdue(self) -> bool:
+        return (self._last_lease is None
+                or time.monotonic() - self._last_lease > self.settings.lease_interval_s)
+
+    def _lease_before_answering(self, producer: EventProducer, deadline: Deadline) -> None:
+        """A write that commits when no lease has for an interval (the first after an
+        outage, or one that hung through it) leases before it is answered. Answered first,
+        it was acknowledged while the workers' version walls still counted from the lease
+        before the outage; they ran out a moment later, until the lease thread's next turn
+        (half an interval after its failed renewal), and requests were refused while writes
+        went through (the cluster's kafka-leader-kill run). The write itself stands if the
+        lease fails: it is committed."""
+        try:
+            self._commit(producer, self._lease_decision, self.registry_id, None, None,
+                         Deadline(max(deadline.left(), self.settings.lease_interval_s)))
+        except WritesUnavailable as exc:
+            log.warning("lease after a write not renewed: %s", exc.message)
 
     def _retry_after(self) -> int:
         return max(1, round(self.settings.registry_write_timeout_s))

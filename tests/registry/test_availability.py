@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
@@ -28,6 +29,7 @@ from tests.registry.conftest import (
     TOKENS,
     RunningRegistry,
     domain_events,
+    log_events,
     publish,
     register_base,
     registry_settings,
@@ -127,6 +129,51 @@ def test_readyz_stops_claiming_writes_within_two_lease_intervals_of_a_broker_pau
     lies = [(round(at, 2), status) for at, status in probes if at > bound and status == 200]
     assert len(probes) > 20
     assert not lies, f"/readyz said 200 after writes stopped committing: {lies}"
+
+
+def test_a_write_that_commits_after_an_outage_is_answered_after_a_fresh_lease(
+        own_broker: ApacheKafka, tmp_path: Path) -> None:
+    """Workers refuse to serve once the newest lease is older than their wall, so a write
+    answered while the newest lease is stale tells a client the registry works while
+    every worker is about to refuse. During a broker pause a lease renewal fails; a purge
+    sent right then commits once the broker is back, while the lease thread waits for its
+    next turn. Its 202 must still come after a lease committed after the pause."""
+    interval = 2.0
+    settings = registry_settings(
+        isolated_settings(own_broker.bootstrap, None, topic_partitions=1), tmp_path / "blobs",
+        registry_write_timeout_s=3.0, lease_interval_s=interval)
+    running = RunningRegistry(settings).start()
+    assert own_broker._child is not None
+    pid = own_broker._child.pid
+    failed = 'loraplane_registry_commands_total{command="lease",outcome="unavailable"} 1.0'
+    try:
+        with running.client() as admin:
+            register_base(admin)
+            answered: list[tuple[int, datetime]] = []
+
+            def purge() -> None:
+                with running.client() as client:
+                    status = client.post("/v1/tenants/acme/search/prod/purge",
+                                         json={}).status_code
+                    answered.append((status, datetime.now(UTC)))
+
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                wait_for(lambda: failed in admin.get("/metrics").text, 30, interval_s=0.02,
+                         message="a lease renewal failed in the pause")
+                writer = threading.Thread(target=purge)
+                writer.start()
+                time.sleep(0.2)
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            writer.join(30)
+    finally:
+        running.stop()
+    [(status, at)] = answered
+    assert status == 202
+    leases = [e.occurred_at for e in log_events(settings, settings.liveness_topic)
+              if e.type == "RegistryLease" and e.occurred_at <= at]
+    assert (at - max(leases)).total_seconds() < interval, (at, leases[-3:])
 
 
 # --- kill -9 under retrying clients ----------------------------------------------------------
