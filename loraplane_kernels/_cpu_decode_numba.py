@@ -23,6 +23,8 @@ import numba
 import numpy as np
 from llvmlite import ir as llvm_ir
 
+from loraplane_kernels.cpu_layer import NORM_COPY, NORM_RMS, QK_FULL, QK_NONE
+
 _FAST = {"reassoc", "nsz", "contract"}
 _NO_CONTRACT = {"reassoc", "nsz"}
 """For ops that round between a product and a sum, as torch's do (no fused multiply-add)."""
@@ -366,58 +368,99 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, out: Any, rows: Any, ta
 
 # -- the elementwise ops of a layer (`loraplane_kernels.cpu_layer`) ------------------------
 
+@numba.njit(inline="always")
+def inverse_rms(xs: Any, eps: Any) -> Any:
+    """``1 / sqrt(mean(xs**2) + eps)`` over fp32 values, as the torch norm's fp32 ops."""
+    ss = np.float32(0.0)
+    for j in range(xs.shape[0]):
+        ss += xs[j] * xs[j]
+    return np.float32(1.0) / np.sqrt(ss * (np.float32(1.0) / np.float32(xs.shape[0])) + eps)
+
+
+@numba.njit(inline="always")
+def put_normed(out: Any, xs: Any, inv: Any, weight: Any, weigh_in_fp32: bool) -> None:
+    """``out = xs * inv * weight`` rounded as `rms_norm` rounds: Llama's order casts the
+    normalised value and then multiplies by the weight (rounded again), Gemma's and OLMo
+    2's multiply in fp32 and round once."""
+    if weigh_in_fp32:
+        for j in range(xs.shape[0]):
+            put(out, j, (xs[j] * inv) * value(weight, j))
+    else:
+        for j in range(xs.shape[0]):
+            put(out, j, value(weight, j) * rounded_like(out, xs[j] * inv))
+
+
 @numba.njit(cache=True, nogil=True, fastmath=_NO_CONTRACT, error_model="numpy")
-def residual_norm(h: Any, delta: Any, add: bool, multiplier: Any, weight: Any, eps: Any,
-                  weigh_in_fp32: bool, out: Any) -> None:
-    """``h += delta * multiplier`` (when `add`) and ``out = rms_norm(h) * weight``, row by
-    row, with the roundings of the torch ops they replace: the scaled delta and the sum
-    rounded to h's dtype (a multiplier of 1 is exact); the norm in fp32; Llama's order
-    casts the normalised value and then multiplies by the weight (rounded again), Gemma's
-    and OLMo 2's multiply in fp32 and round once."""
+def residual_norm(h: Any, delta: Any, add: bool, multiplier: Any, delta_weight: Any,
+                  weight: Any, mode: int, eps: Any, weigh_in_fp32: bool, out: Any) -> None:
+    """``h += norm(delta) * multiplier`` (when `add`; the norm only with a non-empty
+    `delta_weight`: the norms after attention and the MLP of Gemma 2 and 3 and OLMo 2) and
+    ``out = rms_norm(h) * weight`` (or h, or nothing: `mode`), row by row, with the
+    roundings of the torch ops they replace: the normed delta, the scaled delta and the sum
+    each rounded to h's dtype (a multiplier of 1 is exact); the norms in fp32."""
     t, n = h.shape
-    inv_n = np.float32(1.0) / np.float32(n)
     xs = np.empty(n, np.float32)
+    ds = np.empty(n, np.float32)
+    normed = np.empty(n, h.dtype)  # the normed delta, rounded as its torch buffer
+    out_norm = delta_weight.shape[0] > 0
     for r in range(t):
-        hr, orow = h[r], out[r]
+        hr = h[r]
         if add:
             dr = delta[r]
+            if out_norm:
+                load(ds, dr)
+                put_normed(normed, ds, inverse_rms(ds, eps), delta_weight, weigh_in_fp32)
+                dr = normed
             for j in range(n):
                 d = rounded_like(dr, value(dr, j) * multiplier)
                 v = rounded_like(hr, value(hr, j) + d)
                 put(hr, j, v)
                 xs[j] = v
-        else:
+        elif mode == NORM_RMS:
             load(xs, hr)
-        ss = np.float32(0.0)
-        for j in range(n):
-            ss += xs[j] * xs[j]
-        inv = np.float32(1.0) / np.sqrt(ss * inv_n + eps)
-        if weigh_in_fp32:
-            for j in range(n):
-                put(orow, j, (xs[j] * inv) * value(weight, j))
-        else:
-            for j in range(n):
-                put(orow, j, value(weight, j) * rounded_like(orow, xs[j] * inv))
+        if mode == NORM_RMS:
+            put_normed(out[r], xs, inverse_rms(xs, eps), weight, weigh_in_fp32)
+        elif mode == NORM_COPY:
+            out[r, :] = hr
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")  # no contraction: torch rounds
 def rope_cache(qkv: Any, cos: Any, sin: Any, heads: int, kv_heads: int, q_out: Any,
-               k_out: Any, k_cache: Any, v_cache: Any, slots: Any) -> None:
-    """Rotate each row's q and k heads out of the fused q|k|v row into `q_out` / `k_out`
-    ([T, heads, D]) and write k and v into the paged cache ([KVH, slots, D]) at the row's
-    slot. Rotate-half over the first ``cos.shape[1]`` dimensions (the rest pass through),
-    with torch's roundings: ``x * cos`` and each ``x * sin`` product rounded, then their sum
-    (negating is exact). Each product rounds on its own, so no fastmath contraction."""
+               k_out: Any, k_cache: Any, v_cache: Any, slots: Any, qk_norm: int,
+               q_weight: Any, k_weight: Any, eps: Any, weigh_in_fp32: bool) -> None:
+    """RMSNorm each row's q and k (`qk_norm`, with the norm's roundings), rotate their heads
+    out of the fused q|k|v row into `q_out` / `k_out` ([T, heads, D]) and write k and v
+    into the paged cache ([KVH, slots, D]) at the row's slot. Rotate-half over the first
+    ``cos.shape[1]`` dimensions (the rest pass through), with torch's roundings: ``x * cos``
+    and each ``x * sin`` product rounded, then their sum (negating is exact). Each product
+    rounds on its own, so no fastmath contraction."""
     t = qkv.shape[0]
     dim = q_out.shape[2]
     rot = cos.shape[1]
     half = rot // 2
+    q_size, k_size = heads * dim, kv_heads * dim
+    normed = np.empty(q_size + k_size, qkv.dtype)  # q|k after their norm, in qkv's dtype
+    xs = np.empty(q_size + k_size, np.float32)
     for r in range(t):
         src, c, s = qkv[r], cos[r], sin[r]
         c_lo, c_hi, s_lo, s_hi = c[:half], c[half:rot], s[:half], s[half:rot]
+        qk = src
+        if qk_norm != QK_NONE:
+            load(xs, src[:q_size + k_size])
+            if qk_norm == QK_FULL:
+                put_normed(normed[:q_size], xs[:q_size], inverse_rms(xs[:q_size], eps),
+                           q_weight, weigh_in_fp32)
+                put_normed(normed[q_size:], xs[q_size:], inverse_rms(xs[q_size:], eps),
+                           k_weight, weigh_in_fp32)
+            else:
+                for hd in range(heads + kv_heads):
+                    part = xs[hd * dim:(hd + 1) * dim]
+                    put_normed(normed[hd * dim:(hd + 1) * dim], part, inverse_rms(part, eps),
+                               q_weight if hd < heads else k_weight, weigh_in_fp32)
+            qk = normed
         for hd in range(heads + kv_heads):
             dst = q_out[r, hd] if hd < heads else k_out[r, hd - heads]
-            x = src[hd * dim:(hd + 1) * dim]
+            x = qk[hd * dim:(hd + 1) * dim]
             lo, hi, out_lo, out_hi = x[:half], x[half:rot], dst[:half], dst[half:rot]
             for d in range(half):
                 a = rounded_like(x, value(lo, d) * value(c_lo, d))
@@ -428,7 +471,7 @@ def rope_cache(qkv: Any, cos: Any, sin: Any, heads: int, kv_heads: int, q_out: A
                 put(out_hi, d, a + b)
             dst[rot:] = x[rot:]
         slot = slots[r]
-        v0 = (heads + kv_heads) * dim
+        v0 = q_size + k_size
         for hd in range(kv_heads):
             k_cache[hd, slot, :] = k_out[r, hd]
             v_cache[hd, slot, :] = src[v0 + hd * dim:v0 + (hd + 1) * dim]

@@ -41,22 +41,73 @@ def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype,
 @pytest.mark.parametrize("add", [False, True])
 @given(rows=st.integers(1, 9), width=st.sampled_from([8, 64, 576, 1000]),
        seed=st.integers(0, 2**16), scale=st.sampled_from([1e-3, 1.0, 300.0]),
-       multiplier=st.sampled_from([1.0, 0.5, 0.22]))
+       multiplier=st.sampled_from([1.0, 0.5, 0.22]), out_norm=st.booleans(),
+       mode=st.sampled_from([cpu_layer.NORM_RMS, cpu_layer.NORM_COPY, cpu_layer.NORM_NONE]))
 @settings(max_examples=15, deadline=None)
 def test_residual_norm_is_the_add_and_the_norm(dtype: torch.dtype, weigh_in_fp32: bool,
                                                add: bool, rows: int, width: int, seed: int,
-                                               scale: float, multiplier: float) -> None:
+                                               scale: float, multiplier: float,
+                                               out_norm: bool, mode: int) -> None:
+    """With `out_norm`, the delta is RMSNormed first (Gemma 2 and 3, OLMo 2: the norm
+    after attention or the MLP); `mode` writes h's norm, h itself, or nothing."""
     g = torch.Generator().manual_seed(seed)
     h = (torch.randn(rows, width, generator=g) * scale).to(dtype)
     delta = (torch.randn(rows, width, generator=g) * scale).to(dtype)
-    weight = (torch.randn(width, generator=g) + 1).to(torch.float32 if weigh_in_fp32 else dtype)
-    want_h = h + delta.clone().mul_(multiplier) if add else h.clone()  # the model's two ops
-    want = rms_norm(want_h, weight, 1e-5, weigh_in_fp32=weigh_in_fp32)
-    got_h, out = h.clone(), torch.empty_like(h)
+    weight_dtype = torch.float32 if weigh_in_fp32 else dtype
+    weight = (torch.randn(width, generator=g) + 1).to(weight_dtype)
+    delta_weight = (torch.randn(width, generator=g) + 1).to(weight_dtype) if out_norm \
+        else torch.empty(0, dtype=weight_dtype)
+    # the model's ops: the norm after (its own rounded buffer), the scale, the add
+    normed = rms_norm(delta, delta_weight, 1e-5, weigh_in_fp32=weigh_in_fp32) if out_norm \
+        else delta.clone()
+    want_h = h + normed.mul_(multiplier) if add else h.clone()
+    got_h, out = h.clone(), torch.zeros_like(h)
     cpu_layer.kernels().residual_norm(arr(got_h), arr(delta), add, np.float32(multiplier),
-                                      arr(weight), np.float32(1e-5), weigh_in_fp32, arr(out))
-    assert torch.equal(got_h, want_h)  # the residual sum is one rounded add: exact
-    close(out, want, dtype)
+                                      arr(delta_weight), arr(weight), mode, np.float32(1e-5),
+                                      weigh_in_fp32, arr(out))
+    if out_norm and add:  # the normed delta's sum of squares differs in order only
+        close(got_h, want_h, dtype, scale=h.float().abs() + normed.float().abs())
+        want_h = got_h
+    else:
+        assert torch.equal(got_h, want_h)  # the residual sum is one rounded add: exact
+    if mode == cpu_layer.NORM_RMS:
+        close(out, rms_norm(want_h, weight, 1e-5, weigh_in_fp32=weigh_in_fp32), dtype)
+    elif mode == cpu_layer.NORM_COPY:
+        assert torch.equal(out, want_h)
+    else:
+        assert not out.any()
+
+
+def rope_case(dtype: torch.dtype, heads: int, kv_heads: int, dim: int, rot: int):
+    g = torch.Generator().manual_seed(heads * dim + rot)
+    t = 5
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
+    pos = torch.tensor([0, 3, 17, 1000, 31], dtype=torch.float32)
+    inv = 1.0 / 10000 ** (torch.arange(0, rot, 2).float() / rot)
+    emb = torch.cat([pos[:, None] * inv] * 2, dim=-1)
+    return g, qkv, emb.cos().to(dtype), emb.sin().to(dtype), torch.tensor([7, 0, 39, 12, 13])
+
+
+def run_rope_cache(qkv, cos, sin, heads, kv_heads, dim, slots, qk_norm=cpu_layer.QK_NONE,
+                   q_weight=None, k_weight=None, weigh_in_fp32=False):
+    t, dtype = qkv.shape[0], qkv.dtype
+    q, k = torch.empty(t, heads, dim, dtype=dtype), torch.empty(t, kv_heads, dim, dtype=dtype)
+    kc = torch.zeros(kv_heads, 40, dim, dtype=dtype)
+    vc = torch.zeros_like(kc)
+    empty = torch.empty(0, dtype=dtype)
+    cpu_layer.kernels().rope_cache(
+        arr(qkv), arr(cos), arr(sin), heads, kv_heads, arr(q), arr(k), arr(kc), arr(vc),
+        slots.numpy(), qk_norm, arr(empty if q_weight is None else q_weight),
+        arr(empty if k_weight is None else k_weight), np.float32(1e-6), weigh_in_fp32)
+    return q, k, kc, vc
+
+
+def cache_of(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    kc = torch.zeros(k.shape[1], 40, k.shape[2], dtype=k.dtype)
+    vc = torch.zeros_like(kc)
+    kc.index_copy_(1, slots, k.transpose(0, 1))
+    vc.index_copy_(1, slots, v.transpose(0, 1))
+    return kc, vc
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -65,28 +116,53 @@ def test_residual_norm_is_the_add_and_the_norm(dtype: torch.dtype, weigh_in_fp32
 def test_rope_cache_rotates_and_writes_the_cache_bit_for_bit(dtype: torch.dtype, heads: int,
                                                              kv_heads: int, dim: int,
                                                              rot: int) -> None:
-    g = torch.Generator().manual_seed(heads * dim + rot)
-    t, slots_total = 5, 40
-    qkv = torch.randn(t, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
-    pos = torch.tensor([0, 3, 17, 1000, 31], dtype=torch.float32)
-    inv = 1.0 / 10000 ** (torch.arange(0, rot, 2).float() / rot)
-    emb = torch.cat([pos[:, None] * inv] * 2, dim=-1)
-    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
-    slots = torch.tensor([7, 0, 39, 12, 13])
+    _, qkv, cos, sin, slots = rope_case(dtype, heads, kv_heads, dim, rot)
+    t = qkv.shape[0]
     q_src = qkv[:, :heads * dim].view(t, heads, dim)
     k_src = qkv[:, heads * dim:(heads + kv_heads) * dim].view(t, kv_heads, dim)
     v_src = qkv[:, (heads + kv_heads) * dim:].view(t, kv_heads, dim)
     want_q, want_k = apply_rotary(q_src, cos, sin), apply_rotary(k_src, cos, sin)
-    want_kc = torch.zeros(kv_heads, slots_total, dim, dtype=dtype)
-    want_vc = torch.zeros_like(want_kc)
-    want_kc.index_copy_(1, slots, want_k.transpose(0, 1))
-    want_vc.index_copy_(1, slots, v_src.transpose(0, 1))
-    q, k = torch.empty(t, heads, dim, dtype=dtype), torch.empty(t, kv_heads, dim, dtype=dtype)
-    kc, vc = torch.zeros_like(want_kc), torch.zeros_like(want_vc)
-    cpu_layer.kernels().rope_cache(arr(qkv), arr(cos), arr(sin), heads, kv_heads, arr(q),
-                                   arr(k), arr(kc), arr(vc), slots.numpy())
+    q, k, kc, vc = run_rope_cache(qkv, cos, sin, heads, kv_heads, dim, slots)
     assert torch.equal(q, want_q)
     assert torch.equal(k, want_k)
+    want_kc, want_vc = cache_of(want_k, v_src, slots)
+    assert torch.equal(kc, want_kc)
+    assert torch.equal(vc, want_vc)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("weigh_in_fp32", [False, True])
+@pytest.mark.parametrize("qk_norm", ["head", "full"])
+def test_rope_cache_norms_q_and_k_first(dtype: torch.dtype, weigh_in_fp32: bool,
+                                        qk_norm: str) -> None:
+    """Qwen3 and Gemma 3 norm each head of q and k, OLMo 2 the whole q and k projections,
+    before rope: the model's `rms_norm` then `apply_rotary`, within the norm's ulp."""
+    heads, kv_heads, dim = 4, 2, 32
+    g, qkv, cos, sin, slots = rope_case(dtype, heads, kv_heads, dim, dim)
+    t = qkv.shape[0]
+    width = dim if qk_norm == "head" else None
+    weight_dtype = torch.float32 if weigh_in_fp32 else dtype
+    q_weight = (torch.randn(width or heads * dim, generator=g) + 1).to(weight_dtype)
+    k_weight = (torch.randn(width or kv_heads * dim, generator=g) + 1).to(weight_dtype)
+    q_src, k_src = qkv[:, :heads * dim], qkv[:, heads * dim:(heads + kv_heads) * dim]
+    if qk_norm == "full":
+        q_src = rms_norm(q_src, q_weight, 1e-6, weigh_in_fp32=weigh_in_fp32)
+        k_src = rms_norm(k_src, k_weight, 1e-6, weigh_in_fp32=weigh_in_fp32)
+    q_src, k_src = q_src.reshape(t, heads, dim), k_src.reshape(t, kv_heads, dim)
+    if qk_norm == "head":
+        q_src = rms_norm(q_src, q_weight, 1e-6, weigh_in_fp32=weigh_in_fp32)
+        k_src = rms_norm(k_src, k_weight, 1e-6, weigh_in_fp32=weigh_in_fp32)
+    want_q, want_k = apply_rotary(q_src, cos, sin), apply_rotary(k_src, cos, sin)
+    q, k, kc, vc = run_rope_cache(qkv, cos, sin, heads, kv_heads, dim, slots,
+                                  cpu_layer.QK_NORMS[qk_norm], q_weight, k_weight,
+                                  weigh_in_fp32)
+    # a normed value an ulp off moves its rotated products by about an ulp of the inputs
+    bound = q_src.float().abs().amax(-1, keepdim=True).expand_as(q_src)
+    close(q, want_q, dtype, scale=2 * bound)
+    close(k, want_k, dtype, scale=2 * k_src.float().abs().amax(-1, keepdim=True)
+          .expand_as(k_src))
+    want_kc, want_vc = cache_of(k, qkv[:, (heads + kv_heads) * dim:].view(t, kv_heads, dim),
+                                slots)
     assert torch.equal(kc, want_kc)
     assert torch.equal(vc, want_vc)
 

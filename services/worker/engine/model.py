@@ -16,7 +16,7 @@ import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import get_args
+from typing import Any, get_args
 
 import numpy as np
 import torch
@@ -300,22 +300,34 @@ class DecoderModel:
         """Whether steps of at most `SERIAL_TOKENS` rows run each layer's elementwise ops
         through `loraplane_kernels.cpu_layer` (three calls a layer) instead of torch's."""
         self._kv_arrays: tuple[KVStorage, list[tuple[np.ndarray, np.ndarray]]] | None = None
-        self._norm_arrays = [(cpu_layer.as_array(w.attn_in_norm), cpu_layer.as_array(
-            w.mlp_in_norm)) for w in self.layers] if self.compiled_layers else []
+        self._norm_arrays = [self._layer_norm_arrays(w) for w in self.layers] \
+            if self.compiled_layers else []
 
     def _compiled_layers_apply(self) -> bool:
-        """The compiled elementwise ops cover layers with a norm before attention and
-        before the MLP and none after them, no q/k norm, and a gated activation they
-        compute (`cpu_layer.GATED_ACTIVATIONS`), on the CPU in fp32 or bf16: Llama,
-        Mistral, Qwen2, Gemma, Phi-3, Granite, SmolLM3. The other families take the torch
-        ops."""
+        """The compiled elementwise ops cover RMSNorms before and after attention and the
+        MLP (any of the four), q/k norms per head or over the projection, and the gated
+        activations they compute (`cpu_layer.GATED_ACTIVATIONS`), on the CPU in fp32 or
+        bf16: every served family today. A family outside that takes the torch ops."""
         cfg, fam = self.cfg, self.cfg.family
         return (cpu_layer.AVAILABLE and COMPILED_LAYERS and self.device.type == "cpu"
-                and self.dtype in cpu_layer.DTYPES and not fam.qk_norm
-                and cfg.hidden_act in cpu_layer.GATED_ACTIVATIONS
-                and all(w.attn_in_norm is not None and w.mlp_in_norm is not None
-                        and w.attn_out_norm is None and w.mlp_out_norm is None
-                        for w in self.layers))
+                and self.dtype in cpu_layer.DTYPES and fam.qk_norm in cpu_layer.QK_NORMS
+                and cfg.hidden_act in cpu_layer.GATED_ACTIVATIONS)
+
+    def _layer_norm_arrays(self, w: LayerWeights) -> tuple[Any, ...]:
+        """A layer's norm weights as the compiled ops take them: (before attention, its
+        `residual_norm` mode, after attention, before the MLP, its mode, after the MLP, q,
+        k), an empty array for a norm the layer lacks."""
+        empty = cpu_layer.as_array(torch.empty(0, dtype=self.dtype))
+
+        def weight(t: torch.Tensor | None) -> Any:
+            return empty if t is None else cpu_layer.as_array(t)
+
+        def mode(t: torch.Tensor | None) -> int:
+            return cpu_layer.NORM_COPY if t is None else cpu_layer.NORM_RMS
+
+        return (weight(w.attn_in_norm), mode(w.attn_in_norm), weight(w.attn_out_norm),
+                weight(w.mlp_in_norm), mode(w.mlp_in_norm), weight(w.mlp_out_norm),
+                weight(w.q_norm), weight(w.k_norm))
 
     def drop_scratch(self) -> None:
         """Let go of the step buffers and cache views a warm-up's steps left: the engine's
@@ -580,13 +592,18 @@ class DecoderModel:
         plan, scale, softcap = meta.host_decodes, self.scale, cfg.attn_softcap
         attn_flat = attn.view(t, qs)
         norms = self._norm_arrays
+        qk_norm = cpu_layer.QK_NORMS[cfg.family.qk_norm]
         last = len(layers) - 1
-        residual_norm(h_a, h_a, False, mult, norms[0][0], eps, fp32_weigh, x_a)
+        empty = norms[0][2][:0]
+        residual_norm(h_a, h_a, False, mult, empty, norms[0][0], norms[0][1], eps, fp32_weigh,
+                      x_a)
         for li, w in enumerate(layers):
+            _, _, attn_out, mlp_in, mlp_in_mode, mlp_out, q_norm, k_norm = norms[li]
             qkv = project(li, x, w.qkv, mods["qkv"], "qkv", w.qkv_bias)
             cos, sin = rope_arrays[id(self.layer_ropes[li])]
             k_cache, v_cache = caches[li]
-            rope_cache(arr(qkv), cos, sin, heads, kv_heads, q_a, k_a, k_cache, v_cache, slots)
+            rope_cache(arr(qkv), cos, sin, heads, kv_heads, q_a, k_a, k_cache, v_cache, slots,
+                       qk_norm, q_norm, k_norm, eps, fp32_weigh)
             window = cfg.window(li)
             if decodes_only:  # straight to the kernel, over the views made above
                 attend(q_a, k_cache, v_cache, attn_a, plan, scale, window, softcap)
@@ -596,18 +613,15 @@ class DecoderModel:
                                             workspace=ws, window=window,
                                             softcap=softcap).view(t, qs)
             delta = project(li, attn_flat, w.o, mods["o"], "delta", w.o_bias)
-            residual_norm(h_a, arr(delta), True, mult, norms[li][1], eps, fp32_weigh, x_a)
+            residual_norm(h_a, arr(delta), True, mult, attn_out, mlp_in, mlp_in_mode, eps,
+                          fp32_weigh, x_a)
             gu = project(li, x, w.gate_up, mods["gate_up"], "gate_up", w.gate_up_bias)
             gated(arr(gu), kind, act_a)
             delta = project(li, act, w.down, mods["down"], "delta", w.down_bias)
-            if li < last:
-                residual_norm(h_a, arr(delta), True, mult, norms[li + 1][0], eps, fp32_weigh,
-                              x_a)
-            else:
-                with one_thread():
-                    if cfg.residual_multiplier != 1.0:
-                        delta.mul_(cfg.residual_multiplier)
-                    h.add_(delta)
+            nxt, nxt_mode = (norms[li + 1][0], norms[li + 1][1]) if li < last else (
+                empty, cpu_layer.NORM_NONE)  # the final norm is the logits' own
+            residual_norm(h_a, arr(delta), True, mult, mlp_out, nxt, nxt_mode, eps, fp32_weigh,
+                          x_a)
 
     def _logits(self, h: torch.Tensor, batch: ForwardBatch, adapters: AdapterPool | None,
                 idx: torch.Tensor | None, vocab: bool) -> torch.Tensor:

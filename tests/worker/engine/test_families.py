@@ -84,10 +84,10 @@ def test_family_matches_transformers_and_peft(tmp_path, variant: Variant) -> Non
     check_parity(build_with_adapters(tmp_path, variant))
 
 
-COMPILED_LAYER_OPS = {"llama", "mistral", "qwen2", "gemma", "phi3", "granite", "smollm3"}
+COMPILED_LAYER_OPS = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text",
+                      "phi3", "olmo2", "granite", "smollm3"}
 """The families whose small steps (all of the parity test's) run their elementwise ops
-through the compiled kernels (`DecoderModel.compiled_layers`); the others (q/k norms,
-norms after attention and the MLP) keep the torch ops."""
+through the compiled kernels (`DecoderModel.compiled_layers`): every family served."""
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=[v.id for v in VARIANTS])

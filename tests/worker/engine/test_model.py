@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 from services.worker.engine import CheckpointError, Engine, EngineConfig, UnsupportedModelError
 from services.worker.engine.checkpoint import load_checkpoint
 
+from .families import Variant, build_family
 from .tiny_llama import build_model
 
 PROMPT = [5, 7, 9, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 67, 71, 73]
@@ -144,16 +145,31 @@ def test_serial_elementwise_ops_give_the_same_bits(tmp_path, monkeypatch):
     assert torch.equal(got[0], got[10_000])
 
 
+COMPILED_NORMS = {
+    "llama": None,
+    "qwen3": Variant("qwen3", "qwen3", {"head_dim": 16}),  # q/k norm per head
+    "gemma3": Variant("gemma3", "gemma3_text", {"head_dim": 16, "query_pre_attn_scalar": 24,
+                                                "sliding_window": 8}),  # norms before, after
+    "olmo2": Variant("olmo2", "olmo2"),  # norms after only, q/k norm over the projection
+}
+
+
+@pytest.mark.parametrize("family", COMPILED_NORMS)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_compiled_layer_ops_match_the_torch_ops(tmp_path, monkeypatch, dtype):
-    """Steps of up to `SERIAL_TOKENS` rows run norms, rope, the cache write and SwiGLU
-    through `loraplane_kernels.cpu_layer`: prefill and decode of several sequences give the
-    torch ops' tokens, and logits within rounding of theirs."""
+def test_compiled_layer_ops_match_the_torch_ops(tmp_path, monkeypatch, dtype, family):
+    """Steps of up to `SERIAL_TOKENS` rows run norms, rope, the cache write and the gated
+    activation through `loraplane_kernels.cpu_layer`: prefill and decode of several
+    sequences give the torch ops' tokens, and logits within rounding of theirs, for each
+    placement of the norms."""
     from services.worker.engine import GenerationRequest, SamplingParams
     from services.worker.engine import model as model_mod
 
     pytest.importorskip("numba")
-    build_model(tmp_path, seed=6, num_key_value_heads=2)
+    variant = COMPILED_NORMS[family]
+    if variant is None:
+        build_model(tmp_path, seed=6, num_key_value_heads=2)
+    else:
+        build_family(tmp_path, variant, seed=6)
     prompts = [PROMPT, PROMPT[:7], PROMPT[3:16], [9] * 30]
     got = {}
     for compiled in (False, True):
