@@ -37,7 +37,7 @@ test: setup lint
 
 # Every bench in bench/ in quick mode (BENCH_MODE= for the full runs), then the report.
 # A bench that fails does not stop the others; make fails after the report is written.
-BENCHES    := multi_lora serve merged hotswap router fanout registry release replay audit
+BENCHES    := multi_lora families serve merged hotswap router fanout registry release replay audit
 BENCH_MODE ?= --quick
 
 bench: setup

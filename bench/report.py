@@ -22,9 +22,9 @@ sys.path.insert(0, str(REPO))
 
 from bench.record import RESULTS  # noqa: E402
 
-ORDER = ("multi_lora", "peer", "profile", "int8", "serve", "serve_tls", "structured",
-         "merged", "hotswap", "router", "fanout", "registry", "release", "replay", "audit",
-         "audit_inline", "audit_server", "chaos")
+ORDER = ("multi_lora", "peer", "profile", "int8", "families", "serve", "serve_tls",
+         "structured", "merged", "hotswap", "router", "fanout", "registry", "release",
+         "replay", "audit", "audit_inline", "audit_server", "chaos")
 """Sections in reading order: the model and engine first, the control plane after."""
 
 

@@ -2,7 +2,8 @@
 controller's, so that a change to what the registry accepts does not leave `make bench`
 stopping at them (the registry bench stopped at a 422 for a while: its base model config
 lacked what registration had come to require); and the per-step profile, which wraps the
-engine's kernels by name (it stopped at a renamed one)."""
+engine's kernels by name (it stopped at a renamed one); and the families' bench, whose
+random models follow transformers' configs."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ ROOT = Path(__file__).resolve().parents[2]
     ("registry.py", ["--quick", "--versions", "8", "--rollbacks", "8"]),
     ("release.py", ["--quick"]),
     ("profile_step.py", ["--steps", "2", "--label", "suite"]),
+    ("families.py", ["--quick", "--rounds", "1", "--layers", "2", "--families",
+                     "gemma2,olmo2"]),
 ])
 def test_bench_runs_and_records_its_figures(tmp_path: Path, script: str,
                                             args: list[str]) -> None:
