@@ -136,8 +136,8 @@ def family_run(model_type: str, layers: int, rounds: int) -> dict[str, Any]:
             runs[kind].append(measure(engines[kind], vocab))
     out: dict[str, Any] = {}
     for kind, done in runs.items():
-        out[kind] = {"itl_ms": statistics.median(d["itl_ms"] for d in done),
-                     "batch_tok_s": statistics.median(d["batch_tok_s"] for d in done),
+        out[kind] = {"itl_ms": round(statistics.median(d["itl_ms"] for d in done), 3),
+                     "batch_tok_s": round(statistics.median(d["batch_tok_s"] for d in done), 1),
                      "rounds": [{k: v for k, v in d.items() if k != "tokens"} for d in done]}
     a, b = runs["compiled"][0]["tokens"], runs["torch"][0]["tokens"]
     out["greedy_sequences_identical"] = f"{sum(x == y for x, y in zip(a, b, strict=True))}/{len(a)}"
@@ -157,7 +157,7 @@ def main() -> None:
     run = BenchRun("families", quick=args.quick)
     layers = args.layers or (8 if args.quick else 30)
     rounds = args.rounds or (2 if args.quick else 3)
-    wanted = args.families.split(",") if args.families else [f.model_type for f in FAMILIES]
+    wanted = args.families.split(",") if args.families else list(FAMILIES)
     results: dict[str, Any] = {}
     figures: list[Figure] = []
     setting = (f"random bf16 model at SmolLM2-135M's shapes, {layers} layers, the family's "
