@@ -67,23 +67,48 @@ def _attention() -> Callable[..., None]:
 _PARALLEL = [True]
 
 
+def _threadsafe() -> bool:
+    """Whether kernels may run on numba's own (OpenMP or TBB) threads: only the thread-safe
+    layers, since numba's fallback (workqueue) aborts the process when two threads launch
+    kernels at once. False once a launch found neither layer."""
+    if _PARALLEL[0]:
+        import numba
+
+        if numba.config.THREADING_LAYER == "default":
+            numba.config.THREADING_LAYER = "threadsafe"
+    return _PARALLEL[0]
+
+
+def _no_threads() -> None:
+    """A parallel launch found no thread-safe layer: serial kernels from now on."""
+    _PARALLEL[0] = False
+    _shares.cache_clear()
+    _runs_shares.cache_clear()
+
+
 @functools.cache
 def _shares() -> Callable[..., None] | None:
-    """The attention kernel with a step's shares on numba's own (OpenMP or TBB) threads,
-    or None where neither layer loads. Handing a share to a Python helper thread cost
-    about as much as the share itself here: waking the thread took tens of microseconds,
-    and 32 SmolLM2 decodes a layer ran in 142 us on two threads against 145 us on one;
-    numba's threads ran them in 81 us. Only the thread-safe layers: numba's fallback
-    (workqueue) aborts the process when two threads launch kernels at once."""
-    if not _PARALLEL[0]:
+    """The attention kernel with a step's shares on numba's threads, or None where they
+    cannot run. Handing a share to a Python helper thread cost about as much as the share
+    itself here: waking the thread took tens of microseconds, and 32 SmolLM2 decodes a
+    layer ran in 142 us on two threads against 145 us on one; numba's threads ran them in
+    81 us."""
+    if not _threadsafe():
         return None
-    import numba
-
-    if numba.config.THREADING_LAYER == "default":
-        numba.config.THREADING_LAYER = "threadsafe"
     from loraplane_kernels._cpu_decode_numba import decode_attention_shares
 
     return decode_attention_shares
+
+
+@functools.cache
+def _runs_shares() -> Callable[..., None] | None:
+    """The LoRA pass with its runs in shares on numba's threads, or None where they cannot
+    run."""
+    if not _threadsafe():
+        return None
+    from loraplane_kernels._cpu_decode_numba import runs_shares
+
+    return runs_shares
 
 
 _HELPERS: dict[int, ThreadPoolExecutor] = {}
@@ -126,8 +151,7 @@ def decode_attention_arrays(q: Any, k_cache: Any, v_cache: Any, out: Any, plan: 
             shared(*args, np.asarray(cuts, dtype=np.int64))
             return
         except ValueError:  # no thread-safe threading layer: the helper threads below
-            _shares.cache_clear()
-            _PARALLEL[0] = False
+            _no_threads()
     shares = list(itertools.pairwise(cuts))
     pending = [_helper_threads(len(shares) - 1).submit(kernel_fn, *args, lo, hi)
                for lo, hi in shares[1:]] if len(shares) > 1 else []
@@ -171,8 +195,16 @@ def apply_small_runs(y: Tensor, x: Tensor, pool: np.ndarray, out_offset: int,
     """``y[rows, out_offset:+out] += scale * ((x[rows] @ A.T) @ Bt)`` for every run, with
     each run's slot looked up in `table` ([3, slots]: A offset, Bt offset, rank; rank 0
     skips the run) and `scales`; `pool` is the pool as `as_array` gives it."""
-    kernel()(as_array(x), as_array(y), pool, out_offset, in_features, out_features, table,
-             scales, runs.slots, runs.starts, runs.ends, runs.rows_max)
+    args = (as_array(x), as_array(y), pool, out_offset, in_features, out_features, table,
+            scales, runs.slots, runs.starts, runs.ends, runs.rows_max)
+    threads = min(torch.get_num_threads(), len(runs.slots))
+    if threads > 1 and (shared := _runs_shares()) is not None:
+        try:  # decodes of many adapters: their weights read on every core
+            shared(*args, threads)
+            return
+        except ValueError:
+            _no_threads()
+    kernel()(*args)
 
 
 class SmallRuns:

@@ -127,3 +127,35 @@ def test_fp16_keeps_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
     w = pooled(64, 48, seed=5, dtype=torch.float16)
     apply_runs(torch.zeros(12, 54, dtype=torch.float16), torch.randn(12, 64).half(), w, BLOCK, 3)
     assert not calls
+
+
+@pytest.mark.parametrize("numba_threads", [True, False], ids=["numba-threads", "serial"])
+@pytest.mark.parametrize("runs", [BLOCK, GAPPED, SPARSE], ids=["block", "gapped", "sparse"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_every_thread_count_gives_the_same_bits(dtype: torch.dtype, runs, numba_threads: bool,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each run is computed whole by one thread, so how the runs are cut into shares (by
+    rows x rank, over however many threads), or running them all on one thread, cannot
+    change a bit; every row of every run is written."""
+    monkeypatch.setattr(cpu_decode, "_PARALLEL", [numba_threads])
+    cpu_decode._runs_shares.cache_clear()
+    w = pooled(96, 160, seed=3, dtype=dtype)
+    rows = max(r[2] for r in runs)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(rows, 96, generator=g).to(dtype)
+    y = torch.randn(rows, 170, generator=g).to(dtype)
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2, 3, 8):
+            torch.set_num_threads(n)
+            out = y.clone()
+            apply_runs(out, x, w, runs, out_offset=3)
+            outs.append(out)
+    finally:
+        torch.set_num_threads(threads)
+        cpu_decode._runs_shares.cache_clear()
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    adapted = [r for r in runs if r[0] >= 0 and w.host_ranks[r[0]] > 0]
+    for _, lo, hi in adapted:
+        assert not torch.equal(outs[0][lo:hi, 3:163], y[lo:hi, 3:163])

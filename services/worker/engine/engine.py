@@ -143,8 +143,9 @@ class Engine:
 
     def _warm_up(self) -> None:
         """Step a scratch engine on this model through every compiled CPU path a step can
-        take (a short prefill, one decode, decodes in shares, the LoRA pass), so numba
-        compiles them or loads them from its cache here and not inside a request's step.
+        take (a short prefill, one decode, decodes in shares, the LoRA pass whole and in
+        shares), so numba compiles them or loads them from its cache here and not inside a
+        request's step.
         From a cold cache that took about 8 s and held the GIL: a worker's first request
         stalled its heartbeats, and a benchmark counted it into the first step it timed.
         Once per model: the compiled code is the process's."""
@@ -162,10 +163,11 @@ class Engine:
         scratch.generate([GenerationRequest(prompt_token_ids=prompt[: 4 + i], sampling=once)
                           for i in range(3)])
         weights = next(iter(scratch.adapters.weights[0].values()))
-        x = torch.zeros(1, weights.in_features, dtype=model.dtype)
-        y = torch.zeros(1, weights.out_features, dtype=model.dtype)
-        lora_apply_pooled(y, x, weights, torch.zeros(1, dtype=torch.int32),
-                          runs=((0, 0, 1),))  # slot 0 is empty (rank 0): adds nothing
+        x = torch.zeros(2, weights.in_features, dtype=model.dtype)
+        y = torch.zeros(2, weights.out_features, dtype=model.dtype)
+        for runs in (((0, 0, 1),), ((0, 0, 1), (0, 1, 2))):  # one run, and runs in shares
+            lora_apply_pooled(y, x, weights, torch.zeros(2, dtype=torch.int32),
+                              runs=runs)  # slot 0 is empty (rank 0): adds nothing
         model.drop_scratch()
 
     @classmethod
