@@ -547,12 +547,8 @@ def gelu_tanh(x: Any) -> Any:
 
 
 @numba.njit(inline="always", fastmath=_FAST)
-def activation(x: Any, kind: int) -> Any:
-    """transformers' ACT2FN entry `kind` (indexing `cpu_layer.GATED_ACTIVATIONS`) in fp32."""
-    if kind == 0:
-        return silu(x)
-    if kind == 1:
-        return gelu_tanh(x)
+def gelu(x: Any) -> Any:
+    """The exact GELU, ``x/2 (1 + erf(x / sqrt 2))``, in fp32 in torch's form."""
     return np.float32(0.5) * x * (np.float32(1.0) + math.erf(x * _SQRT_HALF))
 
 
@@ -566,7 +562,8 @@ def gated(gate_up: Any, kind: int, out: Any) -> None:
     t, inter = out.shape
     for r in range(t):
         g, o = gate_up[r], out[r]
-        if kind == 0:  # their own loops: the branch-free SiLU and GELU vectorise
+        # a loop per kind: the branch-free SiLU and GELU-tanh vectorise
+        if kind == 0:
             for j in range(inter):
                 a = rounded_like(g, silu(value(g, j)))
                 put(o, j, a * value(g, inter + j))
@@ -576,7 +573,7 @@ def gated(gate_up: Any, kind: int, out: Any) -> None:
                 put(o, j, a * value(g, inter + j))
         else:
             for j in range(inter):
-                a = rounded_like(g, activation(value(g, j), kind))
+                a = rounded_like(g, gelu(value(g, j)))
                 put(o, j, a * value(g, inter + j))
 
 
