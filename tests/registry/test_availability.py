@@ -39,14 +39,22 @@ from tests.waiting import wait_for
 pytestmark = pytest.mark.slow
 
 
+def registry_on(broker: ApacheKafka, tmp_path: Path, **overrides: float
+                ) -> tuple[Settings, RunningRegistry, int]:
+    """A started registry on the test's own one-partition broker, and the broker's pid
+    (to pause it with SIGSTOP)."""
+    settings = registry_settings(
+        isolated_settings(broker.bootstrap, None, topic_partitions=1), tmp_path / "blobs",
+        **overrides)
+    running = RunningRegistry(settings).start()
+    assert broker._child is not None
+    return settings, running, broker._child.pid
+
+
 def test_a_paused_broker_gets_503s_within_the_deadline_and_readyz_says_not_writable(
         own_broker: ApacheKafka, tmp_path: Path) -> None:
-    settings = registry_settings(
-        isolated_settings(own_broker.bootstrap, None, topic_partitions=1), tmp_path / "blobs",
-        registry_write_timeout_s=2.0, lease_interval_s=0.5)
-    running = RunningRegistry(settings).start()
-    assert own_broker._child is not None
-    pid = own_broker._child.pid
+    _, running, pid = registry_on(own_broker, tmp_path,
+                                  registry_write_timeout_s=2.0, lease_interval_s=0.5)
     try:
         with running.client() as admin:
             register_base(admin)
@@ -84,12 +92,8 @@ def test_readyz_stops_claiming_writes_within_two_lease_intervals_of_a_broker_pau
     error before then. /readyz must not answer 200 for longer than two lease intervals
     (plus a probe's slack) after writes stop committing, however long the writes wait."""
     interval = 0.5
-    settings = registry_settings(
-        isolated_settings(own_broker.bootstrap, None, topic_partitions=1), tmp_path / "blobs",
-        registry_write_timeout_s=8.0, lease_interval_s=interval)
-    running = RunningRegistry(settings).start()
-    assert own_broker._child is not None
-    pid = own_broker._child.pid
+    _, running, pid = registry_on(own_broker, tmp_path,
+                                  registry_write_timeout_s=8.0, lease_interval_s=interval)
     stop = threading.Event()
     probes: list[tuple[float, int]] = []
     try:
@@ -139,12 +143,8 @@ def test_a_write_that_commits_after_an_outage_is_answered_after_a_fresh_lease(
     sent right then commits once the broker is back, while the lease thread waits for its
     next turn. Its 202 must still come after a lease committed after the pause."""
     interval = 2.0
-    settings = registry_settings(
-        isolated_settings(own_broker.bootstrap, None, topic_partitions=1), tmp_path / "blobs",
-        registry_write_timeout_s=3.0, lease_interval_s=interval)
-    running = RunningRegistry(settings).start()
-    assert own_broker._child is not None
-    pid = own_broker._child.pid
+    settings, running, pid = registry_on(own_broker, tmp_path,
+                                         registry_write_timeout_s=3.0, lease_interval_s=interval)
     failed = 'loraplane_registry_commands_total{command="lease",outcome="unavailable"} 1.0'
     try:
         with running.client() as admin:
