@@ -16,7 +16,6 @@ command was `not_written`, is `unknown`, or `committed`), a bad request `invalid
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -38,7 +37,7 @@ from services.contracts.problems import (
     validation_problem,
 )
 from services.registry.blobstore import LocalBlobStore
-from services.registry.erasure import resume_erasures
+from services.registry.erasure import ErasureResumer
 from services.registry.gate_sweeper import GateSweeper
 from services.registry.metrics import RegistryMetrics
 from services.registry.node import RegistryNode, WritesUnavailable
@@ -132,19 +131,15 @@ def create_app(settings: Settings, *, registry_id: str | None = None) -> FastAPI
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         node = RegistryNode(settings, metrics, registry_id)
         app.state.node = node
+        erasing = ErasureResumer(node, app.state.blobs)  # before start: sees the first role
         node.start()
         sweeper = GateSweeper(node)
         sweeper.start()
-        stop_erasing = threading.Event()
-        erasing = threading.Thread(target=resume_erasures, args=(node, app.state.blobs,
-                                                                 stop_erasing),
-                                   name="blob-erasure", daemon=True)
         erasing.start()
         try:
             yield
         finally:
-            stop_erasing.set()
-            erasing.join(timeout=15)
+            erasing.stop()
             sweeper.stop()
             node.stop()
 

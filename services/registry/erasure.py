@@ -19,7 +19,7 @@ lock) before it writes the version that references them.
 Crash safety: deleting is idempotent and the event is only decided once (a purge that
 already has its `TenantBlobsDeleted` is skipped), so an erasure interrupted by a crash
 or a broker outage is simply run again: after the purge request and at start-up
-(`resume_erasures`). `deleted` lists the tenant's blobs that are gone from the store
+(`ErasureResumer`). `deleted` lists the tenant's blobs that are gone from the store
 when the event is written, including ones an interrupted earlier attempt removed. A
 purge is `met` only once this event is written (`services.catalog.purge`).
 """
@@ -27,8 +27,8 @@ purge is `met` only once this event is written (`services.catalog.purge`).
 from __future__ import annotations
 
 import logging
+import queue
 import threading
-from collections.abc import Iterable
 from typing import IO
 
 from services.catalog.state import CatalogState, Purge, Refusal, tenant_stream
@@ -114,22 +114,41 @@ def pending_erasures(state: CatalogState) -> list[str]:
                   if p.blobs is None and p.tenant is not None)
 
 
-def resume_erasures(node: RegistryNode, blobs: BlobStore, stop: threading.Event) -> None:
+class ErasureResumer:
     """Each time this instance takes the writer role (at start, or taking over from
-    another), erase what purges interrupted earlier left behind."""
-    done = 0
-    while not stop.is_set():
-        if not node.active.is_set() or node.activations == done:
-            stop.wait(0.5)  # `active.wait` returns at once while active: it would spin
-            continue
-        done = node.activations
-        with node.state_lock:
-            pending: Iterable[str] = pending_erasures(node.state)
-        for purge_id in pending:
-            if stop.is_set():
-                return
+    another), erase what purges interrupted earlier left behind: the purges pending in
+    the state folded when it took the role, noted by `RegistryNode.on_activate` (a thread
+    polling `active` would also pick up purges committed after it, and those are erased by
+    their own request). Build it before `node.start()`, so the first activation is seen."""
+
+    def __init__(self, node: RegistryNode, blobs: BlobStore) -> None:
+        self.node = node
+        self.blobs = blobs
+        self._taken: queue.Queue[list[str]] = queue.Queue()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        node.on_activate.append(lambda state: self._taken.put(pending_erasures(state)))
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="blob-erasure", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=15)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
             try:
-                erase_tenant_blobs(node, blobs, purge_id)
-            except (WritesUnavailable, Refusal) as exc:
-                log.warning("blob erasure of purge %s left for the next start: %s", purge_id,
-                            exc)
+                pending = self._taken.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            for purge_id in pending:
+                if self._stop.is_set():
+                    return
+                try:
+                    erase_tenant_blobs(self.node, self.blobs, purge_id)
+                except (WritesUnavailable, Refusal) as exc:
+                    log.warning("blob erasure of purge %s left for the next start: %s",
+                                purge_id, exc)

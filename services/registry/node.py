@@ -189,8 +189,9 @@ class RegistryNode:
         """Set once the log is replayed: the state is complete and reads are answered."""
         self.active = threading.Event()
         """Set while this instance holds the writer role."""
-        self.activations = 0
-        """How many times this instance took the writer role (erasures resume after each)."""
+        self.on_activate: list[Callable[[CatalogState], None]] = []
+        """Called with the folded state, under the command lock, each time this instance
+        takes the writer role: what was pending then is what earlier writers left."""
         self.stepped_down: str | None = None
         """Why this instance last gave up the writer role (lease election)."""
         self.last_takeover_s: float | None = None
@@ -302,11 +303,12 @@ class RegistryNode:
         self._producer = producer
         with self.state_lock:
             self.epoch = next_epoch(self.state)
+            for hook in self.on_activate:
+                hook(self.state)
         self._fenced = None
         self.write_error = None
         self._needs_sync = False
         self._last_commit = time.monotonic()
-        self.activations += 1
         self.active.set()
         self.metrics.lease_epoch.set(self.epoch)
         self.metrics.writable.set(1)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import time
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -21,7 +22,9 @@ from services.contracts.events import (
     TenantBlobsDeleted,
     TenantPurgeRequested,
     TenantRef,
+    uuid7,
 )
+from services.eventlog import EventProducer
 from services.registry import erasure
 from services.registry.blobstore import LocalBlobStore
 from services.registry.domain import ArtifactFacts
@@ -207,3 +210,39 @@ def test_purge_erases_the_tenants_blobs_through_the_api(
     erased = [e for e in domain_events(reg) if e.type == "TenantBlobsDeleted"]
     assert len(erased) == 1 and erased[0].tenant == ACME
     assert erased[0].payload.deleted == sorted(exclusive)
+
+
+def test_taking_the_writer_role_erases_what_earlier_writers_left_and_only_that(
+        settings: Settings, tmp_path: Path) -> None:
+    """A purge committed with no erasure (a writer that crashed in between) is erased when
+    an instance takes the role; one committed later by another producer is not, however
+    long the instance runs: erasing it is that purge's own request's work."""
+    reg = registry_settings(settings, tmp_path / "blobs")
+    left, later = TenantRef(org="left", team="t", project="p"), RIVAL
+
+    def inject(producer: EventProducer, tenant: TenantRef) -> str:
+        purge_id = uuid7().hex
+        producer.publish(Envelope.new(TenantPurgeRequested(purge_id=purge_id, deadline_s=60),
+                                      stream=tenant_stream(tenant), seq=1, actor="admin",
+                                      tenant=tenant))
+        return purge_id
+
+    with EventProducer(reg, client_id="crashed-writer") as producer:
+        before = inject(producer, left)
+        running = RunningRegistry(reg, registry_id="r-after").start()
+        try:
+            after = inject(producer, later)
+            with running.client("admin") as admin:
+                wait_for(lambda: admin.get(f"/v1/purges/{after}").status_code == 200, 30,
+                         message="the later purge folded")
+                erased = wait_for(
+                    lambda: admin.get(f"/v1/purges/{before}").json()["blobs_erased_at"], 30,
+                    message="the earlier purge erased on taking the role")
+                assert erased is not None
+                time.sleep(1.0)  # well past the resumer's poll: it had its chance
+                assert admin.get(f"/v1/purges/{after}").json()["blobs_erased_at"] is None
+        finally:
+            running.stop()
+    erasures = [e.payload.purge_id for e in domain_events(reg)
+                if e.type == "TenantBlobsDeleted"]
+    assert erasures == [before]
