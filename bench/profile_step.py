@@ -16,7 +16,8 @@ with ranges around the LoRA pass (`AdapterPool.apply`), decode attention
 (`loraplane_kernels.cpu_layer`), the logits (`DecoderModel._logits`), the sampler (`sample`)
 and the scheduler plus batch building. The profiled time splits into: base GEMMs
 (top-level `aten::mm` / `aten::addmm` / `mkldnn::_linear_pointwise` in the forward,
-outside LoRA and attention), the LM head (the final norm and the logits), LoRA, attention,
+outside LoRA and attention, and the one-row kernel `cpu_decode.linear_rows` there), the
+LM head (the final norm and the logits), LoRA, attention,
 other ops in the forward (norms, rope, SwiGLU, the KV write, the embedding), the sampler,
 schedule + batch build, and Python (the forward's and the step's own time outside any
 op). Each bare step's process CPU time is recorded beside its wall time: on a shared
@@ -85,6 +86,7 @@ def instrument() -> None:
     kernels = cpu_layer.kernels()  # the compiled elementwise ops of small steps
     for name in ("residual_norm", "rope_cache", "gated"):
         setattr(kernels, name, labelled("layer_ops", getattr(kernels, name)))
+    cpu_decode.linear_rows = labelled("row_linear", cpu_decode.linear_rows)
     model_mod.DecoderModel._logits = labelled(  # type: ignore[method-assign]
         "logits", model_mod.DecoderModel._logits)
     engine_mod.sample = labelled("sampler", engine_mod.sample)
@@ -134,6 +136,12 @@ def categorise(prof) -> dict[str, float]:
             step += dur
         elif e.name == "forward":
             forward += dur
+        elif e.name == "row_linear":  # the one-row kernel: a base projection or the head
+            parent = e.cpu_parent
+            while parent is not None and parent.name not in ("logits", "forward"):
+                parent = parent.cpu_parent
+            if parent is not None and parent.name == "forward":  # the head's is in "logits"
+                ms["base GEMMs"] += dur
         elif e.name in RANGES:
             ms[RANGES[e.name]] += dur
         elif e.name.startswith(("aten::", "mkldnn::")):

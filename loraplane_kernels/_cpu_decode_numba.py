@@ -229,6 +229,49 @@ def runs_shares(x: Any, y: Any, pool: Any, col0: int, in_f: int, out_f: int, tab
                     ends[r] - starts[r], xs, h, d)
 
 
+_LINEAR_TILE = 16
+"""Weight rows `linear_part` streams through every row of x before the next ones: 16 rows
+of 576 to 2,048 bf16s stay in L1 while each x row passes."""
+
+
+@numba.njit(inline="always", fastmath=_FAST)
+def linear_part(xs: Any, w: Any, bias: Any, y: Any, lo: Any, hi: Any) -> None:
+    """``y[:, lo:hi] = xs @ w[lo:hi].T (+ bias[lo:hi])``, each weight row read from memory
+    once, a tile at a time, and passed over every row of `xs` (fp32) from L1; one rounding
+    per output, after the bias, as oneDNN's bf16 linear rounds."""
+    in_f = xs.shape[1]
+    biased = bias.shape[0] > 0
+    for t0 in range(lo, hi, _LINEAR_TILE):
+        t1 = min(t0 + _LINEAR_TILE, hi)
+        for i in range(xs.shape[0]):
+            xi, yi = xs[i], y[i]
+            for o in range(t0, t1):
+                acc = dot(xi, w[o * in_f:(o + 1) * in_f])
+                put(yi, o, acc + value(bias, o) if biased else acc)
+
+
+@numba.njit(cache=True, nogil=True, fastmath=_FAST)
+def linear_rows(x: Any, w: Any, bias: Any, y: Any) -> None:
+    """``y = x @ W.T (+ bias)`` for a few rows `x` [T, in] (fp32 or bf16 bits) over a plain
+    [out, in] weight flattened to `w`; `bias` empty for none."""
+    xs = np.empty((x.shape[0], x.shape[1]), np.float32)
+    for i in range(x.shape[0]):
+        load(xs[i], x[i])
+    linear_part(xs, w, bias, y, 0, y.shape[1])
+
+
+@numba.njit(cache=True, nogil=True, fastmath=_FAST, parallel=True)
+def linear_rows_shares(x: Any, w: Any, bias: Any, y: Any, parts: int) -> None:
+    """`linear_rows` with the output columns cut into `parts` shares on numba's threads:
+    the same sums, so the same bits."""
+    xs = np.empty((x.shape[0], x.shape[1]), np.float32)
+    for i in range(x.shape[0]):
+        load(xs[i], x[i])
+    out_f = y.shape[1]
+    for share in numba.prange(parts):
+        linear_part(xs, w, bias, y, share * out_f // parts, (share + 1) * out_f // parts)
+
+
 def cached(cache: Any, h: Any, slot: Any, d: Any) -> Any:
     """Element `d` of `slot`'s row for KV head `h` of a [KVH, slots, D] fp32 or bf16-bits
     cache, as fp32. Indexing the 3-D array with unsigned indices, instead of slicing a row

@@ -64,6 +64,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         block_size=settings.worker_block_size,
         num_kv_blocks=settings.worker_kv_blocks, max_lora_rank=settings.worker_max_lora_rank,
         adapter_slots=settings.worker_adapter_slots,
+        row_weights_bytes=settings.worker_row_weights_bytes,
         limits=SchedulerLimits(
             max_running=settings.worker_max_running,
             max_tokens_per_step=max(settings.worker_max_tokens_per_step,

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from loraplane_kernels import PooledLora, cpu_decode
 from loraplane_kernels.rank_pool import apply_runs, step_runs
@@ -159,3 +161,40 @@ def test_every_thread_count_gives_the_same_bits(dtype: torch.dtype, runs, numba_
     adapted = [r for r in runs if r[0] >= 0 and w.host_ranks[r[0]] > 0]
     for _, lo, hi in adapted:
         assert not torch.equal(outs[0][lo:hi, 3:163], y[lo:hi, 3:163])
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 3), fin=st.integers(1, 300), fout=st.integers(1, 200),
+       biased=st.booleans(), dtype=st.sampled_from([torch.bfloat16, torch.float32]),
+       threads=st.sampled_from([1, 2, 3, 8]), seed=st.integers(0, 2**16))
+def test_the_few_row_linear_is_torchs_up_to_the_order_of_its_sums(
+        rows: int, fin: int, fout: int, biased: bool, dtype: torch.dtype, threads: int,
+        seed: int) -> None:
+    """`linear_rows` (one-row steps' projections) against `F.linear` in fp64 rounded once:
+    within one rounding of the exact sum plus the fp32 sums' slack; every thread count
+    cuts the columns differently and gives the same bits."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, fin, generator=g).to(dtype)
+    w = (torch.randn(fout, fin, generator=g) / fin**0.5).to(dtype)
+    bias = torch.randn(fout, generator=g).to(dtype) if biased else None
+    flat = cpu_decode.as_array(w).reshape(-1)
+    flat_bias = (cpu_decode.as_array(bias) if biased
+                 else cpu_decode.as_array(torch.empty(0, dtype=dtype)))
+    exact = torch.nn.functional.linear(x.double(), w.double(),
+                                       None if bias is None else bias.double())
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for n in sorted({1, threads}):
+            torch.set_num_threads(n)
+            outs.append(cpu_decode.linear_rows(x, flat, flat_bias,
+                                               torch.full((rows, fout), float("nan"),
+                                                          dtype=dtype)))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    eps = torch.finfo(dtype).eps
+    slack = (x.double().abs() @ w.double().abs().T) * fin * 2**-23
+    if bias is not None:
+        slack += bias.double().abs() * 2**-23
+    assert torch.all((outs[0].double() - exact).abs() <= exact.abs() * eps + slack + 1e-30)

@@ -69,6 +69,9 @@ class EngineConfig:
     sharing_policy: SharingPolicy = SharingPolicy.STRICT
     prefix_cache: bool = True
     """Off: no block is looked up or published (benchmarks' baseline; nothing is shared)."""
+    row_weights_bytes: int = 1 << 30
+    """bf16 on the CPU: most bytes of plain projection weights kept beside oneDNN's packed
+    ones for one-row steps (`DecoderModel.keep_row_weights`); 0 keeps none."""
 
 
 @dataclass(frozen=True)
@@ -125,7 +128,8 @@ class Engine:
         (CPU, int8 base weights, or a GPU model without a measured table) = always the
         separate path."""
         if self.fusion_threshold is None:
-            model.pack_weights()  # nothing reads the plain weights per step then
+            model.keep_row_weights(cfg.row_weights_bytes)
+            model.pack_weights()  # nothing else reads the plain weights per step then
         self._seqs: dict[str, Sequence] = {}
         self._groups: dict[str, ChoiceGroup] = {}
         self.grammars = GrammarCache(model.tokenizer, mc.vocab_size, mc.eos_token_ids)
@@ -155,7 +159,7 @@ class Engine:
         scratch = Engine(model, EngineConfig(
             dtype=cfg.dtype, device=cfg.device, weights=cfg.weights, block_size=cfg.block_size,
             num_kv_blocks=32, max_lora_rank=min(8, cfg.max_lora_rank), adapter_slots=1,
-            prefix_cache=False), warm_up=False)
+            prefix_cache=False, row_weights_bytes=cfg.row_weights_bytes), warm_up=False)
         vocab = model.cfg.vocab_size
         prompt = [1 + i % (vocab - 1) for i in range(24)]
         once = SamplingParams(max_tokens=2)

@@ -296,6 +296,12 @@ class DecoderModel:
         """The layers' projections are in oneDNN's packed layout (`pack_weights`)."""
         self.lm_head_packed: torch.Tensor | None = None
         """A packed copy of the LM head beside the plain one (`pack_weights`)."""
+        self.row_weights: list[dict[str, tuple[torch.Tensor, np.ndarray, np.ndarray]]] | None
+        self.row_weights = None
+        self._row_head = self._no_bias = np.empty(0, dtype=np.uint16)
+        """Per layer and projection, the plain weight and the flat arrays (weight, bias)
+        that one-row steps' projections read (`keep_row_weights`); None: they take the
+        matmul."""
         self.compiled_layers = self._compiled_layers_apply()
         """Whether steps of at most `SERIAL_TOKENS` rows run each layer's elementwise ops
         through `loraplane_kernels.cpu_layer` (three calls a layer) instead of torch's."""
@@ -346,6 +352,34 @@ class DecoderModel:
         """Gemma stores norm weights minus one and multiplies by 1 + w in float32."""
         return 1.0 + w.float() if self.cfg.family.norm_style == "gemma" else w
 
+    def keep_row_weights(self, budget_bytes: int) -> bool:
+        """Let steps of `cpu_decode.LINEAR_ROWS` rows (a single stream's decodes) compute
+        the base projections and the LM head with `cpu_decode.linear_rows`: bf16 dense
+        weights on the CPU. Call it before `pack_weights`: packing replaces the plain
+        projections, so keeping them costs their bytes again, taken only within
+        `budget_bytes` (0: never). SmolLM2-135M's are 214 MB; its one-row step ran about
+        15% faster (docs/engine.md). Returns whether they are kept."""
+        if self.packed or self.row_weights is not None:  # decided by the first engine
+            return self.row_weights is not None
+        if not (cpu_decode.AVAILABLE and self.weights == "dense" and self.device.type == "cpu"
+                and self.dtype == torch.bfloat16 and self.lm_head_int8 is None):
+            return False
+        names = ("qkv", "o", "gate_up", "down")
+        plain = [{n: plain_weight(getattr(w, n)).contiguous() for n in names}
+                 for w in self.layers]
+        extra = sum(t.numel() * t.element_size() for p in plain for t in p.values())
+        if (ONEDNN or self.packed) and extra > budget_bytes:  # else they are the weights
+            return False
+        none = np.empty(0, dtype=np.uint16)
+
+        def flat(t: torch.Tensor | None) -> np.ndarray:
+            return none if t is None else cpu_decode.as_array(t.contiguous()).reshape(-1)
+
+        self.row_weights = [{n: (p[n], flat(p[n]), flat(getattr(w, f"{n}_bias")))
+                             for n in names} for w, p in zip(self.layers, plain, strict=True)]
+        self._row_head, self._no_bias = flat(self.lm_head), none
+        return True
+
     def pack_weights(self) -> bool:
         """Store the layers' projections in oneDNN's packed layout, in place of the plain
         ones (the same bytes, no second copy), where that serves: dense fp32 or bf16
@@ -386,7 +420,8 @@ class DecoderModel:
             return
         packed, lo, hi = self.cfg.lora_rows(module)
         w = self.layers[layer]
-        dense = plain_weight(getattr(w, packed))
+        dense = (plain_weight(getattr(w, packed)) if self.row_weights is None
+                 else self.row_weights[layer][packed][0])  # its arrays see the write
         dense[lo:hi] = value
         setattr(w, packed, torch.ops.mkldnn._reorder_linear_weight(dense, PACK_ROWS))
 
@@ -435,12 +470,20 @@ class DecoderModel:
         ws = self.workspace
         packed = self.packed
 
-        def project(layer: int, x: torch.Tensor, weight: Weight,
-                    modules: tuple[tuple[str, int], ...], role: str,
-                    bias: torch.Tensor | None = None) -> torch.Tensor:
-            """Base projection (+ bias, as `nn.Linear` adds it) plus LoRA deltas (at column
-            offsets of packed outputs, after the bias: PEFT's order)."""
-            if isinstance(weight, Int8Weight):  # never fused: the engine turns fusion off
+        rows = self.row_weights if t <= cpu_decode.LINEAR_ROWS and split is None else None
+
+        def project(layer: int, x: torch.Tensor, name: str, role: str) -> torch.Tensor:
+            """Base projection `name` of `layer` (+ bias, as `nn.Linear` adds it) plus LoRA
+            deltas (at column offsets of packed outputs, after the bias: PEFT's order)."""
+            lw = self.layers[layer]
+            weight: Weight = getattr(lw, name)
+            bias: torch.Tensor | None = getattr(lw, f"{name}_bias")
+            modules = mods[name]
+            if rows is not None and x.is_contiguous():
+                _, flat, flat_bias = rows[layer][name]
+                y = cpu_decode.linear_rows(x, flat, flat_bias,
+                                           ws.take(role, t, weight.shape[0]))
+            elif isinstance(weight, Int8Weight):  # never fused: the engine turns fusion off
                 y = int8_linear(x, weight, bias=bias, scratch=ws.take("dequant", *weight.shape)
                                 if needs_dequant_buffer(x) else None)
             elif split is None and packed:
@@ -501,7 +544,7 @@ class DecoderModel:
             with serial():
                 x = h if w.attn_in_norm is None else self._norm(h, w.attn_in_norm, "norm",
                                                                  norm_sq)
-            qkv = project(li, x, w.qkv, mods["qkv"], "qkv", w.qkv_bias)
+            qkv = project(li, x, "qkv", "qkv")
             rope = self.layer_ropes[li]
             with serial():
                 q_src, k_src = qkv[:, :qs], qkv[:, qs : qs + ks]
@@ -526,7 +569,7 @@ class DecoderModel:
             attn = paged_attention(q, k, v, kv.k[li], kv.v[li], batch.attention, self.scale,
                                    workspace=ws, window=cfg.window(li),
                                    softcap=cfg.attn_softcap)
-            delta = project(li, attn.view(t, qs), w.o, mods["o"], "delta", w.o_bias)
+            delta = project(li, attn.view(t, qs), "o", "delta")
             with serial():
                 if w.attn_out_norm is not None:
                     delta = self._norm(delta, w.attn_out_norm, "delta_normed", norm_sq)
@@ -535,11 +578,11 @@ class DecoderModel:
                 h.add_(delta)
                 x = h if w.mlp_in_norm is None else self._norm(h, w.mlp_in_norm, "norm",
                                                                 norm_sq)
-            gu = project(li, x, w.gate_up, mods["gate_up"], "gate_up", w.gate_up_bias)
+            gu = project(li, x, "gate_up", "gate_up")
             with serial():
                 act = torch.mul(self.act(gu[:, :inter]), gu[:, inter:],
                                 out=ws.take("act", t, inter))
-            delta = project(li, act, w.down, mods["down"], "delta", w.down_bias)
+            delta = project(li, act, "down", "delta")
             with serial():
                 if w.mlp_out_norm is not None:
                     delta = self._norm(delta, w.mlp_out_norm, "delta_normed", norm_sq)
@@ -555,7 +598,7 @@ class DecoderModel:
         (`loraplane_kernels.cpu_layer`): the residual add fused with the next norm, rope
         with the cache write, SwiGLU. The projections (with their LoRA) and attention are
         the torch path's own."""
-        cfg, ws, mods = self.cfg, self.workspace, self.lora_mods
+        cfg, ws = self.cfg, self.workspace
         kernels, as_array = cpu_layer.kernels(), cpu_layer.as_array
         t, hidden = h.shape
         heads, kv_heads, dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -597,9 +640,9 @@ class DecoderModel:
         empty = norms[0][2][:0]
         residual_norm(h_a, h_a, False, mult, empty, norms[0][0], norms[0][1], eps, fp32_weigh,
                       x_a)
-        for li, w in enumerate(layers):
+        for li in range(len(layers)):
             _, _, attn_out, mlp_in, mlp_in_mode, mlp_out, q_norm, k_norm = norms[li]
-            qkv = project(li, x, w.qkv, mods["qkv"], "qkv", w.qkv_bias)
+            qkv = project(li, x, "qkv", "qkv")
             cos, sin = rope_arrays[id(self.layer_ropes[li])]
             k_cache, v_cache = caches[li]
             rope_cache(arr(qkv), cos, sin, heads, kv_heads, q_a, k_a, k_cache, v_cache, slots,
@@ -612,12 +655,12 @@ class DecoderModel:
                 attn_flat = paged_attention(q, k, v, kv.k[li], kv.v[li], meta, scale,
                                             workspace=ws, window=window,
                                             softcap=softcap).view(t, qs)
-            delta = project(li, attn_flat, w.o, mods["o"], "delta", w.o_bias)
+            delta = project(li, attn_flat, "o", "delta")
             residual_norm(h_a, arr(delta), True, mult, attn_out, mlp_in, mlp_in_mode, eps,
                           fp32_weigh, x_a)
-            gu = project(li, x, w.gate_up, mods["gate_up"], "gate_up", w.gate_up_bias)
+            gu = project(li, x, "gate_up", "gate_up")
             gated(arr(gu), kind, act_a)
-            delta = project(li, act, w.down, mods["down"], "delta", w.down_bias)
+            delta = project(li, act, "down", "delta")
             nxt, nxt_mode = (norms[li + 1][0], norms[li + 1][1]) if li < last else (
                 empty, cpu_layer.NORM_NONE)  # the final norm is the logits' own
             residual_norm(h_a, arr(delta), True, mult, mlp_out, nxt, nxt_mode, eps, fp32_weigh,
@@ -628,7 +671,11 @@ class DecoderModel:
         cfg, ws = self.cfg, self.workspace
         last = rms_norm(h[batch.logits_rows], self.norm, cfg.rms_norm_eps,
                         weigh_in_fp32=self.weigh_in_fp32)
-        if self.lm_head_int8 is not None:
+        if self.row_weights is not None and last.shape[0] <= cpu_decode.LINEAR_ROWS:
+            logits = cpu_decode.linear_rows(
+                last.contiguous(), self._row_head, self._no_bias,
+                torch.empty(last.shape[0], self.lm_head.shape[0], dtype=self.dtype))
+        elif self.lm_head_int8 is not None:
             logits = int8_linear(last, self.lm_head_int8,
                                  scratch=ws.take("dequant", *self.lm_head_int8.shape)
                                  if needs_dequant_buffer(last) else None)

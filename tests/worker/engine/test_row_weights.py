@@ -1,0 +1,62 @@
+"""One-row bf16 steps compute the base projections and the LM head from plain weights kept
+beside oneDNN's packed ones (`DecoderModel.keep_row_weights`), within a byte budget."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loraplane_kernels import cpu_decode
+from services.worker.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
+from services.worker.engine.model import ONEDNN, plain_weight
+
+pytestmark = pytest.mark.skipif(not cpu_decode.AVAILABLE, reason="numba is not installed")
+
+
+def engine(tiny, budget: int, dtype: str = "bfloat16") -> Engine:
+    return Engine.from_pretrained(tiny.path, EngineConfig(dtype=dtype, adapter_slots=4,
+                                                          row_weights_bytes=budget))
+
+
+def greedy(eng: Engine, adapter: str | None = None) -> list[list[int]]:
+    """One request at a time: single streams, every decode step one row."""
+    digest = None if adapter is None else eng.load_adapter(adapter).digest
+    return [eng.generate([GenerationRequest(prompt_token_ids=[5 + 3 * i for i in range(n)],
+                                            adapter_digest=digest,
+                                            sampling=SamplingParams(max_tokens=12))])[0]
+            .token_ids for n in (7, 30)]
+
+
+def test_a_single_streams_tokens_match_the_packed_matmuls(tiny, monkeypatch) -> None:
+    """Within the budget the kernel serves every one-row step (base and adapter); its
+    greedy tokens are the packed matmuls' on the same engine settings, and nothing is
+    kept in fp32 or with a budget of 0."""
+    calls: list[int] = []
+    real = cpu_decode.linear_rows
+    monkeypatch.setattr(cpu_decode, "linear_rows",
+                        lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    kept = engine(tiny, 1 << 30)
+    assert kept.model.row_weights is not None
+    calls.clear()
+    one_row = [greedy(kept), greedy(kept, next(iter(tiny.adapters.values())))]
+    assert calls and set(calls) == {1}  # a prefill of 7 or 30 rows never takes it
+    if ONEDNN:
+        packed = engine(tiny, 0)
+        assert packed.model.row_weights is None
+        calls.clear()
+        assert one_row == [greedy(packed), greedy(packed, next(iter(tiny.adapters.values())))]
+        assert not calls
+    assert engine(tiny, 1 << 30, dtype="float32").model.row_weights is None
+
+
+def test_a_merged_weight_reaches_the_kept_copy_and_the_packed_one(tiny) -> None:
+    model = engine(tiny, 1 << 30).model
+    assert model.row_weights is not None
+    value = torch.full_like(model.projection_weight(0, "v_proj"), 0.5)
+    model.set_projection_weight(0, "v_proj", value)
+    kept = model.row_weights[0]["qkv"][0]
+    _, lo, hi = model.cfg.lora_rows("v_proj")
+    assert torch.equal(kept[lo:hi], value)
+    assert torch.equal(plain_weight(model.layers[0].qkv), kept)
+    flat = model.row_weights[0]["qkv"][1]
+    assert flat.reshape(kept.shape)[lo, 0] == cpu_decode.as_array(value)[0, 0]
