@@ -62,7 +62,7 @@ def bits_of(typingctx: Any, value: Any) -> Any:
 
 
 def value(row: Any, j: Any) -> Any:
-    """Element `j` of a bf16-bits or fp32 row, as fp32."""
+    """Element `j` of a bf16-bits, fp32 or int8 row, as fp32."""
     raise NotImplementedError  # compiled through the overload below
 
 
@@ -72,6 +72,10 @@ def _value(row: Any, j: Any) -> Any:
         def same(row: Any, j: Any) -> Any:
             return row[j]
         return same
+    if row.dtype == numba.types.int8:  # int8 weights (`loraplane_kernels.int8`): exact
+        def integer(row: Any, j: Any) -> Any:
+            return np.float32(row[j])
+        return integer
 
     def widened(row: Any, j: Any) -> Any:
         return f32_of(np.uint32(row[j]) << _U16)
@@ -235,41 +239,47 @@ of 576 to 2,048 bf16s stay in L1 while each x row passes."""
 
 
 @numba.njit(inline="always", fastmath=_FAST)
-def linear_part(xs: Any, w: Any, bias: Any, y: Any, lo: Any, hi: Any) -> None:
+def linear_part(xs: Any, w: Any, scale: Any, bias: Any, y: Any, lo: Any, hi: Any) -> None:
     """``y[:, lo:hi] = xs @ w[lo:hi].T (+ bias[lo:hi])``, each weight row read from memory
-    once, a tile at a time, and passed over every row of `xs` (fp32) from L1; one rounding
-    per output, after the bias, as oneDNN's bf16 linear rounds."""
+    once, a tile at a time, and passed over every row of `xs` (fp32) from L1. Dense
+    weights: one rounding per output, after the bias, as oneDNN's linear rounds. int8
+    weights (`scale` per row, else empty): the scaled sum rounded, then the bias added
+    and rounded, as `int8_linear` does."""
     in_f = xs.shape[1]
-    biased = bias.shape[0] > 0
+    scaled, biased = scale.shape[0] > 0, bias.shape[0] > 0
     for t0 in range(lo, hi, _LINEAR_TILE):
         t1 = min(t0 + _LINEAR_TILE, hi)
         for i in range(xs.shape[0]):
             xi, yi = xs[i], y[i]
             for o in range(t0, t1):
                 acc = dot(xi, w[o * in_f:(o + 1) * in_f])
+                if scaled:
+                    acc = rounded_like(yi, acc * value(scale, o))
                 put(yi, o, acc + value(bias, o) if biased else acc)
 
 
 @numba.njit(cache=True, nogil=True, fastmath=_FAST)
-def linear_rows(x: Any, w: Any, bias: Any, y: Any) -> None:
+def linear_rows(x: Any, w: Any, scale: Any, bias: Any, y: Any) -> None:
     """``y = x @ W.T (+ bias)`` for a few rows `x` [T, in] (fp32 or bf16 bits) over a plain
-    [out, in] weight flattened to `w`; `bias` empty for none."""
+    [out, in] weight flattened to `w` (fp32, bf16 bits, or int8 with a `scale` per row);
+    `scale` and `bias` empty for none."""
     xs = np.empty((x.shape[0], x.shape[1]), np.float32)
     for i in range(x.shape[0]):
         load(xs[i], x[i])
-    linear_part(xs, w, bias, y, 0, y.shape[1])
+    linear_part(xs, w, scale, bias, y, 0, y.shape[1])
 
 
 @numba.njit(cache=True, nogil=True, fastmath=_FAST, parallel=True)
-def linear_rows_shares(x: Any, w: Any, bias: Any, y: Any, parts: int) -> None:
+def linear_rows_shares(x: Any, w: Any, scale: Any, bias: Any, y: Any, parts: int) -> None:
     """`linear_rows` with the output columns cut into `parts` shares on numba's threads:
-    the same sums, so the same bits."""
+    each output is one share's, so the bits do not depend on `parts`."""
     xs = np.empty((x.shape[0], x.shape[1]), np.float32)
     for i in range(x.shape[0]):
         load(xs[i], x[i])
     out_f = y.shape[1]
     for share in numba.prange(parts):
-        linear_part(xs, w, bias, y, share * out_f // parts, (share + 1) * out_f // parts)
+        linear_part(xs, w, scale, bias, y, share * out_f // parts,
+                    (share + 1) * out_f // parts)
 
 
 def cached(cache: Any, h: Any, slot: Any, d: Any) -> Any:

@@ -138,13 +138,17 @@ one row, 1.01x for two and 1.24x for four: one row is bound by memory, which it 
 full speed, more rows by its unblocked fp32 dot products."""
 
 
-def linear_rows(x: Tensor, weight: np.ndarray, bias: np.ndarray, out: Tensor) -> Tensor:
+def linear_rows(x: Tensor, weight: np.ndarray, scale: np.ndarray, bias: np.ndarray,
+                out: Tensor) -> Tensor:
     """``out = x @ W.T (+ bias)`` for the few rows of `x` ([T, in], contiguous) over a plain
-    [out, in] weight given flat as `as_array` makes it (`bias` empty for none), in fp32
-    sums rounded once. oneDNN's one-row kernel on packed weights read SmolLM2's bf16
-    projections at about 39 GB/s on the 2-core AMD EPYC of the peer bench; this reads them
-    at the memory's 47-49 GB/s, with no per-call set-up (120 calls a step)."""
-    args = (as_array(x), weight, bias, as_array(out))
+    [out, in] weight given flat (`as_array`): in the serving dtype, or int8 with one
+    `scale` per row (`loraplane_kernels.int8`; empty for dense); `bias` empty for none.
+    fp32 sums, rounded where oneDNN's linear or `int8_linear` rounds. On the 2-core AMD
+    EPYC of the peer bench, oneDNN's one-row kernel read SmolLM2's packed bf16 projections
+    at about 39 GB/s and this reads them at the memory's 47-49, with no per-call set-up
+    (120 calls a step); over int8 weights a SmolLM2-shaped step took 3.0-3.2 ms against
+    4.3-4.5 in `torch._weight_int8pack_mm`."""
+    args = (as_array(x), weight, scale, bias, as_array(out))
     if (shared := _linear_shares()) is not None:  # one thread too: one compiled body, so
         try:  # every thread count gives the same bits (LLVM may fuse a bias add elsewhere)
             shared(*args, torch.get_num_threads())

@@ -172,7 +172,7 @@ class Settings(BaseSettings):
         "kept beside oneDNN's packed ones, so that a single stream's decode steps read them "
         "with the compiled one-row kernel (about 20% less time a token on SmolLM2-135M, for "
         "its 214 MB). A bigger model keeps one copy and decodes through oneDNN; 0 keeps "
-        "none.")
+        "none. int8 weights need no copy: the kernel reads them whatever this is.")
     worker_adapter_slots: int = Field(8, ge=1, description="Device tier: adapter slots.")
     worker_max_lora_rank: int = Field(
         64, ge=1, description="The largest LoRA rank a worker's adapter pool holds; the "

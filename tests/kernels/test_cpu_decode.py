@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from loraplane_kernels import PooledLora, cpu_decode
+from loraplane_kernels.int8 import quantize_int8
 from loraplane_kernels.rank_pool import apply_runs, step_runs
 
 pytest.importorskip("numba")
@@ -163,23 +164,29 @@ def test_every_thread_count_gives_the_same_bits(dtype: torch.dtype, runs, numba_
         assert not torch.equal(outs[0][lo:hi, 3:163], y[lo:hi, 3:163])
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(rows=st.integers(1, 3), fin=st.integers(1, 300), fout=st.integers(1, 200),
        biased=st.booleans(), dtype=st.sampled_from([torch.bfloat16, torch.float32]),
-       threads=st.sampled_from([1, 2, 3, 8]), seed=st.integers(0, 2**16))
+       int8=st.booleans(), threads=st.sampled_from([1, 2, 3, 8]),
+       seed=st.integers(0, 2**16))
 def test_the_few_row_linear_is_torchs_up_to_the_order_of_its_sums(
-        rows: int, fin: int, fout: int, biased: bool, dtype: torch.dtype, threads: int,
-        seed: int) -> None:
-    """`linear_rows` (one-row steps' projections) against `F.linear` in fp64 rounded once:
-    within one rounding of the exact sum plus the fp32 sums' slack; every thread count
-    cuts the columns differently and gives the same bits."""
+        rows: int, fin: int, fout: int, biased: bool, dtype: torch.dtype, int8: bool,
+        threads: int, seed: int) -> None:
+    """`linear_rows` (one-row steps' projections) against the exact product, dense or over
+    int8 weights (`int8_linear`'s reconstruction), rounded where the torch ops round:
+    within a rounding of the exact value per rounding step plus the fp32 sums' slack;
+    every thread count cuts the columns differently and gives the same bits."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, fin, generator=g).to(dtype)
     w = (torch.randn(fout, fin, generator=g) / fin**0.5).to(dtype)
     bias = torch.randn(fout, generator=g).to(dtype) if biased else None
-    flat = cpu_decode.as_array(w).reshape(-1)
-    flat_bias = (cpu_decode.as_array(bias) if biased
-                 else cpu_decode.as_array(torch.empty(0, dtype=dtype)))
+    none = cpu_decode.as_array(torch.empty(0, dtype=dtype))
+    if int8:
+        q = quantize_int8(w)
+        flat, scale = q.q.numpy().reshape(-1), cpu_decode.as_array(q.scale)
+        w = q.q.double() * q.scale.double()[:, None]  # the exact reconstruction
+    else:
+        flat, scale = cpu_decode.as_array(w).reshape(-1), none
     exact = torch.nn.functional.linear(x.double(), w.double(),
                                        None if bias is None else bias.double())
     before = torch.get_num_threads()
@@ -187,14 +194,14 @@ def test_the_few_row_linear_is_torchs_up_to_the_order_of_its_sums(
     try:
         for n in sorted({1, threads}):
             torch.set_num_threads(n)
-            outs.append(cpu_decode.linear_rows(x, flat, flat_bias,
-                                               torch.full((rows, fout), float("nan"),
-                                                          dtype=dtype)))
+            outs.append(cpu_decode.linear_rows(
+                x, flat, scale, none if bias is None else cpu_decode.as_array(bias),
+                torch.full((rows, fout), float("nan"), dtype=dtype)))
     finally:
         torch.set_num_threads(before)
     assert all(torch.equal(outs[0], o) for o in outs[1:])
-    eps = torch.finfo(dtype).eps
-    slack = (x.double().abs() @ w.double().abs().T) * fin * 2**-23
+    eps = torch.finfo(dtype).eps * (2 if int8 and biased else 1)
+    slack = (x.double().abs() @ w.double().abs().T) * (fin * 2**-23 * (1 + eps))
     if bias is not None:
-        slack += bias.double().abs() * 2**-23
+        slack += bias.double().abs() * (2**-23 + eps)
     assert torch.all((outs[0].double() - exact).abs() <= exact.abs() * eps + slack + 1e-30)

@@ -136,6 +136,8 @@ loss is small and lm_head is the bytes a decode step most saves on. With tied em
 the int8 copy comes beside the dense embedding (half its bytes)."""
 
 Weight = torch.Tensor | Int8Weight
+RowWeight = tuple[torch.Tensor | None, np.ndarray, np.ndarray, np.ndarray]
+"""A projection as one-row steps read it (`DecoderModel.keep_row_weights`)."""
 
 
 @dataclass
@@ -296,12 +298,13 @@ class DecoderModel:
         """The layers' projections are in oneDNN's packed layout (`pack_weights`)."""
         self.lm_head_packed: torch.Tensor | None = None
         """A packed copy of the LM head beside the plain one (`pack_weights`)."""
-        self.row_weights: list[dict[str, tuple[torch.Tensor, np.ndarray, np.ndarray]]] | None
-        self.row_weights = None
-        self._row_head = self._no_bias = np.empty(0, dtype=np.uint16)
-        """Per layer and projection, the plain weight and the flat arrays (weight, bias)
-        that one-row steps' projections read (`keep_row_weights`); None: they take the
-        matmul."""
+        self.row_weights: list[dict[str, RowWeight]] | None = None
+        """Per layer and projection, the kept plain dense weight (None for int8) and the
+        flat arrays (weight, int8 scale, bias) that one-row steps' projections read
+        (`keep_row_weights`); None: they take the matmul."""
+        self._no_bias = np.empty(0, dtype=np.uint16)
+        self._row_head = (self._no_bias, self._no_bias)
+        """The LM head as `linear_rows` reads it (weight, int8 scale)."""
         self.compiled_layers = self._compiled_layers_apply()
         """Whether steps of at most `SERIAL_TOKENS` rows run each layer's elementwise ops
         through `loraplane_kernels.cpu_layer` (three calls a layer) instead of torch's."""
@@ -354,30 +357,42 @@ class DecoderModel:
 
     def keep_row_weights(self, budget_bytes: int) -> bool:
         """Let steps of `cpu_decode.LINEAR_ROWS` rows (a single stream's decodes) compute
-        the base projections and the LM head with `cpu_decode.linear_rows`: bf16 dense
-        weights on the CPU. Call it before `pack_weights`: packing replaces the plain
-        projections, so keeping them costs their bytes again, taken only within
-        `budget_bytes` (0: never). SmolLM2-135M's are 214 MB; its one-row step ran about
-        15% faster (docs/engine.md). Returns whether they are kept."""
+        the base projections and the LM head with `cpu_decode.linear_rows`: bf16 on the
+        CPU, dense or int8 weights. Call it before `pack_weights`: packing replaces the
+        plain dense projections, so keeping them costs their bytes again, taken only
+        within `budget_bytes` (0: never; int8 weights are read as they are stored, at no
+        cost). SmolLM2-135M's dense ones are 214 MB (docs/engine.md has the figures).
+        Returns whether the kernel serves one-row steps."""
         if self.packed or self.row_weights is not None:  # decided by the first engine
             return self.row_weights is not None
-        if not (cpu_decode.AVAILABLE and self.weights == "dense" and self.device.type == "cpu"
-                and self.dtype == torch.bfloat16 and self.lm_head_int8 is None):
+        if not (cpu_decode.AVAILABLE and self.device.type == "cpu"
+                and self.dtype == torch.bfloat16):
             return False
         names = ("qkv", "o", "gate_up", "down")
-        plain = [{n: plain_weight(getattr(w, n)).contiguous() for n in names}
-                 for w in self.layers]
-        extra = sum(t.numel() * t.element_size() for p in plain for t in p.values())
-        if (ONEDNN or self.packed) and extra > budget_bytes:  # else they are the weights
-            return False
-        none = np.empty(0, dtype=np.uint16)
+        none = self._no_bias
 
         def flat(t: torch.Tensor | None) -> np.ndarray:
             return none if t is None else cpu_decode.as_array(t.contiguous()).reshape(-1)
 
-        self.row_weights = [{n: (p[n], flat(p[n]), flat(getattr(w, f"{n}_bias")))
-                             for n in names} for w, p in zip(self.layers, plain, strict=True)]
-        self._row_head, self._no_bias = flat(self.lm_head), none
+        def arrays(w: Weight) -> tuple[np.ndarray, np.ndarray]:
+            """(weight, scale) as the kernel reads them."""
+            if isinstance(w, Int8Weight):
+                return w.q.numpy().reshape(-1), flat(w.scale)
+            return flat(w), none
+
+        plain: list[dict[str, torch.Tensor | None]] = [
+            {n: None if self.weights == "int8" else plain_weight(getattr(w, n)).contiguous()
+             for n in names} for w in self.layers]
+        extra = sum(t.numel() * t.element_size() for p in plain for t in p.values()
+                    if t is not None)
+        if (ONEDNN or self.packed) and extra > budget_bytes:  # else they are the weights
+            return False
+        self.row_weights = [
+            {n: (p[n], *arrays(getattr(w, n) if p[n] is None else p[n]),
+                 flat(getattr(w, f"{n}_bias"))) for n in names}
+            for w, p in zip(self.layers, plain, strict=True)]
+        self._row_head = arrays(self.lm_head if self.lm_head_int8 is None
+                                else self.lm_head_int8)
         return True
 
     def pack_weights(self) -> bool:
@@ -480,8 +495,8 @@ class DecoderModel:
             bias: torch.Tensor | None = getattr(lw, f"{name}_bias")
             modules = mods[name]
             if rows is not None and x.is_contiguous():
-                _, flat, flat_bias = rows[layer][name]
-                y = cpu_decode.linear_rows(x, flat, flat_bias,
+                _, flat, scale, flat_bias = rows[layer][name]
+                y = cpu_decode.linear_rows(x, flat, scale, flat_bias,
                                            ws.take(role, t, weight.shape[0]))
             elif isinstance(weight, Int8Weight):  # never fused: the engine turns fusion off
                 y = int8_linear(x, weight, bias=bias, scratch=ws.take("dequant", *weight.shape)
@@ -673,7 +688,7 @@ class DecoderModel:
                         weigh_in_fp32=self.weigh_in_fp32)
         if self.row_weights is not None and last.shape[0] <= cpu_decode.LINEAR_ROWS:
             logits = cpu_decode.linear_rows(
-                last.contiguous(), self._row_head, self._no_bias,
+                last.contiguous(), *self._row_head, self._no_bias,
                 torch.empty(last.shape[0], self.lm_head.shape[0], dtype=self.dtype))
         elif self.lm_head_int8 is not None:
             logits = int8_linear(last, self.lm_head_int8,

@@ -13,8 +13,9 @@ from services.worker.engine.model import ONEDNN, plain_weight
 pytestmark = pytest.mark.skipif(not cpu_decode.AVAILABLE, reason="numba is not installed")
 
 
-def engine(tiny, budget: int, dtype: str = "bfloat16") -> Engine:
-    return Engine.from_pretrained(tiny.path, EngineConfig(dtype=dtype, adapter_slots=4,
+def engine(tiny, budget: int, dtype: str = "bfloat16", weights: str = "dense") -> Engine:
+    return Engine.from_pretrained(tiny.path, EngineConfig(dtype=dtype, weights=weights,
+                                                          adapter_slots=4,
                                                           row_weights_bytes=budget))
 
 
@@ -60,3 +61,17 @@ def test_a_merged_weight_reaches_the_kept_copy_and_the_packed_one(tiny) -> None:
     assert torch.equal(plain_weight(model.layers[0].qkv), kept)
     flat = model.row_weights[0]["qkv"][1]
     assert flat.reshape(kept.shape)[lo, 0] == cpu_decode.as_array(value)[0, 0]
+
+
+def test_int8_weights_are_read_as_stored_whatever_the_budget(tiny, monkeypatch) -> None:
+    """int8 projections and LM head need no second copy: a budget of 0 still serves
+    one-row steps from them, with `int8_linear`'s tokens."""
+    kernel = engine(tiny, 0, weights="int8")
+    assert kernel.model.row_weights is not None
+    assert all(kept is None for layer in kernel.model.row_weights for kept, *_ in
+               layer.values())
+    adapter = next(iter(tiny.adapters.values()))
+    tokens = [greedy(kernel), greedy(kernel, adapter)]
+    monkeypatch.setattr(cpu_decode, "LINEAR_ROWS", 0)  # every step through `int8_linear`
+    torch_path = engine(tiny, 0, weights="int8")
+    assert tokens == [greedy(torch_path), greedy(torch_path, adapter)]
