@@ -241,21 +241,39 @@ of 576 to 2,048 bf16s stay in L1 while each x row passes."""
 @numba.njit(inline="always", fastmath=_FAST)
 def linear_part(xs: Any, w: Any, scale: Any, bias: Any, y: Any, lo: Any, hi: Any) -> None:
     """``y[:, lo:hi] = xs @ w[lo:hi].T (+ bias[lo:hi])``, each weight row read from memory
-    once, a tile at a time, and passed over every row of `xs` (fp32) from L1. Dense
-    weights: one rounding per output, after the bias, as oneDNN's linear rounds. int8
-    weights (`scale` per row, else empty): the scaled sum rounded, then the bias added
-    and rounded, as `int8_linear` does."""
-    in_f = xs.shape[1]
+    once, a tile at a time, and passed over the rows of `xs` (fp32) from L1, two at a time
+    where it can (each weight element widened once for both). Dense weights: one rounding
+    per output, after the bias, as oneDNN's linear rounds. int8 weights (`scale` per row,
+    else empty): the scaled sum rounded, then the bias added and rounded, as `int8_linear`
+    does. An output's sum is the same whether its row is paired or not.
+
+    One `put` site only: numba's IR check warns where its inlined overloads meet twice."""
+    in_f, n = xs.shape[1], xs.shape[0]
     scaled, biased = scale.shape[0] > 0, bias.shape[0] > 0
     for t0 in range(lo, hi, _LINEAR_TILE):
         t1 = min(t0 + _LINEAR_TILE, hi)
-        for i in range(xs.shape[0]):
-            xi, yi = xs[i], y[i]
+        i = 0
+        while i < n:
+            pair = i + 1 < n
+            x0 = xs[i]
+            x1 = xs[i + 1] if pair else x0
             for o in range(t0, t1):
-                acc = dot(xi, w[o * in_f:(o + 1) * in_f])
-                if scaled:
-                    acc = rounded_like(yi, acc * value(scale, o))
-                put(yi, o, acc + value(bias, o) if biased else acc)
+                row = w[o * in_f:(o + 1) * in_f]
+                a0 = np.float32(0.0)
+                a1 = np.float32(0.0)
+                if pair:
+                    for j in range(in_f):
+                        v = value(row, j)
+                        a0 += x0[j] * v
+                        a1 += x1[j] * v
+                else:
+                    a0 = dot(x0, row)
+                for r in range(2 if pair else 1):
+                    yr, acc = y[i + r], a0 if r == 0 else a1
+                    if scaled:
+                        acc = rounded_like(yr, acc * value(scale, o))
+                    put(yr, o, acc + value(bias, o) if biased else acc)
+            i += 2 if pair else 1
 
 
 @numba.njit(cache=True, nogil=True, fastmath=_FAST)

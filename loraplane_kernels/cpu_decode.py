@@ -130,12 +130,14 @@ def _linear_shares() -> Callable[..., None] | None:
     return linear_rows_shares
 
 
-LINEAR_ROWS = 1
+LINEAR_ROWS = 2
 """Steps of at most this many rows may take `linear_rows` for the base projections
 (`services.worker.engine.model.DecoderModel.keep_row_weights`). Over SmolLM2's 30 layers
-and LM head in bf16 on the peer bench's 2-core AMD EPYC it took 0.79x oneDNN's time for
-one row, 1.01x for two and 1.24x for four: one row is bound by memory, which it reads at
-full speed, more rows by its unblocked fp32 dot products."""
+and LM head in bf16 on the peer bench's 2-core AMD EPYC, against oneDNN's packed weights,
+in alternating rounds: 0.87x its time for one row, 0.84-0.86x for two (both rows take
+each weight element in one pass), 1.12x for three and 1.23x for four. One or two rows are
+bound by memory, which the kernel reads at full speed; from three on, by its fp32 dot
+products, which oneDNN's blocked GEMM does better."""
 
 
 def linear_rows(x: Tensor, weight: np.ndarray, scale: np.ndarray, bias: np.ndarray,

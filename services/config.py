@@ -169,8 +169,8 @@ class Settings(BaseSettings):
         "needs dense.")
     worker_row_weights_bytes: int = Field(
         1 << 30, ge=0, description="bf16 on the CPU: most bytes of plain base projections "
-        "kept beside oneDNN's packed ones, so that a single stream's decode steps read them "
-        "with the compiled one-row kernel (about 20% less time a token on SmolLM2-135M, for "
+        "kept beside oneDNN's packed ones, so that decode steps of one or two streams read "
+        "them with the compiled few-row kernel (about 20% less time a token on SmolLM2-135M, for "
         "its 214 MB). A bigger model keeps one copy and decodes through oneDNN; 0 keeps "
         "none. int8 weights need no copy: the kernel reads them whatever this is.")
     worker_adapter_slots: int = Field(8, ge=1, description="Device tier: adapter slots.")

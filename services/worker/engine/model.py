@@ -137,7 +137,7 @@ the int8 copy comes beside the dense embedding (half its bytes)."""
 
 Weight = torch.Tensor | Int8Weight
 RowWeight = tuple[torch.Tensor | None, np.ndarray, np.ndarray, np.ndarray]
-"""A projection as one-row steps read it (`DecoderModel.keep_row_weights`)."""
+"""A projection as one- and two-row steps read it (`DecoderModel.keep_row_weights`)."""
 
 
 @dataclass
@@ -300,7 +300,7 @@ class DecoderModel:
         """A packed copy of the LM head beside the plain one (`pack_weights`)."""
         self.row_weights: list[dict[str, RowWeight]] | None = None
         """Per layer and projection, the kept plain dense weight (None for int8) and the
-        flat arrays (weight, int8 scale, bias) that one-row steps' projections read
+        flat arrays (weight, int8 scale, bias) that few-row steps' projections read
         (`keep_row_weights`); None: they take the matmul."""
         self._no_bias = np.empty(0, dtype=np.uint16)
         self._row_head = (self._no_bias, self._no_bias)
@@ -356,13 +356,13 @@ class DecoderModel:
         return 1.0 + w.float() if self.cfg.family.norm_style == "gemma" else w
 
     def keep_row_weights(self, budget_bytes: int) -> bool:
-        """Let steps of `cpu_decode.LINEAR_ROWS` rows (a single stream's decodes) compute
+        """Let steps of `cpu_decode.LINEAR_ROWS` rows (one or two streams' decodes) compute
         the base projections and the LM head with `cpu_decode.linear_rows`: bf16 on the
         CPU, dense or int8 weights. Call it before `pack_weights`: packing replaces the
         plain dense projections, so keeping them costs their bytes again, taken only
         within `budget_bytes` (0: never; int8 weights are read as they are stored, at no
         cost). SmolLM2-135M's dense ones are 214 MB (docs/engine.md has the figures).
-        Returns whether the kernel serves one-row steps."""
+        Returns whether the kernel serves those steps."""
         if self.packed or self.row_weights is not None:  # decided by the first engine
             return self.row_weights is not None
         if not (cpu_decode.AVAILABLE and self.device.type == "cpu"

@@ -1,5 +1,6 @@
-"""One-row bf16 steps compute the base projections and the LM head from plain weights kept
-beside oneDNN's packed ones (`DecoderModel.keep_row_weights`), within a byte budget."""
+"""One- and two-row bf16 steps compute the base projections and the LM head from plain
+weights kept beside oneDNN's packed ones (`DecoderModel.keep_row_weights`), within a byte
+budget."""
 
 from __future__ import annotations
 
@@ -28,9 +29,17 @@ def greedy(eng: Engine, adapter: str | None = None) -> list[list[int]]:
             .token_ids for n in (7, 30)]
 
 
-def test_a_single_streams_tokens_match_the_packed_matmuls(tiny, monkeypatch) -> None:
-    """Within the budget the kernel serves every one-row step (base and adapter); its
-    greedy tokens are the packed matmuls' on the same engine settings, and nothing is
+def pair(eng: Engine) -> list[list[int]]:
+    """Two streams at once: their decodes are two-row steps until the shorter ends."""
+    outs = eng.generate([GenerationRequest(prompt_token_ids=[4 + i for i in range(n)],
+                                           sampling=SamplingParams(max_tokens=m))
+                         for n, m in ((9, 8), (20, 14))])
+    return [o.token_ids for o in outs]
+
+
+def test_one_and_two_streams_tokens_match_the_packed_matmuls(tiny, monkeypatch) -> None:
+    """Within the budget the kernel serves every one- and two-row step (base and adapter);
+    its greedy tokens are the packed matmuls' on the same engine settings, and nothing is
     kept in fp32 or with a budget of 0."""
     calls: list[int] = []
     real = cpu_decode.linear_rows
@@ -39,13 +48,14 @@ def test_a_single_streams_tokens_match_the_packed_matmuls(tiny, monkeypatch) -> 
     kept = engine(tiny, 1 << 30)
     assert kept.model.row_weights is not None
     calls.clear()
-    one_row = [greedy(kept), greedy(kept, next(iter(tiny.adapters.values())))]
-    assert calls and set(calls) == {1}  # a prefill of 7 or 30 rows never takes it
+    few_rows = [greedy(kept), greedy(kept, next(iter(tiny.adapters.values()))), pair(kept)]
+    assert set(calls) == {1, 2}  # a prefill of 7 to 30 rows never takes it
     if ONEDNN:
         packed = engine(tiny, 0)
         assert packed.model.row_weights is None
         calls.clear()
-        assert one_row == [greedy(packed), greedy(packed, next(iter(tiny.adapters.values())))]
+        assert few_rows == [greedy(packed), greedy(packed, next(iter(tiny.adapters.values()))),
+                            pair(packed)]
         assert not calls
     assert engine(tiny, 1 << 30, dtype="float32").model.row_weights is None
 
@@ -65,13 +75,13 @@ def test_a_merged_weight_reaches_the_kept_copy_and_the_packed_one(tiny) -> None:
 
 def test_int8_weights_are_read_as_stored_whatever_the_budget(tiny, monkeypatch) -> None:
     """int8 projections and LM head need no second copy: a budget of 0 still serves
-    one-row steps from them, with `int8_linear`'s tokens."""
+    one- and two-row steps from them, with `int8_linear`'s tokens."""
     kernel = engine(tiny, 0, weights="int8")
     assert kernel.model.row_weights is not None
     assert all(kept is None for layer in kernel.model.row_weights for kept, *_ in
                layer.values())
     adapter = next(iter(tiny.adapters.values()))
-    tokens = [greedy(kernel), greedy(kernel, adapter)]
+    tokens = [greedy(kernel), greedy(kernel, adapter), pair(kernel)]
     monkeypatch.setattr(cpu_decode, "LINEAR_ROWS", 0)  # every step through `int8_linear`
     torch_path = engine(tiny, 0, weights="int8")
-    assert tokens == [greedy(torch_path), greedy(torch_path, adapter)]
+    assert tokens == [greedy(torch_path), greedy(torch_path, adapter), pair(torch_path)]
