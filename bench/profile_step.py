@@ -16,7 +16,7 @@ with ranges around the LoRA pass (`AdapterPool.apply`), decode attention
 (`loraplane_kernels.cpu_layer`), the logits (`DecoderModel._logits`), the sampler (`sample`)
 and the scheduler plus batch building. The profiled time splits into: base GEMMs
 (top-level `aten::mm` / `aten::addmm` / `mkldnn::_linear_pointwise` in the forward,
-outside LoRA and attention, and the one-row kernel `cpu_decode.linear_rows` there), the
+outside LoRA and attention, and the few-row kernel `cpu_decode.linear_rows_arrays` there), the
 LM head (the final norm and the logits), LoRA, attention,
 other ops in the forward (norms, rope, SwiGLU, the KV write, the embedding), the sampler,
 schedule + batch build, and Python (the forward's and the step's own time outside any
@@ -86,7 +86,7 @@ def instrument() -> None:
     kernels = cpu_layer.kernels()  # the compiled elementwise ops of small steps
     for name in ("residual_norm", "rope_cache", "gated"):
         setattr(kernels, name, labelled("layer_ops", getattr(kernels, name)))
-    cpu_decode.linear_rows = labelled("row_linear", cpu_decode.linear_rows)
+    cpu_decode.linear_rows_arrays = labelled("row_linear", cpu_decode.linear_rows_arrays)
     model_mod.DecoderModel._logits = labelled(  # type: ignore[method-assign]
         "logits", model_mod.DecoderModel._logits)
     engine_mod.sample = labelled("sampler", engine_mod.sample)

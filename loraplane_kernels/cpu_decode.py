@@ -150,15 +150,20 @@ def linear_rows(x: Tensor, weight: np.ndarray, scale: np.ndarray, bias: np.ndarr
     at about 39 GB/s and this reads them at the memory's 47-49, with no per-call set-up
     (120 calls a step); over int8 weights a SmolLM2-shaped step took 3.0-3.2 ms against
     4.3-4.5 in `torch._weight_int8pack_mm`."""
-    args = (as_array(x), weight, scale, bias, as_array(out))
+    linear_rows_arrays(as_array(x), weight, scale, bias, as_array(out))
+    return out
+
+
+def linear_rows_arrays(x: np.ndarray, weight: np.ndarray, scale: np.ndarray,
+                       bias: np.ndarray, out: np.ndarray) -> None:
+    """`linear_rows` over numpy views (`as_array`) the caller made once for many calls."""
     if (shared := _linear_shares()) is not None:  # one thread too: one compiled body, so
         try:  # every thread count gives the same bits (LLVM may fuse a bias add elsewhere)
-            shared(*args, torch.get_num_threads())
-            return out
+            shared(x, weight, scale, bias, out, torch.get_num_threads())
+            return
         except ValueError:
             _no_threads()
-    _linear()(*args)
-    return out
+    _linear()(x, weight, scale, bias, out)
 
 
 _HELPERS: dict[int, ThreadPoolExecutor] = {}

@@ -553,7 +553,8 @@ class DecoderModel:
             if self.embed_scale is not None and not self.scale_in_embedding:
                 h.mul_(self.embed_scale)
         if self.compiled_layers and t <= SERIAL_TOKENS and kv.k.dtype == self.dtype:
-            self._compiled_layer_loop(h, batch, kv, tables, project)
+            self._compiled_layer_loop(h, batch, kv, tables, project,
+                                      None if use_lora else rows)
             return self._logits(h, batch, adapters, idx, vocab)
         for li, w in enumerate(self.layers):
             with serial():
@@ -608,11 +609,15 @@ class DecoderModel:
 
     def _compiled_layer_loop(self, h: torch.Tensor, batch: ForwardBatch, kv: KVStorage,
                              tables: dict[int, tuple[torch.Tensor, ...]],
-                             project: Callable[..., torch.Tensor]) -> None:
+                             project: Callable[..., torch.Tensor],
+                             direct: list[dict[str, RowWeight]] | None) -> None:
         """Every layer with its elementwise ops as three compiled calls
         (`loraplane_kernels.cpu_layer`): the residual add fused with the next norm, rope
         with the cache write, SwiGLU. The projections (with their LoRA) and attention are
-        the torch path's own."""
+        the torch path's own; with `direct` (a step of few rows and no adapter, see
+        `keep_row_weights`) the projections go straight to `cpu_decode.linear_rows_arrays`
+        over the step's buffers: `project`'s Python around each of 120 calls a step cost
+        about as much as the kernel's launch."""
         cfg, ws = self.cfg, self.workspace
         kernels, as_array = cpu_layer.kernels(), cpu_layer.as_array
         t, hidden = h.shape
@@ -649,6 +654,12 @@ class DecoderModel:
         attend = cpu_decode.decode_attention_arrays
         plan, scale, softcap = meta.host_decodes, self.scale, cfg.attn_softcap
         attn_flat = attn.view(t, qs)
+        lin = cpu_decode.linear_rows_arrays
+        if direct is not None:  # the roles' buffers, as `project` would take them
+            qkv_a = arr(ws.take("qkv", t, qs + 2 * ks))
+            gu_a = arr(ws.take("gate_up", t, 2 * cfg.intermediate_size))
+            delta_a = arr(ws.take("delta", t, hidden))
+            attn_flat_a = attn_a.reshape(t, qs)
         norms = self._norm_arrays
         qk_norm = cpu_layer.QK_NORMS[cfg.family.qk_norm]
         last = len(layers) - 1
@@ -657,10 +668,15 @@ class DecoderModel:
                       x_a)
         for li in range(len(layers)):
             _, _, attn_out, mlp_in, mlp_in_mode, mlp_out, q_norm, k_norm = norms[li]
-            qkv = project(li, x, "qkv", "qkv")
+            if direct is None:
+                qkv = project(li, x, "qkv", "qkv")
+                qkv_a = arr(qkv)
+            else:
+                weights = direct[li]
+                lin(x_a, *weights["qkv"][1:], qkv_a)
             cos, sin = rope_arrays[id(self.layer_ropes[li])]
             k_cache, v_cache = caches[li]
-            rope_cache(arr(qkv), cos, sin, heads, kv_heads, q_a, k_a, k_cache, v_cache, slots,
+            rope_cache(qkv_a, cos, sin, heads, kv_heads, q_a, k_a, k_cache, v_cache, slots,
                        qk_norm, q_norm, k_norm, eps, fp32_weigh)
             window = cfg.window(li)
             if decodes_only:  # straight to the kernel, over the views made above
@@ -670,15 +686,25 @@ class DecoderModel:
                 attn_flat = paged_attention(q, k, v, kv.k[li], kv.v[li], meta, scale,
                                             workspace=ws, window=window,
                                             softcap=softcap).view(t, qs)
-            delta = project(li, attn_flat, "o", "delta")
-            residual_norm(h_a, arr(delta), True, mult, attn_out, mlp_in, mlp_in_mode, eps,
+            if direct is None:
+                delta_a = arr(project(li, attn_flat, "o", "delta"))
+            else:
+                lin(attn_flat_a if decodes_only else arr(attn_flat), *weights["o"][1:],
+                    delta_a)
+            residual_norm(h_a, delta_a, True, mult, attn_out, mlp_in, mlp_in_mode, eps,
                           fp32_weigh, x_a)
-            gu = project(li, x, "gate_up", "gate_up")
-            gated(arr(gu), kind, act_a)
-            delta = project(li, act, "down", "delta")
+            if direct is None:
+                gu_a = arr(project(li, x, "gate_up", "gate_up"))
+            else:
+                lin(x_a, *weights["gate_up"][1:], gu_a)
+            gated(gu_a, kind, act_a)
+            if direct is None:
+                delta_a = arr(project(li, act, "down", "delta"))
+            else:
+                lin(act_a, *weights["down"][1:], delta_a)
             nxt, nxt_mode = (norms[li + 1][0], norms[li + 1][1]) if li < last else (
                 empty, cpu_layer.NORM_NONE)  # the final norm is the logits' own
-            residual_norm(h_a, arr(delta), True, mult, mlp_out, nxt, nxt_mode, eps, fp32_weigh,
+            residual_norm(h_a, delta_a, True, mult, mlp_out, nxt, nxt_mode, eps, fp32_weigh,
                           x_a)
 
     def _logits(self, h: torch.Tensor, batch: ForwardBatch, adapters: AdapterPool | None,

@@ -42,8 +42,8 @@ def test_one_and_two_streams_tokens_match_the_packed_matmuls(tiny, monkeypatch) 
     its greedy tokens are the packed matmuls' on the same engine settings, and nothing is
     kept in fp32 or with a budget of 0."""
     calls: list[int] = []
-    real = cpu_decode.linear_rows
-    monkeypatch.setattr(cpu_decode, "linear_rows",
+    real = cpu_decode.linear_rows_arrays
+    monkeypatch.setattr(cpu_decode, "linear_rows_arrays",
                         lambda *a: calls.append(a[0].shape[0]) or real(*a))
     kept = engine(tiny, 1 << 30)
     assert kept.model.row_weights is not None
