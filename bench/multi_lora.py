@@ -993,42 +993,10 @@ def figures(result: dict[str, Any]) -> list[Figure]:
                  f"random {family} (hidden {shape.get('hidden')}, {shape.get('layers')} "
                  "layers)")
         model = "SmolLM2-135M-Instruct" if key == "smollm2_135m" else f"random {family}"
-        mixed = part.get("mixed")
-        if mixed and "peft_tok_s" in mixed:
-            out.append(Figure(
-                f"engine tokens/s, mixed adapters, {label}", mixed["engine_tok_s"], "tokens/s",
-                baseline="PEFT generate(adapter_names=...) on the same requests",
-                baseline_value=mixed["peft_tok_s"], model=model,
-                settings=(f"{mixed['requests']} requests over {part['adapters']} adapters "
-                          f"(r {part['adapter_ranks']}), {mixed['prompt_tokens']} prompt and "
-                          f"{mixed['output_tokens']} output tokens, {mixed['dtype']} "
-                          f"{run['device']}, {run['threads']} threads, clock {run['clock']}"),
-                load_average=_loads(mixed, "engine_32", "peft")))
-        roof = (mixed or {}).get("roofline", {}).get("all")
-        if roof:
-            out.append(Figure(
-                f"roofline: engine FLOP rate, mixed adapters, {label}", roof["engine_gflops"],
-                "GFLOP per CPU-s" if run["clock"] == "cpu" else "GFLOP/s",
-                baseline=("dense F.linear of the same steps' shapes alone, same process, "
-                          "timed right after each round of steps; the repeat of median "
-                          "fraction"),
-                baseline_value=roof["dense_matmul_gflops"], target="ratio >= 0.85",
-                meets_target=roof["fraction_of_dense"] >= 0.85, model=model,
-                settings=(f"{mixed['requests']} requests over {part['adapters']} adapters; "
-                          "useful FLOPs: base linears of every token and the LM head of "
-                          "sampled rows; prefill steps "
-                          f"{mixed['roofline']['prefill']['fraction_of_dense']:.0%}, decode "
-                          f"steps {mixed['roofline']['decode']['fraction_of_dense']:.0%}"
-                          + _no_adapter(mixed)),
-                load_average=_loads(mixed, "engine_32")))
-            out.append(Figure(
-                f"one adapter vs 32 distinct, mixed workload, {label}",
-                mixed["one_adapter_vs_32"], "x (time with 32 / time with 1)", better="lower",
-                target="<= 1.10", meets_target=mixed["one_adapter_vs_32"] <= 1.10, model=model,
-                settings=(f"the same {mixed['requests']} requests, every one on adapter 0; "
-                          f"median of {mixed['repeats']} repeats, each stepping both "
-                          "engines in turn"),
-                load_average=_loads(mixed, "engine_1")))
+        for section, dtype, roof_target in (("mixed", "", 0.85),
+                                            ("mixed_bf16", ", bf16", 0.80)):
+            out += _mixed_figures(part.get(section), part, run, f"{dtype}, {label}", model,
+                                  roof_target)
         tenant = part.get("tenant_prefix")
         if tenant and "peft_tok_s" in tenant:
             out.append(Figure(
@@ -1063,6 +1031,49 @@ def figures(result: dict[str, Any]) -> list[Figure]:
                               baseline="transformers generate() on the same prompt",
                               baseline_value=base["itl_median_ms"], better="lower",
                               model=model, settings=settings, load_average=_loads(latency)))
+    return out
+
+
+def _mixed_figures(mixed: dict[str, Any] | None, part: dict[str, Any], run: dict[str, Any],
+                   label: str, model: str, roof_target: float) -> list[Figure]:
+    """A mixed section's figures (fp32 `mixed` or `mixed_bf16`): against PEFT, the
+    roofline and one adapter vs 32."""
+    out: list[Figure] = []
+    if mixed and "peft_tok_s" in mixed:
+        out.append(Figure(
+            f"engine tokens/s, mixed adapters{label}", mixed["engine_tok_s"], "tokens/s",
+            baseline="PEFT generate(adapter_names=...) on the same requests",
+            baseline_value=mixed["peft_tok_s"], model=model,
+            settings=(f"{mixed['requests']} requests over {part['adapters']} adapters "
+                      f"(r {part['adapter_ranks']}), {mixed['prompt_tokens']} prompt and "
+                      f"{mixed['output_tokens']} output tokens, {mixed['dtype']} "
+                      f"{run['device']}, {run['threads']} threads, clock {run['clock']}"),
+            load_average=_loads(mixed, "engine_32", "peft")))
+    roof = (mixed or {}).get("roofline", {}).get("all")
+    if roof:
+        out.append(Figure(
+            f"roofline: engine FLOP rate, mixed adapters{label}", roof["engine_gflops"],
+            "GFLOP per CPU-s" if run["clock"] == "cpu" else "GFLOP/s",
+            baseline=("dense F.linear of the same steps' shapes alone, same process, "
+                      "timed right after each round of steps; the repeat of median "
+                      "fraction"),
+            baseline_value=roof["dense_matmul_gflops"], target=f"ratio >= {roof_target}",
+            meets_target=roof["fraction_of_dense"] >= roof_target, model=model,
+            settings=(f"{mixed['requests']} requests over {part['adapters']} adapters; "
+                      "useful FLOPs: base linears of every token and the LM head of "
+                      "sampled rows; prefill steps "
+                      f"{mixed['roofline']['prefill']['fraction_of_dense']:.0%}, decode "
+                      f"steps {mixed['roofline']['decode']['fraction_of_dense']:.0%}"
+                      + _no_adapter(mixed)),
+            load_average=_loads(mixed, "engine_32")))
+        out.append(Figure(
+            f"one adapter vs 32 distinct, mixed workload{label}",
+            mixed["one_adapter_vs_32"], "x (time with 32 / time with 1)", better="lower",
+            target="<= 1.10", meets_target=mixed["one_adapter_vs_32"] <= 1.10, model=model,
+            settings=(f"the same {mixed['requests']} requests, every one on adapter 0; "
+                      f"median of {mixed['repeats']} repeats, each stepping both "
+                      "engines in turn"),
+            load_average=_loads(mixed, "engine_1")))
     return out
 
 

@@ -85,7 +85,14 @@ def section(name: str, doc: dict[str, Any]) -> list[str]:
               f"started {run['started_at']})",
               f"- machine: {machine_line(run)}",
               f"- load average (1/5/15 min) at start {load(run.get('load_average_start'))}, "
-              f"at end {load(run.get('load_average_end'))}", ""]
+              f"at end {load(run.get('load_average_end'))}"]
+    earlier = doc.get("full_run")
+    if earlier:  # a run of some sections: the others' figures are older
+        lines.append(f"- the sections this command did not run keep their figures from "
+                     f"earlier runs, the last full one `{earlier['command']}` (started "
+                     f"{earlier['started_at']}, {machine_line(earlier)}); "
+                     f"{len(doc.get('partial_runs', []))} partial runs since")
+    lines.append("")
     lines += ["| figure | value | baseline (same run) | baseline value | ratio | target | "
               "load avg | settings |",
               "|---|---|---|---|---|---|---|---|"]
