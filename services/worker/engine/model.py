@@ -655,11 +655,21 @@ class DecoderModel:
         plan, scale, softcap = meta.host_decodes, self.scale, cfg.attn_softcap
         attn_flat = attn.view(t, qs)
         lin = cpu_decode.linear_rows_arrays
-        if direct is not None:  # the roles' buffers, as `project` would take them
-            qkv_a = arr(ws.take("qkv", t, qs + 2 * ks))
-            gu_a = arr(ws.take("gate_up", t, 2 * cfg.intermediate_size))
-            delta_a = arr(ws.take("delta", t, hidden))
-            attn_flat_a = attn_a.reshape(t, qs)
+        outs = {} if direct is None else {  # the roles' buffers, as `project` takes them
+            role: ws.take(role, t, width) for role, width in (
+                ("qkv", qs + 2 * ks), ("gate_up", 2 * cfg.intermediate_size),
+                ("delta", hidden))}
+
+        def linear(li: int, name: str, role: str,
+                   x_t: torch.Tensor) -> tuple[torch.Tensor, np.ndarray]:
+            """`project`, or with `direct` the kernel straight into the role's buffer."""
+            if direct is None:
+                y = project(li, x_t, name, role)
+            else:
+                y = outs[role]
+                lin(arr(x_t), *direct[li][name][1:], arr(y))
+            return y, arr(y)
+
         norms = self._norm_arrays
         qk_norm = cpu_layer.QK_NORMS[cfg.family.qk_norm]
         last = len(layers) - 1
@@ -668,12 +678,7 @@ class DecoderModel:
                       x_a)
         for li in range(len(layers)):
             _, _, attn_out, mlp_in, mlp_in_mode, mlp_out, q_norm, k_norm = norms[li]
-            if direct is None:
-                qkv = project(li, x, "qkv", "qkv")
-                qkv_a = arr(qkv)
-            else:
-                weights = direct[li]
-                lin(x_a, *weights["qkv"][1:], qkv_a)
+            qkv, qkv_a = linear(li, "qkv", "qkv", x)
             cos, sin = rope_arrays[id(self.layer_ropes[li])]
             k_cache, v_cache = caches[li]
             rope_cache(qkv_a, cos, sin, heads, kv_heads, q_a, k_a, k_cache, v_cache, slots,
@@ -686,22 +691,12 @@ class DecoderModel:
                 attn_flat = paged_attention(q, k, v, kv.k[li], kv.v[li], meta, scale,
                                             workspace=ws, window=window,
                                             softcap=softcap).view(t, qs)
-            if direct is None:
-                delta_a = arr(project(li, attn_flat, "o", "delta"))
-            else:
-                lin(attn_flat_a if decodes_only else arr(attn_flat), *weights["o"][1:],
-                    delta_a)
+            delta_a = linear(li, "o", "delta", attn_flat)[1]
             residual_norm(h_a, delta_a, True, mult, attn_out, mlp_in, mlp_in_mode, eps,
                           fp32_weigh, x_a)
-            if direct is None:
-                gu_a = arr(project(li, x, "gate_up", "gate_up"))
-            else:
-                lin(x_a, *weights["gate_up"][1:], gu_a)
+            gu_a = linear(li, "gate_up", "gate_up", x)[1]
             gated(gu_a, kind, act_a)
-            if direct is None:
-                delta_a = arr(project(li, act, "down", "delta"))
-            else:
-                lin(act_a, *weights["down"][1:], delta_a)
+            delta_a = linear(li, "down", "delta", act)[1]
             nxt, nxt_mode = (norms[li + 1][0], norms[li + 1][1]) if li < last else (
                 empty, cpu_layer.NORM_NONE)  # the final norm is the logits' own
             residual_norm(h_a, delta_a, True, mult, mlp_out, nxt, nxt_mode, eps, fp32_weigh,

@@ -26,7 +26,7 @@ def greedy(eng: Engine, adapter: str | None = None) -> list[list[int]]:
     return [eng.generate([GenerationRequest(prompt_token_ids=[5 + 3 * i for i in range(n)],
                                             adapter_digest=digest,
                                             sampling=SamplingParams(max_tokens=12))])[0]
-            .token_ids for n in (7, 30)]
+            .token_ids for n in (1, 7, 30)]  # 1: a one-row prefill step
 
 
 def pair(eng: Engine) -> list[list[int]]:
