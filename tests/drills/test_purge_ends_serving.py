@@ -241,8 +241,9 @@ class Probe:
         api = openai.OpenAI(api_key=ROUTER_TOKENS[who][0], base_url=f"{self.router.url}/v1",
                             max_retries=0, timeout=15)
         try:
+            # ignore_eos as in the gRPC probe: a sampled end-of-sequence is not an empty answer
             done = api.completions.create(model=f"{BASE_NAME}:{adapter}", prompt="w5 w6 w7",
-                                          max_tokens=3)
+                                          max_tokens=3, extra_body={"ignore_eos": True})
         except openai.NotFoundError as exc:
             body = exc.body if isinstance(exc.body, dict) else {}
             if body.get("code") == "model_not_found" and self.purge_id in str(
@@ -262,7 +263,7 @@ class Probe:
             self._count(who, "openai", "error")
             self.wrong.append(f"openai {who}: {exc.status_code} {exc.body}")
             return
-        served = bool(done.choices and done.choices[0].text)
+        served = bool(done.choices and done.usage and done.usage.completion_tokens == 3)
         self._count(who, "openai", "served" if served else "empty")
 
     def run_for(self, seconds: float) -> None:
