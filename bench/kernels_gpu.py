@@ -35,7 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from loraplane_kernels import PooledLora, Segments, reference  # noqa: E402
-from loraplane_kernels.triton import bgmv, fused, fused_base, sgmv  # noqa: E402
+from loraplane_kernels.int8 import quantize_int8  # noqa: E402
+from loraplane_kernels.triton import bgmv, fused, fused_base, int8_mm, sgmv  # noqa: E402
 from loraplane_kernels.tuning_table import table_file_name  # noqa: E402
 
 DTYPE = torch.float16
@@ -267,6 +268,30 @@ def bench_fused_base(bucket: int, buckets: int, hidden: int, rank: int,
             "max_rel_err": errors, "correct": all(e < TOLERANCE for e in errors.values())}
 
 
+def bench_int8(rows: int, n: int, k: int, hbm_gbps: float,
+               iters: int = 100) -> dict[str, object]:
+    """The int8 weight-only kernel against dequantising into a buffer and the dense matmul
+    (the CPU's path for big batches), and against the dense weight itself."""
+    ws = [quantize_int8((torch.randn(n, k, device=DEVICE) * 0.05).to(DTYPE))
+          for _ in range(max(1, min(8, L2_FLUSH_BYTES // (n * k))))]
+    x = torch.randn(rows, k, device=DEVICE).to(DTYPE)
+    dense = [w.dequantize() for w in ws]
+    scratch = torch.empty(n, k, dtype=DTYPE, device=DEVICE)
+    want = x.double() @ (ws[0].q.double().T) * ws[0].scale.double()
+    got = int8_mm.int8_mm(x, ws[0].q, ws[0].scale)
+    err = ((got.double() - want).abs().max() / want.abs().max()).item()
+    ops = {"int8_kernel": [lambda w=w: int8_mm.int8_mm(x, w.q, w.scale) for w in ws],
+           "dequantize_then_mm": [lambda w=w: x @ w.dequantize(scratch).t() for w in ws],
+           "dense_weight": [lambda d=d: x @ d.t() for d in dense]}
+    us = {op: round(time_cuda(fns, iters=iters), 2) for op, fns in ops.items()}
+    moved = n * k + n * 2 + 2 * rows * (n + k)  # int8 weight, scales, x and y
+    fraction = round(moved / (us["int8_kernel"] * 1e-6) / 1e9 / hbm_gbps, 3)
+    print(f"int8 m{rows} n{n} k{k}: " + ", ".join(f"{op} {t:.1f} us" for op, t in us.items())
+          + f" ({fraction:.0%} HBM, err {err:.1e})", flush=True)
+    return {"rows": rows, "n": n, "k": k, "us": us, "int8_fraction_of_hbm": fraction,
+            "max_rel_err": err, "correct": err < TOLERANCE}
+
+
 def smoke(out_dir: Path) -> int:
     """Every op once on tiny shapes through the Triton interpreter (no speed meaning)."""
     global DEVICE, DTYPE
@@ -278,6 +303,7 @@ def smoke(out_dir: Path) -> int:
                            ops, 1.0, iters=2),
         "sgmv": bench_case("sgmv smoke", prefill([8, 8], 64, 8), ops, 1.0, iters=2),
         "fused_base": bench_fused_base(4, 2, 64, 8, iters=2),
+        "int8": bench_int8(3, 40, 70, 1.0, iters=2),
     }
     correct = all(c["correct"] for c in cases.values())
     out = out_dir / "kernels_gpu_smoke.json"
@@ -335,6 +361,7 @@ def main() -> int:
     cases["mixed_ranks_b256_h4096"] = mixed_result
     cases["fused_base_h4096_r16"] = {
         str(b): bench_fused_base(b, 8, 4096, 16) for b in (1, 4, 16, 64, 256)}
+    cases["int8_n4096_k4096"] = {str(m): bench_int8(m, 4096, 4096, hbm) for m in (1, 16, 256)}
 
     best = lambda case, ops: min(case["us"][o] for o in ops)  # noqa: E731
     small, large = cases["bgmv_b64_h4096_r16_a64"], cases["bgmv_b256_h8192_r64_a256"]
@@ -356,7 +383,13 @@ def main() -> int:
             "met": mixed_best <= 1.25 * avg_best and mixed_best < padded_best},
         "all_correct": all(c.get("correct", True) for c in cases.values() if "correct" in c)
         and all(mixed_result[v]["correct"] for v in variants)
-        and all(c["correct"] for c in cases["fused_base_h4096_r16"].values()),
+        and all(c["correct"] for c in cases["fused_base_h4096_r16"].values())
+        and all(c["correct"] for c in cases["int8_n4096_k4096"].values()),
+        "int8_decode_beats_dequantize": {
+            "ratio": round(cases["int8_n4096_k4096"]["1"]["us"]["int8_kernel"]
+                           / cases["int8_n4096_k4096"]["1"]["us"]["dequantize_then_mm"], 3),
+            "met": cases["int8_n4096_k4096"]["1"]["us"]["int8_kernel"]
+            < cases["int8_n4096_k4096"]["1"]["us"]["dequantize_then_mm"]},
     }
     for name, t in targets.items():
         print(f"target {name}: {t}", flush=True)

@@ -83,3 +83,26 @@ def test_untuned_device_takes_the_separate_path_and_says_so(tiny, monkeypatch):
         eng = Engine.from_pretrained(base, EngineConfig(num_kv_blocks=16, block_size=4))
     assert eng.fusion_threshold is None
     assert dispatch.UNTUNED.labels(device="cpu")._value.get() == 1
+
+
+def test_int8_base_on_the_triton_path_gives_the_cpu_int8_tokens(tiny, triton_backend):
+    """An int8 engine whose projections and LM head take the GPU's int8 kernel (a prefill
+    of three prompts, then three-row decodes: never the CPU's few-row path) decodes the
+    tokens the same engine does on the CPU's int8 paths."""
+    _, base, paths = tiny
+    prompts = [list(range(5, 19)), [7, 9, 11], [4, 8, 15, 16]]
+
+    def tokens() -> list[list[int]]:
+        eng = Engine.from_pretrained(base, EngineConfig(
+            num_kv_blocks=64, block_size=4, adapter_slots=4, max_lora_rank=16,
+            weights="int8"))
+        digest = eng.load_adapter(paths["attn_r4"]).digest
+        return [r.token_ids for r in eng.generate([
+            GenerationRequest(prompt_token_ids=p, adapter_digest=digest if i == 0 else None,
+                              sampling=SamplingParams(max_tokens=5, min_tokens=5))
+            for i, p in enumerate(prompts)])]
+
+    on_triton = tokens()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(dispatch.BACKEND_ENV, "torch")
+        assert tokens() == on_triton
