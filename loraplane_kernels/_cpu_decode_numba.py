@@ -287,6 +287,30 @@ def linear_rows(x: Any, w: Any, scale: Any, bias: Any, y: Any) -> None:
     linear_part(xs, w, scale, bias, y, 0, y.shape[1])
 
 
+@numba.njit(inline="always")
+def dequantize_part(q: Any, scale: Any, out: Any, lo: Any, hi: Any) -> None:
+    for i in range(lo, hi):
+        s = value(scale, i)
+        row, dst = q[i], out[i]
+        for j in range(row.shape[0]):
+            put(dst, j, np.float32(row[j]) * s)
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def dequantize_shares(q: Any, scale: Any, out: Any, parts: int) -> None:
+    """``out = q * scale[:, None]`` (int8 rows times their scale, rounded once to `out`'s
+    precision as torch's multiply rounds), rows cut into `parts` shares on numba's threads."""
+    n = q.shape[0]
+    for share in numba.prange(parts):
+        dequantize_part(q, scale, out, share * n // parts, (share + 1) * n // parts)
+
+
+@numba.njit(cache=True, nogil=True)
+def dequantize(q: Any, scale: Any, out: Any) -> None:
+    """`dequantize_shares` in the calling thread."""
+    dequantize_part(q, scale, out, 0, q.shape[0])
+
+
 @numba.njit(cache=True, nogil=True, fastmath=_FAST, parallel=True)
 def linear_rows_shares(x: Any, w: Any, scale: Any, bias: Any, y: Any, parts: int) -> None:
     """`linear_rows` with the output columns cut into `parts` shares on numba's threads:

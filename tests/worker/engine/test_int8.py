@@ -44,6 +44,20 @@ def test_round_trip_is_within_half_a_step_of_each_row(rows, cols, seed, spread):
     assert torch.equal(back[0], torch.zeros(cols))
 
 
+@given(rows=st.integers(0, 40), cols=st.integers(1, 90), seed=st.integers(0, 2**16),
+       dtype=st.sampled_from([torch.bfloat16, torch.float32]))
+@settings(max_examples=40, deadline=None)
+def test_the_one_pass_dequantisation_is_torchs_copy_and_multiply(rows, cols, seed, dtype):
+    """`Int8Weight.dequantize` (one compiled pass over memory where numba runs) gives the
+    bits of torch's int8 copy and row-scale multiply."""
+    g = torch.Generator().manual_seed(seed)
+    w = quantize_int8((torch.randn(rows, cols, generator=g) * 3).to(dtype))
+    want = torch.empty(rows, cols, dtype=dtype).copy_(w.q).mul_(w.scale[:, None])
+    assert torch.equal(w.dequantize(), want)
+    assert torch.equal(w.dequantize(torch.full((rows, cols), float("nan"), dtype=dtype)),
+                       want)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, INT8PACK_MAX_ROWS, INT8PACK_MAX_ROWS + 1, 64])
 def test_int8_linear_matches_the_dequantised_product(dtype, rows):
