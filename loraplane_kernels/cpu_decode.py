@@ -284,8 +284,17 @@ def apply_small_runs(y: Tensor, x: Tensor, pool: np.ndarray, out_offset: int,
     """``y[rows, out_offset:+out] += scale * ((x[rows] @ A.T) @ Bt)`` for every run, with
     each run's slot looked up in `table` ([3, slots]: A offset, Bt offset, rank; rank 0
     skips the run) and `scales`; `pool` is the pool as `as_array` gives it."""
-    args = (as_array(x), as_array(y), pool, out_offset, in_features, out_features, table,
-            scales, runs.slots, runs.starts, runs.ends, runs.rows_max)
+    apply_small_runs_arrays(as_array(x), as_array(y), pool, out_offset, in_features,
+                            out_features, table, scales, runs)
+
+
+def apply_small_runs_arrays(x: Any, y: Any, pool: np.ndarray, out_offset: int,
+                            in_features: int, out_features: int, table: np.ndarray,
+                            scales: np.ndarray, runs: SmallRuns) -> None:
+    """`apply_small_runs` over numpy views (`as_array`) the caller made once for many
+    calls."""
+    args = (x, y, pool, out_offset, in_features, out_features, table, scales, runs.slots,
+            runs.starts, runs.ends, runs.rows_max)
     threads = min(torch.get_num_threads(), len(runs.slots))
     if threads > 1 and (shared := _runs_shares()) is not None:
         try:  # decodes of many adapters: their weights read on every core

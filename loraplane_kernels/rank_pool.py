@@ -292,8 +292,16 @@ tests switch it off to pin it to the torch path."""
 
 
 def _host_pass(y: Tensor, x: Tensor, w: PooledLora) -> bool:
-    return (HOST_PASS and x.dtype == y.dtype == w.pool.dtype and x.dtype in cpu_decode.DTYPES
-            and x.device.type == "cpu" and x.stride(-1) == 1 and y.stride(-1) == 1)
+    return (host_pass_dtype(w, x.dtype, x.device) and y.dtype == x.dtype
+            and x.stride(-1) == 1 and y.stride(-1) == 1)
+
+
+def host_pass_dtype(w: PooledLora, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether small runs of activations of `dtype` on `device` take the compiled pass
+    (`apply_runs`), strides aside: what a caller that hands the pass contiguous arrays
+    itself checks (`AdapterPool.direct_runs`)."""
+    return (HOST_PASS and dtype == w.pool.dtype and dtype in cpu_decode.DTYPES
+            and device.type == "cpu")
 
 
 @contextlib.contextmanager

@@ -38,8 +38,12 @@ from .lora_ops import (
     Runs,
     Segments,
     SlotTables,
+    SmallRuns,
+    apply_small_runs_arrays,
     base_lora_fused,
+    host_pass_dtype,
     lora_apply_pooled,
+    step_runs,
 )
 
 MAX_SLOTS = 4096
@@ -338,6 +342,29 @@ class AdapterPool:
         """Add every token's adapter delta for one projection into `y` in place."""
         lora_apply_pooled(y, x, self.weights[layer][module], indices, out_offset=out_offset,
                          segments=segments, runs=runs)
+
+    def direct_runs(self, runs: Runs | None, dtype: torch.dtype,
+                    device: torch.device) -> SmallRuns | None:
+        """A step's runs as the compiled pass's arrays when every adapted run of the step
+        takes that pass (`apply_runs`: small runs, a CPU dtype it compiles), else None.
+        With them the caller adds each projection's deltas with `apply_direct`, over
+        arrays it made once for the step, instead of `apply` (a few-row step's layer loop,
+        `DecoderModel._compiled_layer_loop`: the calls' own Python was most of what an
+        adapter added to a single stream's token)."""
+        if runs is None or not self.weights or not self.weights[0] or not host_pass_dtype(
+                next(iter(self.weights[0].values())), dtype, device):
+            return None
+        split = step_runs(runs)
+        return split.small if not split.large else None
+
+    def apply_direct(self, layer: int, module: str, y: object, x: object, out_offset: int,
+                     runs: SmallRuns, slots: list[int]) -> None:
+        """`apply` over numpy views of the step's buffers (`direct_runs` said the step
+        takes the compiled pass); the same sums into `y`."""
+        w = self.weights[layer][module]
+        if any(w.host_ranks[s] > 0 for s in slots if s >= 0):
+            apply_small_runs_arrays(x, y, w.host_pool(), out_offset, w.in_features,
+                                    w.out_features, w.host_table, w.host_scale_table, runs)
 
     def apply_fused_base(self, layer: int, module: str, y: torch.Tensor, x: torch.Tensor,
                          weight: torch.Tensor, segments: Segments, out_offset: int = 0) -> None:

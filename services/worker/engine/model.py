@@ -32,7 +32,7 @@ from .attention import AttentionMetadata, paged_attention
 from .checkpoint import load_checkpoint, load_tokenizer
 from .config import ModelConfig
 from .kv_cache import KVStorage
-from .lora_ops import Runs, Segments
+from .lora_ops import Runs, Segments, SmallRuns
 from .rope import RotaryEmbedding, apply_rotary
 from .workspace import Workspace
 
@@ -553,8 +553,13 @@ class DecoderModel:
             if self.embed_scale is not None and not self.scale_in_embedding:
                 h.mul_(self.embed_scale)
         if self.compiled_layers and t <= SERIAL_TOKENS and kv.k.dtype == self.dtype:
+            lora = None
+            if use_lora and rows is not None:
+                small = adapters.direct_runs(runs, self.dtype, self.device)  # type: ignore[union-attr]
+                lora = None if small is None else (adapters, small, slots)
             self._compiled_layer_loop(h, batch, kv, tables, project,
-                                      None if use_lora else rows)
+                                      rows if not use_lora or lora is not None else None,
+                                      lora)
             return self._logits(h, batch, adapters, idx, vocab)
         for li, w in enumerate(self.layers):
             with serial():
@@ -610,14 +615,18 @@ class DecoderModel:
     def _compiled_layer_loop(self, h: torch.Tensor, batch: ForwardBatch, kv: KVStorage,
                              tables: dict[int, tuple[torch.Tensor, ...]],
                              project: Callable[..., torch.Tensor],
-                             direct: list[dict[str, RowWeight]] | None) -> None:
+                             direct: list[dict[str, RowWeight]] | None,
+                             lora: tuple[AdapterPool, SmallRuns, list[int]] | None = None,
+                             ) -> None:
         """Every layer with its elementwise ops as three compiled calls
         (`loraplane_kernels.cpu_layer`): the residual add fused with the next norm, rope
         with the cache write, SwiGLU. The projections (with their LoRA) and attention are
-        the torch path's own; with `direct` (a step of few rows and no adapter, see
-        `keep_row_weights`) the projections go straight to `cpu_decode.linear_rows_arrays`
-        over the step's buffers: `project`'s Python around each of 120 calls a step cost
-        about as much as the kernel's launch."""
+        the torch path's own; with `direct` (a step of few rows, see `keep_row_weights`)
+        the projections go straight to `cpu_decode.linear_rows_arrays` over the step's
+        buffers: `project`'s Python around each of 120 calls a step cost about as much as
+        the kernel's launch. With `lora` (the step's adapters take the compiled LoRA pass,
+        `AdapterPool.direct_runs`) each projection's deltas are added the same way
+        (`AdapterPool.apply_direct`), after the bias as `project` adds them."""
         cfg, ws = self.cfg, self.workspace
         kernels, as_array = cpu_layer.kernels(), cpu_layer.as_array
         t, hidden = h.shape
@@ -655,6 +664,7 @@ class DecoderModel:
         plan, scale, softcap = meta.host_decodes, self.scale, cfg.attn_softcap
         attn_flat = attn.view(t, qs)
         lin = cpu_decode.linear_rows_arrays
+        mods = self.lora_mods
         outs = {} if direct is None else {  # the roles' buffers, as `project` takes them
             role: ws.take(role, t, width) for role, width in (
                 ("qkv", qs + 2 * ks), ("gate_up", 2 * cfg.intermediate_size),
@@ -665,10 +675,15 @@ class DecoderModel:
             """`project`, or with `direct` the kernel straight into the role's buffer."""
             if direct is None:
                 y = project(li, x_t, name, role)
-            else:
-                y = outs[role]
-                lin(arr(x_t), *direct[li][name][1:], arr(y))
-            return y, arr(y)
+                return y, arr(y)
+            y = outs[role]
+            x_a, y_a = arr(x_t), arr(y)
+            lin(x_a, *direct[li][name][1:], y_a)
+            if lora is not None:
+                pool, runs, slots = lora
+                for module, off in mods[name]:
+                    pool.apply_direct(li, module, y_a, x_a, off, runs, slots)
+            return y, y_a
 
         norms = self._norm_arrays
         qk_norm = cpu_layer.QK_NORMS[cfg.family.qk_norm]

@@ -85,3 +85,43 @@ def test_int8_weights_are_read_as_stored_whatever_the_budget(tiny, monkeypatch) 
     monkeypatch.setattr(cpu_decode, "LINEAR_ROWS", 0)  # every step through `int8_linear`
     torch_path = engine(tiny, 0, weights="int8")
     assert tokens == [greedy(torch_path), greedy(torch_path, adapter), pair(torch_path)]
+
+
+def test_few_row_adapter_steps_add_their_deltas_in_the_layer_loop_with_the_same_bits(
+        tiny, monkeypatch) -> None:
+    """One- and two-row steps on adapters (one adapter, two adapters, an adapter beside the
+    base) take `AdapterPool.apply_direct` inside the compiled layer loop; every step's
+    logits are bit for bit those of the path through `project` and `AdapterPool.apply`."""
+    from services.worker.engine.adapter_pool import AdapterPool
+    from services.worker.engine.model import DecoderModel
+
+    eng = engine(tiny, 1 << 30)
+    names = list(tiny.adapters)
+    digests = [eng.load_adapter(tiny.adapters[n]).digest for n in names[:2]]
+    cases = [[(9, digests[0])], [(9, digests[0]), (14, digests[1])],
+             [(6, None), (11, digests[1])]]
+    logits: list[torch.Tensor] = []
+    real_logits = DecoderModel._logits
+    monkeypatch.setattr(DecoderModel, "_logits",
+                        lambda self, *a: logits.append(real_logits(self, *a).clone())
+                        or logits[-1])
+    direct_calls: list[str] = []
+    real_direct = AdapterPool.apply_direct
+    monkeypatch.setattr(AdapterPool, "apply_direct",
+                        lambda self, layer, module, *a: direct_calls.append(module)
+                        or real_direct(self, layer, module, *a))
+
+    def run() -> list[list[int]]:
+        return [o.token_ids for case in cases for o in eng.generate([
+            GenerationRequest(prompt_token_ids=[3 + 2 * i for i in range(n)],
+                              adapter_digest=d, sampling=SamplingParams(max_tokens=6))
+            for n, d in case])]
+
+    tokens = run()
+    direct_logits = logits[:]
+    assert direct_calls, "no adapter step took the direct pass"
+    logits.clear()
+    monkeypatch.setattr(AdapterPool, "direct_runs", lambda self, *a: None)
+    assert run() == tokens
+    assert len(logits) == len(direct_logits)
+    assert all(torch.equal(a, b) for a, b in zip(direct_logits, logits, strict=True))
