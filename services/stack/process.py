@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -46,10 +47,41 @@ def in_netns(netns: str, argv: Sequence[str], death_signal: int, user: str | Non
             "--", *argv]
 
 
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_PORTS = random.Random()
+"""Seeded from the OS: a caller's seeding of `random` (a test's) does not reach it."""
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port that is free now, drawn below the kernel's ephemeral range where there is
+    room. A port from that range (what binding port 0 gives) can become the source port of
+    any outgoing connection, a Kafka client's or a database pool's, in the seconds before
+    its service binds it: the purge drill's router failed to start on one."""
+    low = _ephemeral_low()
+    for _ in range(100 if low > FIRST_PICKED_PORT + 1000 else 0):
+        port = _PORTS.randrange(FIRST_PICKED_PORT, low)
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+FIRST_PICKED_PORT = 10000
+"""Ports below this are left to services that expect their own (PostgreSQL's 5432,
+Kafka's 9092, the stack's defaults)."""
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux; 32768 elsewhere)."""
+    try:
+        return int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def port_open(host: str, port: int, timeout: float = 0.5) -> bool:

@@ -1,12 +1,15 @@
 """Children started while other threads stream over gRPC all reach exec: `services` turns
 gRPC's fork support off before grpc is imported (with it on, ~3% of such children died of
-SIGABRT before exec, which showed up as workers that never restarted in drills)."""
+SIGABRT before exec, which showed up as workers that never restarted in drills); and the
+ports `free_port` hands out."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 
+from services.stack import process
 from tests.conftest import REPO
 
 SPAWN_WHILE_STREAMING = """
@@ -54,3 +57,20 @@ def spawned_and_failed(tmp: str, children: int, **env: str) -> int:
 
 def test_no_child_dies_before_exec_while_grpc_is_busy(tmp_path: object) -> None:
     assert spawned_and_failed(str(tmp_path), 300) == 0
+
+
+def test_free_ports_come_from_below_the_ephemeral_range_and_bind(tmp_path, monkeypatch) -> None:
+    """A picked port is never one the kernel may hand an outgoing connection as its source
+    port meanwhile; with no room below the range, the kernel's own pick."""
+    low = process._ephemeral_low()
+    ports = {process.free_port() for _ in range(200)}
+    assert all(process.FIRST_PICKED_PORT <= p < low for p in ports)
+    assert len(ports) > 150  # drawn at random, not the same few
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", next(iter(ports))))  # free when handed out
+    narrow = tmp_path / "range"
+    narrow.write_text("1024\t60999\n")
+    monkeypatch.setattr(process, "EPHEMERAL_RANGE", narrow)
+    assert process.free_port() >= 1024
+    monkeypatch.setattr(process, "EPHEMERAL_RANGE", tmp_path / "absent")
+    assert process._ephemeral_low() == 32768
