@@ -15,7 +15,10 @@ to exceed L2 so weights come from HBM), measures HBM bandwidth with a large devi
 writes ``bench/results/kernels_gpu_<GPU>.json``. Targets (from the kernels issue): BGMV
 batch 64 / hidden 4096 / rank 16 / 64 adapters under 20 us; batch 256 / hidden 8192 /
 rank 64 / 256 adapters at >= 60% of HBM bandwidth; SGMV prefill >= 2x gather+bmm; mixed
-ranks costing about the average rank, not the maximum.
+ranks costing about the average rank, not the maximum. The int8 weight-only kernel
+(``loraplane_kernels/triton/int8_mm.py``) is timed at 4096 x 4096 for 1, 16 and 256 rows
+against dequantising into a buffer then multiplying, and against the dense weight; its
+target is a one-row product faster than dequantise-then-multiply.
 """
 
 from __future__ import annotations
