@@ -94,7 +94,7 @@ def int8_linear(x: Tensor, w: Int8Weight, *, bias: Tensor | None = None,
         from loraplane_kernels.triton.int8_mm import int8_mm
 
         y = int8_mm(x, w.q, w.scale)
-    elif not needs_dequant_buffer(x):
+    elif _int8pack(x):
         y = torch._weight_int8pack_mm(x.contiguous(), w.q, w.scale)
     else:
         y = x @ w.dequantize(scratch).t()
@@ -105,16 +105,19 @@ def int8_linear(x: Tensor, w: Int8Weight, *, bias: Tensor | None = None,
 
 def needs_dequant_buffer(x: Tensor) -> bool:
     """Whether `int8_linear(x, ...)` dequantises the weight (and so wants a `scratch`)."""
-    if _on_triton(x):
-        return False
-    return not (x.device.type == "cpu" and x.shape[0] <= INT8PACK_MAX_ROWS)
+    return not (_on_triton(x) or _int8pack(x))
+
+
+def _int8pack(x: Tensor) -> bool:
+    """Whether a batch not on Triton takes torch's int8 kernel (`INT8PACK_MAX_ROWS`)."""
+    return x.device.type == "cpu" and x.shape[0] <= INT8PACK_MAX_ROWS
 
 
 def _on_triton(x: Tensor) -> bool:
     """The LoRA kernels' backend choice (`dispatch.select_backend`): CUDA tensors, or CPU
     ones under ``LORAPLANE_KERNELS_BACKEND=triton`` with the interpreter (tests). A CPU
-    tensor with the variable unset answers before the full choice (1.5 us a call, twice
-    per projection of an int8 step)."""
+    tensor with the variable unset answers before the full choice (1.5 us a call, asked
+    twice per projection of an int8 step: `needs_dequant_buffer`, then `int8_linear`)."""
     if not x.is_cuda and BACKEND_ENV not in os.environ:
         return False
     return select_backend(x.device) == "triton"

@@ -361,8 +361,8 @@ class AdapterPool:
                      runs: SmallRuns, slots: list[int]) -> None:
         """`apply` over numpy views of the step's buffers (`direct_runs` said the step
         takes the compiled pass); the same sums into `y`."""
-        w = self.weights[layer][module]
-        if any(w.host_ranks[s] > 0 for s in slots if s >= 0):
+        if self.layer_has_lora(layer, module, slots):
+            w = self.weights[layer][module]
             apply_small_runs_arrays(x, y, w.host_pool(), out_offset, w.in_features,
                                     w.out_features, w.host_table, w.host_scale_table, runs)
 

@@ -665,6 +665,7 @@ class DecoderModel:
         attn_flat = attn.view(t, qs)
         lin = cpu_decode.linear_rows_arrays
         mods = self.lora_mods
+        pool, small_runs, lora_slots = lora if lora is not None else (None, None, None)
         outs = {} if direct is None else {  # the roles' buffers, as `project` takes them
             role: ws.take(role, t, width) for role, width in (
                 ("qkv", qs + 2 * ks), ("gate_up", 2 * cfg.intermediate_size),
@@ -679,10 +680,9 @@ class DecoderModel:
             y = outs[role]
             x_a, y_a = arr(x_t), arr(y)
             lin(x_a, *direct[li][name][1:], y_a)
-            if lora is not None:
-                pool, runs, slots = lora
+            if pool is not None:
                 for module, off in mods[name]:
-                    pool.apply_direct(li, module, y_a, x_a, off, runs, slots)
+                    pool.apply_direct(li, module, y_a, x_a, off, small_runs, lora_slots)
             return y, y_a
 
         norms = self._norm_arrays
