@@ -48,6 +48,9 @@ def in_netns(netns: str, argv: Sequence[str], death_signal: int, user: str | Non
 
 
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+FIRST_PICKED_PORT = 10000
+"""Ports below this are left to services that expect their own (PostgreSQL's 5432,
+Kafka's 9092, the stack's defaults)."""
 _PORTS = random.Random()
 """Seeded from the OS: a caller's seeding of `random` (a test's) does not reach it."""
 
@@ -69,11 +72,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
-
-
-FIRST_PICKED_PORT = 10000
-"""Ports below this are left to services that expect their own (PostgreSQL's 5432,
-Kafka's 9092, the stack's defaults)."""
 
 
 def _ephemeral_low() -> int:
