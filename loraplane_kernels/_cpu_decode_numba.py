@@ -681,3 +681,40 @@ def decode_attention_shares(q: Any, k_cache: Any, v_cache: Any, out: Any, rows: 
     for i in numba.prange(cuts.shape[0] - 1):
         decode_attention(q, k_cache, v_cache, out, rows, tables, lens, block_size, scale,
                          window, softcap, cuts[i], cuts[i + 1])
+
+
+# -- a large step's elementwise ops in row shares on numba's threads -----------------------
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def residual_norm_shares(h: Any, delta: Any, add: bool, multiplier: Any, delta_weight: Any,
+                         weight: Any, mode: int, eps: Any, weigh_in_fp32: bool, out: Any,
+                         parts: int) -> None:
+    """`residual_norm` over `parts` shares of the rows (each row's work is its own)."""
+    t = h.shape[0]
+    for share in numba.prange(parts):
+        lo, hi = share * t // parts, (share + 1) * t // parts
+        residual_norm(h[lo:hi], delta[lo:hi], add, multiplier, delta_weight, weight, mode,
+                      eps, weigh_in_fp32, out[lo:hi])
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def rope_cache_shares(qkv: Any, cos: Any, sin: Any, heads: int, kv_heads: int, q_out: Any,
+                      k_out: Any, k_cache: Any, v_cache: Any, slots: Any, qk_norm: int,
+                      q_weight: Any, k_weight: Any, eps: Any, weigh_in_fp32: bool,
+                      parts: int) -> None:
+    """`rope_cache` over `parts` shares of the rows (a step's rows write distinct slots)."""
+    t = qkv.shape[0]
+    for share in numba.prange(parts):
+        lo, hi = share * t // parts, (share + 1) * t // parts
+        rope_cache(qkv[lo:hi], cos[lo:hi], sin[lo:hi], heads, kv_heads, q_out[lo:hi],
+                   k_out[lo:hi], k_cache, v_cache, slots[lo:hi], qk_norm, q_weight, k_weight,
+                   eps, weigh_in_fp32)
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def gated_shares(gate_up: Any, kind: int, out: Any, parts: int) -> None:
+    """`gated` over `parts` shares of the rows."""
+    t = out.shape[0]
+    for share in numba.prange(parts):
+        lo, hi = share * t // parts, (share + 1) * t // parts
+        gated(gate_up[lo:hi], kind, out[lo:hi])

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loraplane_kernels import cpu_layer
+from loraplane_kernels import cpu_decode, cpu_layer
 from services.worker.engine.model import ACTIVATIONS, rms_norm
 from services.worker.engine.rope import apply_rotary
 
@@ -185,3 +185,67 @@ def test_the_compiled_activations_are_the_models() -> None:
     """The engine picks the kernel's activation by index into `GATED_ACTIVATIONS`, whose
     names are entries of the model's `ACTIVATIONS` (the test above checks each index)."""
     assert set(cpu_layer.GATED_ACTIVATIONS) <= set(ACTIVATIONS)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@given(rows=st.integers(1, 40), parts=st.integers(2, 5), qk_norm=st.sampled_from(
+    [cpu_layer.QK_NONE, cpu_layer.QK_HEAD, cpu_layer.QK_FULL]), seed=st.integers(0, 2**16))
+@settings(max_examples=12, deadline=None)
+def test_row_shares_give_the_serial_kernels_bits(dtype: torch.dtype, rows: int, parts: int,
+                                                 qk_norm: int, seed: int) -> None:
+    """A large step runs the three ops in row shares on numba's threads
+    (`cpu_layer.step_kernels`): any number of shares, more than the rows included, writes
+    every row, the cache and h exactly as the serial kernel does."""
+    k = cpu_layer.kernels()
+    g = torch.Generator().manual_seed(seed)
+    heads, kv_heads, dim, hidden, inter = 4, 2, 16, 48, 40
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    h, delta, weight = rand(rows, hidden), rand(rows, hidden), rand(hidden)
+    qkv, cos, sin = rand(rows, (heads + 2 * kv_heads) * dim), rand(rows, dim), rand(rows, dim)
+    gate_up = rand(rows, 2 * inter)
+    slots = torch.randperm(64, generator=g)[:rows].numpy()
+    q_w, k_w = (rand(dim), rand(dim)) if qk_norm == cpu_layer.QK_HEAD else (
+        rand(heads * dim), rand(kv_heads * dim))
+    eps = np.float32(1e-6)
+    got = []
+    for shared in (False, True):
+        hs, out = h.clone(), torch.empty(rows, hidden, dtype=dtype)
+        q, kk = torch.empty(rows, heads, dim, dtype=dtype), torch.empty(rows, kv_heads, dim,
+                                                                         dtype=dtype)
+        kc, vc = torch.zeros(kv_heads, 64, dim, dtype=dtype), torch.zeros(kv_heads, 64, dim,
+                                                                          dtype=dtype)
+        act = torch.empty(rows, inter, dtype=dtype)
+        norm_args = (arr(hs), arr(delta), True, np.float32(0.5), arr(weight), arr(weight),
+                     cpu_layer.NORM_RMS, eps, False, arr(out))
+        rope_args = (arr(qkv), arr(cos), arr(sin), heads, kv_heads, arr(q), arr(kk), arr(kc),
+                     arr(vc), slots, qk_norm, arr(q_w), arr(k_w), eps, False)
+        if shared:
+            k.residual_norm_shares(*norm_args, parts)
+            k.rope_cache_shares(*rope_args, parts)
+            k.gated_shares(arr(gate_up), 0, arr(act), parts)
+        else:
+            k.residual_norm(*norm_args)
+            k.rope_cache(*rope_args)
+            k.gated(arr(gate_up), 0, arr(act))
+        got.append((hs, out, q, kk, kc, vc, act))
+    for serial, shared in zip(*got, strict=True):
+        assert torch.equal(serial.view(torch.uint8), shared.view(torch.uint8))
+
+
+def test_step_kernels_take_shares_from_share_rows(monkeypatch) -> None:
+    """Below `SHARE_ROWS` rows, or on one thread, a step takes the serial kernels."""
+    k = cpu_layer.kernels()
+    serial = (k.residual_norm, k.rope_cache, k.gated)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert cpu_layer.step_kernels(cpu_layer.SHARE_ROWS - 1) == serial
+        if cpu_decode._threadsafe():  # numba has a thread-safe threading layer
+            assert cpu_layer.step_kernels(cpu_layer.SHARE_ROWS) != serial
+        torch.set_num_threads(1)
+        assert cpu_layer.step_kernels(4096) == serial
+    finally:
+        torch.set_num_threads(threads)

@@ -44,7 +44,9 @@ against two, per layer: at 64 tokens 0.36 ms against 1.2 CPU-ms (1.4 ms wall) wi
 `OMP_WAIT_POLICY=PASSIVE` (waking the sleeping thread costs more than the op), 0.26 ms
 against 0.45 ms wall with spinning threads; at 128 tokens, spinning, the same wall time
 (0.63 and 0.60 ms) at half the CPU time; at 256 tokens two spinning threads are faster.
-Every op works row by row, so the bits do not depend on the thread count. 0 turns it off."""
+Every op works row by row, so the bits do not depend on the thread count. 0 turns it off.
+A family with the compiled ops (`DecoderModel.compiled_layers`) takes them instead at any
+step size."""
 
 ONEDNN = torch.backends.mkldnn.is_available() and all(
     hasattr(torch.ops.mkldnn, op) for op in ("_linear_pointwise", "_reorder_linear_weight"))
@@ -306,8 +308,10 @@ class DecoderModel:
         self._row_head = (self._no_bias, self._no_bias)
         """The LM head as `linear_rows` reads it (weight, int8 scale)."""
         self.compiled_layers = self._compiled_layers_apply()
-        """Whether steps of at most `SERIAL_TOKENS` rows run each layer's elementwise ops
-        through `loraplane_kernels.cpu_layer` (three calls a layer) instead of torch's."""
+        """Whether steps run each layer's elementwise ops through
+        `loraplane_kernels.cpu_layer` (four calls a layer, in row shares on every thread
+        from `cpu_layer.SHARE_ROWS` rows) instead of torch's: at 4,096 prefill tokens of
+        SmolLM2 in bf16, the torch ops took about 720 ms a step and these 330."""
         self._kv_arrays: tuple[KVStorage, list[tuple[np.ndarray, np.ndarray]]] | None = None
         self._norm_arrays = [self._layer_norm_arrays(w) for w in self.layers] \
             if self.compiled_layers else []
@@ -503,8 +507,6 @@ class DecoderModel:
                                 if needs_dequant_buffer(x) else None)
             elif split is None and packed:
                 y = LINEAR(x, weight, bias, "none", [], "")  # type: ignore[misc]
-                if t <= SERIAL_TOKENS:  # into the role's buffer: the compiled ops' views
-                    y = ws.take(role, t, weight.shape[0]).copy_(y)  # of it stay valid
             elif split is None:
                 y = ws.take(role, t, weight.shape[0])
                 if bias is None:
@@ -552,7 +554,7 @@ class DecoderModel:
                     self.embed_scale if self.scale_in_embedding else None)  # type: ignore[arg-type]
             if self.embed_scale is not None and not self.scale_in_embedding:
                 h.mul_(self.embed_scale)
-        if self.compiled_layers and t <= SERIAL_TOKENS and kv.k.dtype == self.dtype:
+        if self.compiled_layers and kv.k.dtype == self.dtype:
             lora = None
             if use_lora and rows is not None:
                 small = adapters.direct_runs(runs, self.dtype, self.device)  # type: ignore[union-attr]
@@ -628,7 +630,7 @@ class DecoderModel:
         `AdapterPool.direct_runs`) each projection's deltas are added the same way
         (`AdapterPool.apply_direct`), after the bias as `project` adds them."""
         cfg, ws = self.cfg, self.workspace
-        kernels, as_array = cpu_layer.kernels(), cpu_layer.as_array
+        as_array = cpu_layer.as_array
         t, hidden = h.shape
         heads, kv_heads, dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         qs, ks = cfg.q_size, cfg.kv_size
@@ -658,8 +660,7 @@ class DecoderModel:
         decodes_only = meta.host_decodes is not None and not meta.prefills
         attn = ws.take("attn", t, heads, dim)  # paged_attention's output buffer too
         attn_a = arr(attn)
-        residual_norm, rope_cache, gated = (kernels.residual_norm, kernels.rope_cache,
-                                            kernels.gated)
+        residual_norm, rope_cache, gated = cpu_layer.step_kernels(t)
         attend = cpu_decode.decode_attention_arrays
         plan, scale, softcap = meta.host_decodes, self.scale, cfg.attn_softcap
         attn_flat = attn.view(t, qs)
@@ -674,9 +675,9 @@ class DecoderModel:
         def linear(li: int, name: str, role: str,
                    x_t: torch.Tensor) -> tuple[torch.Tensor, np.ndarray]:
             """`project`, or with `direct` the kernel straight into the role's buffer."""
-            if direct is None:
-                y = project(li, x_t, name, role)
-                return y, arr(y)
+            if direct is None:  # a fresh tensor (packed) or the role's buffer: its own view
+                y = project(li, x_t, name, role)  # (`arr` would hold every one to the end)
+                return y, as_array(y)
             y = outs[role]
             x_a, y_a = arr(x_t), arr(y)
             lin(x_a, *direct[li][name][1:], y_a)

@@ -157,8 +157,8 @@ COMPILED_NORMS = {
 @pytest.mark.parametrize("family", COMPILED_NORMS)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_compiled_layer_ops_match_the_torch_ops(tmp_path, monkeypatch, dtype, family):
-    """Steps of up to `SERIAL_TOKENS` rows run norms, rope, the cache write and the gated
-    activation through `loraplane_kernels.cpu_layer`: prefill and decode of several
+    """Steps run norms, rope, the cache write and the gated activation through
+    `loraplane_kernels.cpu_layer`: prefill and decode of several
     sequences give the torch ops' tokens, and logits within rounding of theirs, for each
     placement of the norms."""
     from services.worker.engine import GenerationRequest, SamplingParams
