@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers.generation.logits_process import (
     MinNewTokensLengthLogitsProcessor,
     MinPLogitsWarper,
@@ -123,3 +125,19 @@ def test_logprobs_are_the_raw_log_softmax_with_top_alternatives() -> None:
     values, ids = raw[0].topk(3)
     assert out.top[0] == list(zip(ids.tolist(), values.tolist(), strict=True))
     assert out.logprobs[1] is None and out.top[1] == []
+
+
+@given(rows=st.lists(st.lists(st.sampled_from(
+    [0.0, 1.0, -1.0, 2.5, float("inf"), float("-inf"), float("nan")]), min_size=1,
+    max_size=12), min_size=1, max_size=6).filter(lambda r: len({len(x) for x in r}) == 1))
+@settings(max_examples=200, deadline=None)
+def test_greedy_rows_take_argmaxs_token_ties_and_nan_included(rows: list[list[float]]) -> None:
+    """Greedy rows take the first index of the row's maximum, torch.argmax's token, in
+    rows of ties, infinities and NaNs (the sampler takes it through `max`, faster on CPU)."""
+    logits = torch.tensor(rows, dtype=torch.float32)
+    want = logits.argmax(dim=-1).tolist()
+    params = SamplingParams()
+    got = sample(logits.clone(), [SamplerRow(params=params, generator=make_generator(0),
+                                             prompt_ids=[1], output_ids=[], mask_eos=False)
+                                  for _ in rows], eos_ids=())
+    assert got.tokens == want
