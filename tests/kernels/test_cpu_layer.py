@@ -191,11 +191,11 @@ def test_the_compiled_activations_are_the_models() -> None:
 @given(rows=st.integers(1, 40), parts=st.integers(2, 5), qk_norm=st.sampled_from(
     [cpu_layer.QK_NONE, cpu_layer.QK_HEAD, cpu_layer.QK_FULL]), seed=st.integers(0, 2**16))
 @settings(max_examples=12, deadline=None)
-def test_row_shares_give_the_serial_kernels_bits(dtype: torch.dtype, rows: int, parts: int,
-                                                 qk_norm: int, seed: int) -> None:
-    """A large step runs the three ops in row shares on numba's threads
-    (`cpu_layer.step_kernels`): any number of shares, more than the rows included, writes
-    every row, the cache and h exactly as the serial kernel does."""
+def test_row_shares_give_one_shares_bits(dtype: torch.dtype, rows: int, parts: int,
+                                         qk_norm: int, seed: int) -> None:
+    """A step runs the three ops in row shares on numba's threads, a small one in a single
+    share (`cpu_layer.step_kernels`): any number of shares, more than the rows included,
+    writes every row, the cache and h exactly as one share does."""
     k = cpu_layer.kernels()
     g = torch.Generator().manual_seed(seed)
     heads, kv_heads, dim, hidden, inter = 4, 2, 16, 48, 40
@@ -211,41 +211,40 @@ def test_row_shares_give_the_serial_kernels_bits(dtype: torch.dtype, rows: int, 
         rand(heads * dim), rand(kv_heads * dim))
     eps = np.float32(1e-6)
     got = []
-    for shared in (False, True):
+    for shares in (1, parts):
         hs, out = h.clone(), torch.empty(rows, hidden, dtype=dtype)
         q, kk = torch.empty(rows, heads, dim, dtype=dtype), torch.empty(rows, kv_heads, dim,
                                                                          dtype=dtype)
         kc, vc = torch.zeros(kv_heads, 64, dim, dtype=dtype), torch.zeros(kv_heads, 64, dim,
                                                                           dtype=dtype)
         act = torch.empty(rows, inter, dtype=dtype)
-        norm_args = (arr(hs), arr(delta), True, np.float32(0.5), arr(weight), arr(weight),
-                     cpu_layer.NORM_RMS, eps, False, arr(out))
-        rope_args = (arr(qkv), arr(cos), arr(sin), heads, kv_heads, arr(q), arr(kk), arr(kc),
-                     arr(vc), slots, qk_norm, arr(q_w), arr(k_w), eps, False)
-        if shared:
-            k.residual_norm_shares(*norm_args, parts)
-            k.rope_cache_shares(*rope_args, parts)
-            k.gated_shares(arr(gate_up), 0, arr(act), parts)
-        else:
-            k.residual_norm(*norm_args)
-            k.rope_cache(*rope_args)
-            k.gated(arr(gate_up), 0, arr(act))
+        k.residual_norm_shares(arr(hs), arr(delta), True, np.float32(0.5), arr(weight),
+                               arr(weight), cpu_layer.NORM_RMS, eps, False, arr(out), shares)
+        k.rope_cache_shares(arr(qkv), arr(cos), arr(sin), heads, kv_heads, arr(q), arr(kk),
+                            arr(kc), arr(vc), slots, qk_norm, arr(q_w), arr(k_w), eps, False,
+                            shares)
+        k.gated_shares(arr(gate_up), 0, arr(act), shares)
         got.append((hs, out, q, kk, kc, vc, act))
-    for serial, shared in zip(*got, strict=True):
-        assert torch.equal(serial.view(torch.uint8), shared.view(torch.uint8))
+    for one, many in zip(*got, strict=True):
+        assert torch.equal(one.view(torch.uint8), many.view(torch.uint8))
 
 
 def test_step_kernels_take_shares_from_share_rows(monkeypatch) -> None:
-    """Below `SHARE_ROWS` rows, or on one thread, a step takes the serial kernels."""
+    """From `SHARE_ROWS` rows a step's calls go in one share per thread, below it in one
+    share; with no thread-safe threading layer, the serial kernels."""
     k = cpu_layer.kernels()
-    serial = (k.residual_norm, k.rope_cache, k.gated)
+    calls: list[int] = []
+    monkeypatch.setattr(k, "gated_shares", lambda *args: calls.append(args[-1]))
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        assert cpu_layer.step_kernels(cpu_layer.SHARE_ROWS - 1) == serial
-        if cpu_decode._threadsafe():  # numba has a thread-safe threading layer
-            assert cpu_layer.step_kernels(cpu_layer.SHARE_ROWS) != serial
+        for rows in (1, cpu_layer.SHARE_ROWS - 1, cpu_layer.SHARE_ROWS):
+            cpu_layer.step_kernels(rows)[2](None, 0, None)
         torch.set_num_threads(1)
-        assert cpu_layer.step_kernels(4096) == serial
+        cpu_layer.step_kernels(4096)[2](None, 0, None)
     finally:
         torch.set_num_threads(threads)
+    if cpu_decode._threadsafe():
+        assert calls == [1, 1, 2, 1]
+    monkeypatch.setattr(cpu_decode, "_PARALLEL", [False])
+    assert cpu_layer.step_kernels(4096)[2] is k.gated
