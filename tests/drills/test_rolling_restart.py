@@ -47,7 +47,7 @@ from tests.worker.harness import (
     worker_env,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.chaos]  # 50 s: in `make chaos`, not the suite
 
 CLIENTS = int(os.environ.get("LORAPLANE_TEST_ROLL_CLIENTS", "4"))
 TOKENS = int(os.environ.get("LORAPLANE_TEST_ROLL_TOKENS", "24"))
