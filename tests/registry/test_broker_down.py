@@ -60,6 +60,8 @@ def test_writes_503_while_broker_down_and_nothing_partial(own_broker: ApacheKafk
         (1, "v1", 1), (2, "v2", 2)]
 
 
+@pytest.mark.chaos  # about 28 s: in `make chaos`; the suite restarts a broker in
+# tests/drills/test_stack_drills.py::test_the_broker_restarted
 def test_the_client_waits_out_a_broker_restart_and_publishes_once(
         own_broker: ApacheKafka, tmp_path: Path) -> None:
     """`loraplane publish` while the broker is down: the registry answers 503 with

@@ -204,6 +204,7 @@ def test_up_serves_supervises_and_keeps_everything_across_a_restart(
             up.kill()
 
 
+@pytest.mark.chaos  # about 20 s: in `make chaos`, not the suite
 def test_tansu_restart_is_refilled_from_the_audit_store(scratch: Path, models: Models) -> None:
     """Tansu keeps nothing: the second `up` republishes the audit store before the services
     start, so the registry still knows the adapter and its version. That `up` is then
