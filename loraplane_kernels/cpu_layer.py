@@ -1,15 +1,16 @@
-"""Compiled (numba) CPU elementwise ops of a layer for small steps: the residual add (with
-the norm after attention or the MLP, where the family has one) and the next RMSNorm, the
-q/k norm with rope and the KV-cache write, and the gated activation (SwiGLU, GeGLU), each
-one call over every row instead of five to fifteen torch ops.
+"""Compiled (numba) CPU elementwise ops of a layer, for steps of any size (`step_kernels`:
+in row shares from `SHARE_ROWS` rows): the residual add (with the norm after attention or
+the MLP, where the family has one) and the next RMSNorm, the q/k norm with rope and the
+KV-cache write, and the gated activation (SwiGLU, GeGLU), each one call over every row
+instead of five to fifteen torch ops.
 
 A SmolLM2 decode step ran about 4,000 torch ops, 120 small ones per layer for each of the
 four matmuls; at one or a few rows each op's work is a few hundred nanoseconds and its
 dispatch a few microseconds. The kernels take numpy views (`cpu_decode.as_array`) made
-once per step, so a layer's elementwise work costs three calls. They do the torch ops'
-roundings (bf16 rounded where each torch op rounds); sums inside the norm and the exp,
-tanh or erf of the activation are within an ulp or two of torch's, not bit-identical
-(tests/kernels).
+once per step, so a layer's elementwise work costs four calls of three kernels. They do
+the torch ops' roundings (bf16 rounded where each torch op rounds); sums inside the norm
+and the exp, tanh or erf of the activation are within an ulp or two of torch's, not
+bit-identical (tests/kernels).
 """
 
 from __future__ import annotations

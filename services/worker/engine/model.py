@@ -620,7 +620,7 @@ class DecoderModel:
                              direct: list[dict[str, RowWeight]] | None,
                              lora: tuple[AdapterPool, SmallRuns, list[int]] | None = None,
                              ) -> None:
-        """Every layer with its elementwise ops as three compiled calls
+        """Every layer with its elementwise ops as four calls of three compiled kernels
         (`loraplane_kernels.cpu_layer`): the residual add fused with the next norm, rope
         with the cache write, SwiGLU. The projections (with their LoRA) and attention are
         the torch path's own; with `direct` (a step of few rows, see `keep_row_weights`)
