@@ -116,7 +116,6 @@ class Engine:
             dtype=model.dtype,
             device=model.device,
         )
-        self.adapters.base_vocab = {"embed_tokens": model.embed, "lm_head": model.lm_head}
         self.scheduler = Scheduler(self.blocks, cfg.block_size, cfg.limits, cfg.sharing_policy,
                                    window=mc.kv_window, recompute_past=mc.recompute_past)
         self.prefix_cache = cfg.prefix_cache and not mc.rope_depends_on_length
@@ -130,6 +129,8 @@ class Engine:
         if self.fusion_threshold is None:
             model.keep_row_weights(cfg.row_weights_bytes)
             model.pack_weights()  # nothing else reads the plain weights per step then
+        # after keep_row_weights, which moves them into its buffer
+        self.adapters.base_vocab = {"embed_tokens": model.embed, "lm_head": model.lm_head}
         self._seqs: dict[str, Sequence] = {}
         self._groups: dict[str, ChoiceGroup] = {}
         self.grammars = GrammarCache(model.tokenizer, mc.vocab_size, mc.eos_token_ids)

@@ -173,6 +173,29 @@ def plain_weight(w: torch.Tensor) -> torch.Tensor:
     return w.to_dense() if w.is_mkldnn else w
 
 
+ROW_ARENA_ALIGN = 64
+"""Bytes each weight of `row_arena` starts on (a cache line)."""
+
+
+def row_arena(weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of `weights` (contiguous CPU tensors) laid end to end in one buffer, in the
+    order given: the order a one-row step reads them. A one-row step is bound by how fast
+    memory streams its weights, and the hardware prefetcher runs on from one weight into
+    the next only where the next one follows in memory. SmolLM2's single-stream bf16 step
+    on a 2-core Xeon, alternating in one process: 27.5 ms over weights in their own
+    allocations, 22.2 ms over one buffer in step order (24.2 with the layers in it and the
+    LM head apart)."""
+    sizes = [-(-w.nbytes // ROW_ARENA_ALIGN) * ROW_ARENA_ALIGN for w in weights]
+    buffer = torch.empty(sum(sizes), dtype=torch.uint8)
+    out, offset = [], 0
+    for w, size in zip(weights, sizes, strict=True):
+        view = buffer[offset:offset + w.nbytes].view(w.dtype).view(w.shape)
+        view.copy_(w)
+        out.append(view)
+        offset += size
+    return out
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              out: torch.Tensor | None = None, scratch: torch.Tensor | None = None,
              weigh_in_fp32: bool = False) -> torch.Tensor:
@@ -366,6 +389,9 @@ class DecoderModel:
         plain dense projections, so keeping them costs their bytes again, taken only
         within `budget_bytes` (0: never; int8 weights are read as they are stored, at no
         cost). SmolLM2-135M's dense ones are 214 MB (docs/engine.md has the figures).
+
+        The weights these steps read move into one buffer, in the order a step reads them
+        (`row_arena`), and the model's own tensors become views of it: no second copy.
         Returns whether the kernel serves those steps."""
         if self.packed or self.row_weights is not None:  # decided by the first engine
             return self.row_weights is not None
@@ -374,6 +400,30 @@ class DecoderModel:
             return False
         names = ("qkv", "o", "gate_up", "down")
         none = self._no_bias
+        int8 = self.weights == "int8"
+        extra = 0 if int8 else sum(plain_weight(getattr(w, n)).nbytes
+                                   for w in self.layers for n in names)
+        if (ONEDNN or self.packed) and extra > budget_bytes:  # else they are the weights
+            return False
+
+        def stored(w: Weight) -> torch.Tensor:
+            return w.q if isinstance(w, Int8Weight) else plain_weight(w)
+
+        head = self.lm_head if self.lm_head_int8 is None else self.lm_head_int8
+        moved = iter(row_arena([stored(getattr(w, n)) for w in self.layers for n in names]
+                               + [stored(head)]))
+        for w in self.layers:
+            for n in names:
+                if isinstance(weight := getattr(w, n), Int8Weight):
+                    weight.q = next(moved)
+                else:
+                    setattr(w, n, next(moved))
+        if isinstance(head, Int8Weight):
+            head.q = next(moved)
+        else:
+            tied, self.lm_head = self.lm_head is self.embed, next(moved)
+            if tied:
+                self.embed = self.lm_head
 
         def flat(t: torch.Tensor | None) -> np.ndarray:
             return none if t is None else cpu_decode.as_array(t.contiguous()).reshape(-1)
@@ -384,19 +434,10 @@ class DecoderModel:
                 return w.q.numpy().reshape(-1), flat(w.scale)
             return flat(w), none
 
-        plain: list[dict[str, torch.Tensor | None]] = [
-            {n: None if self.weights == "int8" else plain_weight(getattr(w, n)).contiguous()
-             for n in names} for w in self.layers]
-        extra = sum(t.numel() * t.element_size() for p in plain for t in p.values()
-                    if t is not None)
-        if (ONEDNN or self.packed) and extra > budget_bytes:  # else they are the weights
-            return False
         self.row_weights = [
-            {n: (p[n], *arrays(getattr(w, n) if p[n] is None else p[n]),
-                 flat(getattr(w, f"{n}_bias"))) for n in names}
-            for w, p in zip(self.layers, plain, strict=True)]
-        self._row_head = arrays(self.lm_head if self.lm_head_int8 is None
-                                else self.lm_head_int8)
+            {n: (None if int8 else getattr(w, n), *arrays(getattr(w, n)),
+                 flat(getattr(w, f"{n}_bias"))) for n in names} for w in self.layers]
+        self._row_head = arrays(head if isinstance(head, Int8Weight) else self.lm_head)
         return True
 
     def pack_weights(self) -> bool:

@@ -125,3 +125,33 @@ def test_few_row_adapter_steps_add_their_deltas_in_the_layer_loop_with_the_same_
     assert run() == tokens
     assert len(logits) == len(direct_logits)
     assert all(torch.equal(a, b) for a, b in zip(direct_logits, logits, strict=True))
+
+
+@pytest.mark.parametrize("weights", ["dense", "int8"])
+def test_row_weights_lie_end_to_end_in_step_order_as_the_models_own(tiny, weights) -> None:
+    """A one-row step streams its weights from one buffer in the order it reads them (the
+    prefetcher runs on from one into the next), and the model's tensors are views of that
+    buffer, not a second copy: unpacked, the layers' weights themselves; packed, the
+    plain copies the budget pays for; the LM head (the embedding, where tied) too."""
+    model = engine(tiny, 1 << 30, weights=weights).model
+    assert model.row_weights is not None
+    names = ("qkv", "o", "gate_up", "down")
+    head = model.lm_head if model.lm_head_int8 is None else model.lm_head_int8.q
+    order = [layer[n][1] for layer in model.row_weights for n in names] + [
+        model._row_head[0]]
+    starts = [a.__array_interface__["data"][0] for a in order]
+    assert starts == sorted(starts)
+    for a, start, following in zip(order, starts, starts[1:], strict=False):
+        assert 0 <= following - (start + a.nbytes) < 64  # end to end, each on a cache line
+    assert head.data_ptr() == starts[-1]
+    if weights == "dense":
+        assert model.embed.data_ptr() == head.data_ptr() or not model.cfg.tie_word_embeddings
+        for w, layer in zip(model.layers, model.row_weights, strict=True):
+            for n in names:
+                kept = layer[n][0]
+                assert kept is not None and kept.data_ptr() == layer[n][1].ctypes.data
+                if not w.qkv.is_mkldnn:
+                    assert getattr(w, n) is kept
+    else:
+        assert [w.q.data_ptr() for layer in model.layers
+                for w in (layer.qkv, layer.o, layer.gate_up, layer.down)] == starts[:-1]
