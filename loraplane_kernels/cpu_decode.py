@@ -67,7 +67,7 @@ def _attention() -> Callable[..., None]:
 _PARALLEL = [True]
 
 
-def _threadsafe() -> bool:
+def threadsafe() -> bool:
     """Whether kernels may run on numba's own (OpenMP or TBB) threads: only the thread-safe
     layers, since numba's fallback (workqueue) aborts the process when two threads launch
     kernels at once. False once a launch found neither layer."""
@@ -88,6 +88,20 @@ def _no_threads() -> None:
     _dequantize_shares.cache_clear()
 
 
+def on_threads(shared: Callable[..., None] | None, *args: Any) -> bool:
+    """Run a kernel's shares on numba's threads (`shared(*args)`). False where they cannot
+    run: `shared` is None (no thread-safe layer), or this launch found none, after which
+    every kernel here runs serial. The caller then runs its serial kernel."""
+    if shared is None:
+        return False
+    try:
+        shared(*args)
+        return True
+    except ValueError:
+        _no_threads()
+        return False
+
+
 @functools.cache
 def _shares() -> Callable[..., None] | None:
     """The attention kernel with a step's shares on numba's threads, or None where they
@@ -95,7 +109,7 @@ def _shares() -> Callable[..., None] | None:
     itself here: waking the thread took tens of microseconds, and 32 SmolLM2 decodes a
     layer ran in 142 us on two threads against 145 us on one; numba's threads ran them in
     81 us."""
-    if not _threadsafe():
+    if not threadsafe():
         return None
     from loraplane_kernels._cpu_decode_numba import decode_attention_shares
 
@@ -106,7 +120,7 @@ def _shares() -> Callable[..., None] | None:
 def _runs_shares() -> Callable[..., None] | None:
     """The LoRA pass with its runs in shares on numba's threads, or None where they cannot
     run."""
-    if not _threadsafe():
+    if not threadsafe():
         return None
     from loraplane_kernels._cpu_decode_numba import runs_shares
 
@@ -124,7 +138,7 @@ def _linear() -> Callable[..., None]:
 def _linear_shares() -> Callable[..., None] | None:
     """The few-row linear with its output columns in shares on numba's threads, or None
     where they cannot run."""
-    if not _threadsafe():
+    if not threadsafe():
         return None
     from loraplane_kernels._cpu_decode_numba import linear_rows_shares
 
@@ -158,18 +172,15 @@ def linear_rows(x: Tensor, weight: np.ndarray, scale: np.ndarray, bias: np.ndarr
 def linear_rows_arrays(x: np.ndarray, weight: np.ndarray, scale: np.ndarray,
                        bias: np.ndarray, out: np.ndarray) -> None:
     """`linear_rows` over numpy views (`as_array`) the caller made once for many calls."""
-    if (shared := _linear_shares()) is not None:  # one thread too: one compiled body, so
-        try:  # every thread count gives the same bits (LLVM may fuse a bias add elsewhere)
-            shared(x, weight, scale, bias, out, torch.get_num_threads())
-            return
-        except ValueError:
-            _no_threads()
-    _linear()(x, weight, scale, bias, out)
+    # one thread in shares too: one compiled body, so every thread count gives the same
+    # bits (LLVM may fuse a bias add elsewhere)
+    if not on_threads(_linear_shares(), x, weight, scale, bias, out, torch.get_num_threads()):
+        _linear()(x, weight, scale, bias, out)
 
 
 @functools.cache
 def _dequantize_shares() -> Callable[..., None] | None:
-    if not _threadsafe():
+    if not threadsafe():
         return None
     from loraplane_kernels._cpu_decode_numba import dequantize_shares
 
@@ -188,15 +199,10 @@ def dequantize_int8(q: Tensor, scale: Tensor, out: Tensor) -> bool:
             and q.device.type == "cpu"):
         return False
     args = (q.numpy(), as_array(scale), as_array(out))
-    if (shared := _dequantize_shares()) is not None:
-        try:
-            shared(*args, torch.get_num_threads())
-            return True
-        except ValueError:
-            _no_threads()
-    from loraplane_kernels._cpu_decode_numba import dequantize
+    if not on_threads(_dequantize_shares(), *args, torch.get_num_threads()):
+        from loraplane_kernels._cpu_decode_numba import dequantize
 
-    dequantize(*args)
+        dequantize(*args)
     return True
 
 
@@ -235,12 +241,8 @@ def decode_attention_arrays(q: Any, k_cache: Any, v_cache: Any, out: Any, plan: 
         kernel_fn(*args, 0, 1)
         return
     cuts = plan.cuts(torch.get_num_threads())
-    if len(cuts) > 2 and (shared := _shares()) is not None:
-        try:
-            shared(*args, np.asarray(cuts, dtype=np.int64))
-            return
-        except ValueError:  # no thread-safe threading layer: the helper threads below
-            _no_threads()
+    if len(cuts) > 2 and on_threads(_shares(), *args, np.asarray(cuts, dtype=np.int64)):
+        return
     shares = list(itertools.pairwise(cuts))
     pending = [_helper_threads(len(shares) - 1).submit(kernel_fn, *args, lo, hi)
                for lo, hi in shares[1:]] if len(shares) > 1 else []
@@ -296,13 +298,9 @@ def apply_small_runs_arrays(x: Any, y: Any, pool: np.ndarray, out_offset: int,
     args = (x, y, pool, out_offset, in_features, out_features, table, scales, runs.slots,
             runs.starts, runs.ends, runs.rows_max)
     threads = min(torch.get_num_threads(), len(runs.slots))
-    if threads > 1 and (shared := _runs_shares()) is not None:
-        try:  # decodes of many adapters: their weights read on every core
-            shared(*args, threads)
-            return
-        except ValueError:
-            _no_threads()
-    kernel()(*args)
+    # decodes of many adapters: their weights read on every core
+    if not (threads > 1 and on_threads(_runs_shares(), *args, threads)):
+        kernel()(*args)
 
 
 class SmallRuns:

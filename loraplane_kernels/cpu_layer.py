@@ -74,7 +74,7 @@ def step_kernels(rows: int) -> tuple[Callable[..., None], Callable[..., None],
     thread-safe threading layer, the serial kernels."""
     k = kernels()
     serial = (k.residual_norm, k.rope_cache, k.gated)
-    if not cpu_decode._threadsafe():
+    if not cpu_decode.threadsafe():
         return serial
     parts = torch.get_num_threads() if rows >= SHARE_ROWS else 1
     shared = (k.residual_norm_shares, k.rope_cache_shares, k.gated_shares)
@@ -84,9 +84,6 @@ def step_kernels(rows: int) -> tuple[Callable[..., None], Callable[..., None],
 def _in_shares(shared: Callable[..., None], serial: Callable[..., None],
                parts: int) -> Callable[..., None]:
     def run(*args: Any) -> None:
-        try:
-            shared(*args, parts)
-        except ValueError:  # no thread-safe threading layer: serial from now on
-            cpu_decode._no_threads()
+        if not cpu_decode.on_threads(shared, *args, parts):
             serial(*args)
     return run

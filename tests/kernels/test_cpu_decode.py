@@ -205,3 +205,31 @@ def test_the_few_row_linear_is_torchs_up_to_the_order_of_its_sums(
     if bias is not None:
         slack += bias.double().abs() * (2**-23 + eps)
     assert torch.all((outs[0].double() - exact).abs() <= exact.abs() * eps + slack + 1e-30)
+
+
+def test_a_launch_without_a_threadsafe_layer_turns_every_kernel_serial(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """numba raises ValueError when a parallel kernel finds no thread-safe threading layer;
+    `on_threads` then says so (the caller runs its serial kernel) and every kernel's
+    shares are off from then on, where a second launch could abort the process."""
+    monkeypatch.setattr(cpu_decode, "_PARALLEL", [True])
+    launched: list[tuple] = []
+
+    def shared(*args: object) -> None:
+        launched.append(args)
+        raise ValueError("No threading layer could be loaded.")
+
+    try:
+        assert cpu_decode.on_threads(shared, 1, 2) is False
+        assert launched == [(1, 2)]
+        assert not cpu_decode.threadsafe()
+        assert cpu_decode._linear_shares() is None and cpu_decode._runs_shares() is None
+        assert cpu_decode.on_threads(None, 1) is False
+        ran: list[int] = []
+        assert cpu_decode.on_threads(lambda *a: ran.append(len(a)), 1, 2, 3) is True
+        assert ran == [3]
+    finally:
+        monkeypatch.undo()
+        for getter in (cpu_decode._shares, cpu_decode._runs_shares, cpu_decode._linear_shares,
+                       cpu_decode._dequantize_shares):
+            getter.cache_clear()

@@ -244,7 +244,7 @@ def test_step_kernels_take_shares_from_share_rows(monkeypatch) -> None:
         cpu_layer.step_kernels(4096)[2](None, 0, None)
     finally:
         torch.set_num_threads(threads)
-    if cpu_decode._threadsafe():
+    if cpu_decode.threadsafe():
         assert calls == [1, 1, 2, 1]
     monkeypatch.setattr(cpu_decode, "_PARALLEL", [False])
     assert cpu_layer.step_kernels(4096)[2] is k.gated
