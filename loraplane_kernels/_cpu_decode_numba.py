@@ -22,6 +22,7 @@ from typing import Any
 import numba
 import numpy as np
 from llvmlite import ir as llvm_ir
+from numba.core import cgutils
 
 from loraplane_kernels.cpu_layer import NORM_COPY, NORM_RMS, QK_FULL, QK_NONE
 
@@ -343,6 +344,42 @@ def _cached(cache: Any, h: Any, slot: Any, d: Any) -> Any:
     return widened
 
 
+@numba.extending.intrinsic
+def prefetch_at(typingctx: Any, cache: Any, h: Any, slot: Any, offset: Any) -> Any:
+    """Ask for the cache line holding element `offset` past (h, slot, 0) of a [KVH, slots,
+    D] cache to be brought into every cache level (a hint: no fault, no result)."""
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        ty = signature.args[0]
+        array = context.make_array(ty)(context, builder, args[0])
+        index = [context.cast(builder, args[1], signature.args[1], numba.types.intp),
+                 context.cast(builder, args[2], signature.args[2], numba.types.intp),
+                 context.get_constant(numba.types.intp, 0)]
+        row = cgutils.get_item_pointer2(
+            context, builder, array.data, cgutils.unpack_tuple(builder, array.shape),
+            cgutils.unpack_tuple(builder, array.strides), ty.layout, index,
+            wraparound=False, boundscheck=False)
+        at = builder.gep(row, [context.cast(builder, args[3], signature.args[3],
+                                            numba.types.intp)])
+        bytes_ptr = llvm_ir.IntType(8).as_pointer()
+        i32 = llvm_ir.IntType(32)
+        fn = cgutils.get_or_insert_function(
+            builder.module, llvm_ir.FunctionType(llvm_ir.VoidType(),
+                                                 [bytes_ptr, i32, i32, i32]),
+            "llvm.prefetch.p0i8")
+        builder.call(fn, [builder.bitcast(at, bytes_ptr), llvm_ir.Constant(i32, 0),
+                          llvm_ir.Constant(i32, 3), llvm_ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+    return numba.types.void(cache, h, slot, offset), codegen
+
+
+@numba.njit(inline="always")
+def prefetch_block(cache: Any, h: Any, slot: Any, count: Any) -> None:
+    """Prefetch `count` elements from (h, slot, 0): a cache block's rows for one KV head,
+    which lie end to end."""
+    for offset in range(0, count, 64 // cache.itemsize):
+        prefetch_at(cache, h, slot, offset)
+
+
 _LOG2E = np.float32(1.44269504088896341)
 _LN2_HI = np.float32(0.693359375)
 _LN2_LO = np.float32(-2.12194440e-4)
@@ -423,7 +460,15 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, out: Any, rows: Any, ta
     head's four scores (the K rows stream through registers beside one q row), and one
     pass adds four weighted V rows into the accumulator row (a quarter of its loads and
     stores). One at a time, the per-position dot products and accumulator updates were
-    two thirds of the kernel's time at SmolLM2's shapes, with K and V in cache."""
+    two thirds of the kernel's time at SmolLM2's shapes, with K and V in cache.
+
+    A block's rows for one head are 16 x 128 bytes of bf16 at SmolLM2's shapes, and the
+    blocks of a sequence lie anywhere in the cache: too short a run for the hardware
+    prefetcher to reach ahead. So the scores pass asks for the next block's K rows and
+    this block's V rows (which the weighted sum reads after the softmax) while it works
+    on this block. 32 decodes of 100-170 positions over 30 layers' caches on a 2-core
+    Xeon, the same bits: blocks scattered over the cache (a pool that has served a while)
+    812 against 566 us a layer, blocks in order (a fresh pool) 443 against 382."""
     kv_heads, _, dim = k_cache.shape
     group = q.shape[1] // kv_heads
     longest = 1
@@ -451,6 +496,9 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, out: Any, rows: Any, ta
                 p0 = np.uint64(blk) * bs
                 base = np.uint64(tables[b, blk]) * bs
                 count = min(bs, n - p0)
+                if np.uint64(blk + 1) * bs < n:
+                    prefetch_block(k_cache, uh, np.uint64(tables[b, blk + 1]) * bs, bs * ud)
+                prefetch_block(v_cache, uh, base, bs * ud)
                 i = first - p0 if first > p0 else zero
                 while i + _UNROLL <= count:
                     s = base + i
