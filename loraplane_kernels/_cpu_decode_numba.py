@@ -268,10 +268,10 @@ of 576 to 2,048 bf16s stay in L1 while each x row passes."""
 
 _LINEAR_AHEAD = 8192
 """Bytes past the tile it starts that `linear_part` asks the memory for a tile's worth of
-weights: SmolLM2's single-stream bf16 step on a 2-core Xeon, alternating in one process,
-went 23.5 -> 22.4 ms (8 KB ahead: 24.5 -> 23.1; 16 KB: 25.7 -> 24.8; 32 KB: no gain). The
-hardware prefetcher alone lags the stream; a hint for L1 (locality 3) did this, one that
-skips the caches (non-temporal) took the step to 58 ms."""
+weights. SmolLM2's single-stream bf16 step on a 2-core Xeon, alternating in one process
+with the kernel that does not ask: 8 KB ahead 24.5 -> 23.1 ms, 16 KB 23.5 -> 22.4, 32 KB
+25.7 -> 24.8, 64 KB no gain. The hardware prefetcher alone lags the stream; a hint for
+every cache level (locality 3) did this, a non-temporal one took the step to 58 ms."""
 
 
 @numba.njit(inline="always", fastmath=_FAST)
