@@ -179,17 +179,18 @@ class WorkerEvents:
         """Number what is queued, then write it; on failure the same envelopes (same
         event ids, same seqs) are written again, so a retry can only duplicate what
         readers drop by event id, never leave a gap."""
-        with self._lock:
+        with self._lock:  # moved from the outbox to the numbered in one hold of the lock:
+            # `unsent` read between the two counted neither and said 0 with a batch unsent
             items = list(self._outbox)
             self._outbox.clear()
-        for payload, tenant, trace_id, waiters in items:
-            self._numbered_waiters.extend(waiters)
-            stream = self.beats if isinstance(payload, WorkerHeartbeat) else self.stream
-            self._numbered.append(Envelope.new(payload, stream=stream,
-                                               seq=self._next_seq[stream],
-                                               actor=self.worker_id, tenant=tenant,
-                                               trace_id=trace_id))
-            self._next_seq[stream] += 1
+            for payload, tenant, trace_id, waiters in items:
+                self._numbered_waiters.extend(waiters)
+                stream = self.beats if isinstance(payload, WorkerHeartbeat) else self.stream
+                self._numbered.append(Envelope.new(payload, stream=stream,
+                                                   seq=self._next_seq[stream],
+                                                   actor=self.worker_id, tenant=tenant,
+                                                   trace_id=trace_id))
+                self._next_seq[stream] += 1
         if not self._numbered:
             return
         if self._producer is None:

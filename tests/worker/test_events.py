@@ -114,3 +114,35 @@ def test_batched_traces_when_durability_is_off(settings: Settings) -> None:
         assert [ids for _, ids in logged_traces(settings)] == [["a", "b"]]
     finally:
         events.stop()
+
+
+def test_unsent_counts_a_batch_while_it_is_numbered(settings: Settings,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch leaves the outbox and is numbered in one hold of the lock: `unsent`, read
+    by another thread meanwhile (the metrics, a test waiting for the log), never says 0
+    with the batch not yet written. It said 0 between the two, and a reader went to the
+    log before the batch was there."""
+    from services.worker import events as events_module
+
+    seen: list[int] = []
+    real = events_module.Envelope.new
+
+    def numbered(*args: object, **kwargs: object) -> object:
+        if not seen and isinstance(args[0], RequestServed):
+            reader = threading.Thread(target=lambda: seen.append(events.unsent))
+            reader.start()
+            reader.join(timeout=0.5)  # blocks on the lock until the batch is numbered
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(events_module.Envelope, "new", numbered)
+    events = WorkerEvents(settings.model_copy(update={"worker_trace_durable": False,
+                                                      "worker_trace_flush_s": 0.2}),
+                          "w1", heartbeat=lambda: None)
+    events.start({})
+    try:
+        assert events.trace(served("a")) is None
+        wait_for(lambda: bool(seen) and not events.unsent, 30, message="the batch sent")
+        assert seen[0] > 0
+        assert [ids for _, ids in logged_traces(settings)] == [["a"]]
+    finally:
+        events.stop()
