@@ -24,7 +24,7 @@ import numpy as np
 from llvmlite import ir as llvm_ir
 from numba.core import cgutils
 
-from loraplane_kernels.cpu_layer import NORM_COPY, NORM_RMS, QK_FULL, QK_NONE
+from loraplane_kernels.cpu_layer import NORM_COPY, NORM_NONE, NORM_RMS, QK_FULL, QK_NONE
 
 _FAST = {"reassoc", "nsz", "contract"}
 _NO_CONTRACT = {"reassoc", "nsz"}
@@ -770,3 +770,65 @@ def gated_shares(gate_up: Any, kind: int, out: Any, parts: int) -> None:
     for share in numba.prange(parts):
         lo, hi = share * t // parts, (share + 1) * t // parts
         gated(gate_up[lo:hi], kind, out[lo:hi])
+
+
+# -- a few-row decode step's layers in one call (`cpu_layer.layer_stack_rows`) --------------
+
+@numba.njit(inline="always")
+def _project(x: Any, weights: Any, scales: Any, biases: Any, spans: Any, layer: int,
+             which: int, y: Any, parts: int) -> None:
+    """Projection `which` (qkv, o, gate_up, down) of `layer`: its weight, int8 scale and
+    bias are ``[start, end)`` spans of the flat arrays (an empty span: none)."""
+    s = spans[layer, which]
+    linear_rows_shares(x, weights[s[0]:s[1]], scales[s[2]:s[3]], biases[s[4]:s[5]], y, parts)
+
+
+@numba.njit(cache=True, nogil=True)
+def layer_stack_rows(h: Any, x: Any, q: Any, k: Any, attn: Any, attn_flat: Any, act: Any,
+                     qkv: Any, delta: Any, gate_up: Any,
+                     weights: Any, scales: Any, biases: Any, spans: Any,
+                     attn_in: Any, attn_in_mode: int, attn_out: Any, mlp_in: Any,
+                     mlp_in_mode: int, mlp_out: Any, q_norm: Any, k_norm: Any, empty: Any,
+                     cos: Any, sin: Any, rope_of: Any, no_rope: Any, k_cache: Any,
+                     v_cache: Any, slots: Any, heads: int, kv_heads: int, qk_norm: int,
+                     eps: Any, weigh_in_fp32: bool, multiplier: Any, kind: int, rows: Any,
+                     tables: Any, lens: Any, block_size: int, scale: Any, windows: Any,
+                     softcap: Any, cuts: Any, parts: int) -> None:
+    """Every layer of a decode step of a few rows on the base weights, in one call: the
+    calls `DecoderModel._compiled_layer_loop` makes from Python for such a step (the same
+    kernels with the same arguments, so the same bits), without a Python call and a
+    dispatch per kernel (nine a layer). The norm stacks hold a row per layer (a width of 0
+    for a norm the family lacks), the caches a plane per layer, `cos` and `sin` a table
+    per rope (`rope_of` the layer's; -1: none, `no_rope`'s zero width)."""
+    last = spans.shape[0] - 1
+    residual_norm_shares(h, h, False, multiplier, empty, attn_in[0], attn_in_mode, eps,
+                         weigh_in_fp32, x, 1)
+    n = lens.shape[0]
+    for li in range(spans.shape[0]):
+        _project(x, weights, scales, biases, spans, li, 0, qkv, parts)
+        k_layer, v_layer = k_cache[li], v_cache[li]
+        ri = rope_of[li]
+        c, s = (no_rope, no_rope) if ri < 0 else (cos[ri], sin[ri])
+        rope_cache_shares(qkv, c, s, heads, kv_heads, q, k, k_layer, v_layer, slots,
+                          qk_norm, q_norm[li], k_norm[li], eps, weigh_in_fp32, 1)
+        if n == 1:
+            decode_attention(q, k_layer, v_layer, attn, rows, tables, lens, block_size, scale,
+                             windows[li], softcap, 0, 1)
+        elif cuts.shape[0] > 2:
+            decode_attention_shares(q, k_layer, v_layer, attn, rows, tables, lens, block_size,
+                                    scale, windows[li], softcap, cuts)
+        else:
+            decode_attention(q, k_layer, v_layer, attn, rows, tables, lens, block_size, scale,
+                             windows[li], softcap, 0, n)
+        _project(attn_flat, weights, scales, biases, spans, li, 1, delta, parts)
+        residual_norm_shares(h, delta, True, multiplier, attn_out[li], mlp_in[li],
+                             mlp_in_mode, eps, weigh_in_fp32, x, 1)
+        _project(x, weights, scales, biases, spans, li, 2, gate_up, parts)
+        gated_shares(gate_up, kind, act, 1)
+        _project(act, weights, scales, biases, spans, li, 3, delta, parts)
+        if li < last:
+            residual_norm_shares(h, delta, True, multiplier, mlp_out[li], attn_in[li + 1],
+                                 attn_in_mode, eps, weigh_in_fp32, x, 1)
+        else:  # the final norm is the logits' own
+            residual_norm_shares(h, delta, True, multiplier, mlp_out[li], empty, NORM_NONE,
+                                 eps, weigh_in_fp32, x, 1)

@@ -336,6 +336,8 @@ class DecoderModel:
         from `cpu_layer.SHARE_ROWS` rows) instead of torch's: at 4,096 prefill tokens of
         SmolLM2 in bf16, the torch ops took about 720 ms a step and these 330."""
         self._kv_arrays: tuple[KVStorage, list[tuple[np.ndarray, np.ndarray]]] | None = None
+        self._stack: tuple[Any, ...] | None = None
+        self._windows = self._rope_of = np.zeros(0, dtype=np.int64)
         self._norm_arrays = [self._layer_norm_arrays(w) for w in self.layers] \
             if self.compiled_layers else []
 
@@ -731,6 +733,21 @@ class DecoderModel:
         qk_norm = cpu_layer.QK_NORMS[cfg.family.qk_norm]
         last = len(layers) - 1
         empty = norms[0][2][:0]
+        stack = self._row_stack() if direct is not None and pool is None and decodes_only \
+            else None
+        if stack is not None and (whole := cpu_layer.layer_stack_rows()) is not None:
+            cos, sin = (np.stack([rope_arrays[id(r)][i] for r in self.ropes]) if self.ropes
+                        else no_rope[None] for i in (0, 1))
+            threads = torch.get_num_threads()
+            cuts = np.asarray(plan.cuts(threads) if len(plan.lens) > 1 else (0, 1),
+                              dtype=np.int64)
+            whole(h_a, x_a, q_a, k_a, attn_a, arr(attn_flat), act_a,
+                  *(arr(outs[role]) for role in ("qkv", "delta", "gate_up")), *stack,
+                  empty, cos, sin, self._rope_of, no_rope, as_array(kv.k), as_array(kv.v),
+                  slots, heads, kv_heads, qk_norm, eps, fp32_weigh, mult, kind, plan.rows,
+                  plan.tables, plan.lens, plan.block_size, np.float32(scale), self._windows,
+                  np.float32(softcap or 0.0), cuts, threads)
+            return
         residual_norm(h_a, h_a, False, mult, empty, norms[0][0], norms[0][1], eps, fp32_weigh,
                       x_a)
         for li in range(len(layers)):
@@ -758,6 +775,54 @@ class DecoderModel:
                 empty, cpu_layer.NORM_NONE)  # the final norm is the logits' own
             residual_norm(h_a, delta_a, True, mult, mlp_out, nxt, nxt_mode, eps, fp32_weigh,
                           x_a)
+
+    def _row_stack(self) -> tuple[Any, ...] | None:
+        """What `cpu_layer.layer_stack_rows` reads of the model, made on first use: the
+        row weights as one flat array (the arena `keep_row_weights` laid them in) with
+        each projection's spans of it, of the int8 scales and of the biases (copied end
+        to end: a few KB), and each norm's weights stacked a row per layer. None where
+        the ropes differ in width: those steps take the Python loop."""
+        if self._stack is not None:
+            return self._stack or None
+        self._stack = ()
+        if self.row_weights is None or len({r.dim for r in self.ropes}) > 1:
+            return None
+        names = ("qkv", "o", "gate_up", "down")
+        dense, first = self.row_weights[0]["qkv"][:2]
+        kept = dense if dense is not None else self.layers[0].qkv.q  # type: ignore[union-attr]
+        arena = torch.empty(0, dtype=torch.uint8).set_(  # the buffer the weights are views of
+            kept.untyped_storage())
+        weights = arena.numpy().view(first.dtype)
+        start = weights.ctypes.data
+        scales: list[np.ndarray] = []
+        biases: list[np.ndarray] = []
+        spans = np.zeros((len(self.layers), len(names), 6), dtype=np.int64)
+        at = [0, 0]
+        for li, layer in enumerate(self.row_weights):
+            for j, n in enumerate(names):
+                _, w, scale, bias = layer[n]
+                lo = (w.ctypes.data - start) // w.itemsize
+                if lo < 0 or lo + w.size > weights.size:  # sliced, numba would clip it
+                    raise RuntimeError("a row weight lies outside the row arena")
+                spans[li, j, :2] = lo, lo + w.size
+                for k, (part, into) in enumerate(((scale, scales), (bias, biases))):
+                    into.append(part)
+                    spans[li, j, 2 + 2 * k:4 + 2 * k] = at[k], at[k] + part.size
+                    at[k] += part.size
+
+        def joined(parts: list[np.ndarray]) -> np.ndarray:
+            return np.concatenate(parts) if parts else self._no_bias
+
+        norms = self._norm_arrays
+        stacked = [np.stack([n[i] for n in norms]) for i in range(8)]
+        self._windows = np.asarray([self.cfg.window(i) or 0 for i in range(len(self.layers))],
+                                   dtype=np.int64)
+        self._rope_of = np.asarray([-1 if r is None else self.ropes.index(r)
+                                    for r in self.layer_ropes], dtype=np.int64)
+        self._stack = (weights, joined(scales), joined(biases), spans,
+                       stacked[0], norms[0][1], stacked[2], stacked[3], norms[0][4],
+                       stacked[5], stacked[6], stacked[7])
+        return self._stack
 
     def _logits(self, h: torch.Tensor, batch: ForwardBatch, adapters: AdapterPool | None,
                 idx: torch.Tensor | None, vocab: bool) -> torch.Tensor:
