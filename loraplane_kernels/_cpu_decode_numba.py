@@ -801,34 +801,38 @@ def layer_stack_rows(h: Any, x: Any, q: Any, k: Any, attn: Any, attn_flat: Any, 
     for a norm the family lacks), the caches a plane per layer, `cos` and `sin` a table
     per rope (`rope_of` the layer's; -1: none, `no_rope`'s zero width)."""
     last = spans.shape[0] - 1
-    residual_norm_shares(h, h, False, multiplier, empty, attn_in[0], attn_in_mode, eps,
-                         weigh_in_fp32, x, 1)
     n = lens.shape[0]
+    # values at run time, not literals: a literal argument would compile (and run) another
+    # specialisation of each kernel rather than the one the loop from Python calls
+    zero = n - n
+    one, yes, no, no_norm = zero + 1, zero == 0, zero != 0, zero + NORM_NONE
+    residual_norm_shares(h, h, no, multiplier, empty, attn_in[0], attn_in_mode, eps,
+                         weigh_in_fp32, x, one)
     for li in range(spans.shape[0]):
         _project(x, weights, scales, biases, spans, li, 0, qkv, parts)
         k_layer, v_layer = k_cache[li], v_cache[li]
         ri = rope_of[li]
         c, s = (no_rope, no_rope) if ri < 0 else (cos[ri], sin[ri])
         rope_cache_shares(qkv, c, s, heads, kv_heads, q, k, k_layer, v_layer, slots,
-                          qk_norm, q_norm[li], k_norm[li], eps, weigh_in_fp32, 1)
+                          qk_norm, q_norm[li], k_norm[li], eps, weigh_in_fp32, one)
         if n == 1:
             decode_attention(q, k_layer, v_layer, attn, rows, tables, lens, block_size, scale,
-                             windows[li], softcap, 0, 1)
+                             windows[li], softcap, zero, one)
         elif cuts.shape[0] > 2:
             decode_attention_shares(q, k_layer, v_layer, attn, rows, tables, lens, block_size,
                                     scale, windows[li], softcap, cuts)
         else:
             decode_attention(q, k_layer, v_layer, attn, rows, tables, lens, block_size, scale,
-                             windows[li], softcap, 0, n)
+                             windows[li], softcap, zero, n)
         _project(attn_flat, weights, scales, biases, spans, li, 1, delta, parts)
-        residual_norm_shares(h, delta, True, multiplier, attn_out[li], mlp_in[li],
-                             mlp_in_mode, eps, weigh_in_fp32, x, 1)
+        residual_norm_shares(h, delta, yes, multiplier, attn_out[li], mlp_in[li],
+                             mlp_in_mode, eps, weigh_in_fp32, x, one)
         _project(x, weights, scales, biases, spans, li, 2, gate_up, parts)
-        gated_shares(gate_up, kind, act, 1)
+        gated_shares(gate_up, kind, act, one)
         _project(act, weights, scales, biases, spans, li, 3, delta, parts)
         if li < last:
-            residual_norm_shares(h, delta, True, multiplier, mlp_out[li], attn_in[li + 1],
-                                 attn_in_mode, eps, weigh_in_fp32, x, 1)
+            residual_norm_shares(h, delta, yes, multiplier, mlp_out[li], attn_in[li + 1],
+                                 attn_in_mode, eps, weigh_in_fp32, x, one)
         else:  # the final norm is the logits' own
-            residual_norm_shares(h, delta, True, multiplier, mlp_out[li], empty, NORM_NONE,
-                                 eps, weigh_in_fp32, x, 1)
+            residual_norm_shares(h, delta, yes, multiplier, mlp_out[li], empty, no_norm,
+                                 eps, weigh_in_fp32, x, one)
