@@ -52,7 +52,8 @@ class EmbeddedBroker(Protocol):
 
     def start(self) -> None: ...
 
-    def stop(self) -> None: ...
+    def stop(self, grace_s: float = 30.0) -> None:
+        """SIGTERM, then SIGKILL after `grace_s`."""
 
     def alive(self) -> bool: ...
 
@@ -257,9 +258,9 @@ class ApacheKafka(ChildOwner):
         assert self._child is not None, "launch() first"
         wait_for_metadata(self.bootstrap, self._child, timeout_s)
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float = 30.0) -> None:
         if self._child is not None:
-            self._child.stop(timeout=30)
+            self._child.stop(timeout=grace_s)
             self._child = None
 
     durable = True
@@ -301,9 +302,9 @@ class Tansu(ChildOwner):
             self.data_dir / "tansu.log")
         wait_for_metadata(self.bootstrap, self._child, timeout_s)
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float = 20.0) -> None:
         if self._child is not None:
-            self._child.stop()
+            self._child.stop(timeout=grace_s)
             self._child = None
 
     durable = False
