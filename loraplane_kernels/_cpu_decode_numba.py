@@ -776,11 +776,37 @@ def gated_shares(gate_up: Any, kind: int, out: Any, parts: int) -> None:
 
 @numba.njit(inline="always")
 def _project(x: Any, weights: Any, scales: Any, biases: Any, spans: Any, layer: int,
-             which: int, y: Any, parts: int) -> None:
+             which: int, y: Any, parts: int, lora: Any, lora_modules: Any) -> None:
     """Projection `which` (qkv, o, gate_up, down) of `layer`: its weight, int8 scale and
-    bias are ``[start, end)`` spans of the flat arrays (an empty span: none)."""
+    bias are ``[start, end)`` spans of the flat arrays (an empty span: none). Then the
+    LoRA deltas of the step's adapters on it, as `AdapterPool.apply_direct` adds them:
+    `lora_modules[which]` has a (module, column offset, in, out) row per module the
+    projection packs (module -1: none), `lora` the pool, its tables and the step's runs."""
     s = spans[layer, which]
     linear_rows_shares(x, weights[s[0]:s[1]], scales[s[2]:s[3]], biases[s[4]:s[5]], y, parts)
+    pool, tables, lora_scales, n_modules, step_slots, slots, starts, ends, rows_max, \
+        threads = lora
+    if step_slots.shape[0] == 0:  # a step on the base only
+        return
+    for j in range(lora_modules.shape[1]):
+        entry = lora_modules[which, j]
+        module, col0, in_f, out_f = entry[0], entry[1], entry[2], entry[3]
+        if module < 0:
+            break
+        row = layer * n_modules + module
+        table = tables[row]
+        live = False
+        for slot in step_slots:
+            if slot >= 0 and table[2, slot] > 0:
+                live = True
+        if not live:
+            continue
+        if threads > 1:
+            runs_shares(x, y, pool, col0, in_f, out_f, table, lora_scales[row], slots, starts,
+                        ends, rows_max, threads)
+        else:
+            runs(x, y, pool, col0, in_f, out_f, table, lora_scales[row], slots, starts, ends,
+                 rows_max)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -793,13 +819,15 @@ def layer_stack_rows(h: Any, x: Any, q: Any, k: Any, attn: Any, attn_flat: Any, 
                      v_cache: Any, slots: Any, heads: int, kv_heads: int, qk_norm: int,
                      eps: Any, weigh_in_fp32: bool, multiplier: Any, kind: int, rows: Any,
                      tables: Any, lens: Any, block_size: int, scale: Any, windows: Any,
-                     softcap: Any, cuts: Any, parts: int) -> None:
-    """Every layer of a decode step of a few rows on the base weights, in one call: the
-    calls `DecoderModel._compiled_layer_loop` makes from Python for such a step (the same
+                     softcap: Any, cuts: Any, parts: int, lora: Any,
+                     lora_modules: Any) -> None:
+    """Every layer of a decode step of a few rows, in one call: the calls
+    `DecoderModel._compiled_layer_loop` makes from Python for such a step (the same
     kernels with the same arguments, so the same bits), without a Python call and a
-    dispatch per kernel (nine a layer). The norm stacks hold a row per layer (a width of 0
-    for a norm the family lacks), the caches a plane per layer, `cos` and `sin` a table
-    per rope (`rope_of` the layer's; -1: none, `no_rope`'s zero width)."""
+    dispatch per kernel (nine a layer, and one per adapted module). The norm stacks hold
+    a row per layer (a width of 0 for a norm the family lacks), the caches a plane per
+    layer, `cos` and `sin` a table per rope (`rope_of` the layer's; -1: none, `no_rope`'s
+    zero width); `lora` and `lora_modules` as `_project` takes them."""
     last = spans.shape[0] - 1
     n = lens.shape[0]
     # values at run time, not literals: a literal argument would compile (and run) another
@@ -809,7 +837,7 @@ def layer_stack_rows(h: Any, x: Any, q: Any, k: Any, attn: Any, attn_flat: Any, 
     residual_norm_shares(h, h, no, multiplier, empty, attn_in[0], attn_in_mode, eps,
                          weigh_in_fp32, x, one)
     for li in range(spans.shape[0]):
-        _project(x, weights, scales, biases, spans, li, 0, qkv, parts)
+        _project(x, weights, scales, biases, spans, li, 0, qkv, parts, lora, lora_modules)
         k_layer, v_layer = k_cache[li], v_cache[li]
         ri = rope_of[li]
         c, s = (no_rope, no_rope) if ri < 0 else (cos[ri], sin[ri])
@@ -824,12 +852,15 @@ def layer_stack_rows(h: Any, x: Any, q: Any, k: Any, attn: Any, attn_flat: Any, 
         else:
             decode_attention(q, k_layer, v_layer, attn, rows, tables, lens, block_size, scale,
                              windows[li], softcap, zero, n)
-        _project(attn_flat, weights, scales, biases, spans, li, 1, delta, parts)
+        _project(attn_flat, weights, scales, biases, spans, li, 1, delta, parts, lora,
+                 lora_modules)
         residual_norm_shares(h, delta, yes, multiplier, attn_out[li], mlp_in[li],
                              mlp_in_mode, eps, weigh_in_fp32, x, one)
-        _project(x, weights, scales, biases, spans, li, 2, gate_up, parts)
+        _project(x, weights, scales, biases, spans, li, 2, gate_up, parts, lora,
+                 lora_modules)
         gated_shares(gate_up, kind, act, one)
-        _project(act, weights, scales, biases, spans, li, 3, delta, parts)
+        _project(act, weights, scales, biases, spans, li, 3, delta, parts, lora,
+                 lora_modules)
         if li < last:
             residual_norm_shares(h, delta, yes, multiplier, mlp_out[li], attn_in[li + 1],
                                  attn_in_mode, eps, weigh_in_fp32, x, one)

@@ -51,6 +51,11 @@ class SlotTables:
     """[rows, slots (padded)] int32"""
     scales: Tensor
     """[rows, slots (padded)] float32"""
+    host: np.ndarray
+    """[rows, 3, slots] int64: each row's `PooledLora.host_table` is a view of its row, so
+    one array carries every projection's into compiled code (the one-call layer stack)."""
+    host_scales: np.ndarray
+    """[rows, slots] float32: the rows' `PooledLora.host_scale_table`."""
 
     @classmethod
     def zeros(cls, rows: int, num_slots: int, device: torch.device) -> SlotTables:
@@ -62,7 +67,8 @@ class SlotTables:
             return torch.zeros(rows, width, dtype=dtype, device=device)
 
         return cls(table(torch.int64), table(torch.int64), table(torch.int32),
-                   table(torch.float32))
+                   table(torch.float32), np.zeros((rows, 3, num_slots), dtype=np.int64),
+                   np.zeros((rows, num_slots), dtype=np.float32))
 
     def write(self, slot: int, rows: list[int], a_offsets: list[int], b_offsets: list[int],
               ranks: list[int], scales: list[float]) -> None:
@@ -127,8 +133,8 @@ class PooledLora:
         self.scales = tables.scales[row, :n]
         self.host_ranks = [0] * n
         self.host_scales = [0.0] * n
-        self.host_table = np.zeros((3, n), dtype=np.int64)
-        self.host_scale_table = np.zeros(n, dtype=np.float32)
+        self.host_table = tables.host[row]
+        self.host_scale_table = tables.host_scales[row]
         self.a_views = [None] * n
         self.bt_views = [None] * n
 

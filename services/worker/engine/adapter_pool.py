@@ -17,6 +17,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from services.contracts.capacity import AdapterLimits, OverCapacity
@@ -365,6 +366,13 @@ class AdapterPool:
             w = self.weights[layer][module]
             apply_small_runs_arrays(x, y, w.host_pool(), out_offset, w.in_features,
                                     w.out_features, w.host_table, w.host_scale_table, runs)
+
+    def direct_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """What `apply_direct` reads, for every layer and module at once (the one-call layer
+        stack, `cpu_layer.layer_stack_rows`): the pool, every projection's host table and
+        scales (module m of layer l on row ``l * modules + m``) and the module count."""
+        return (self.weights[0][self.modules[0]].host_pool(), self.tables.host,
+                self.tables.host_scales, len(self.modules))
 
     def apply_fused_base(self, layer: int, module: str, y: torch.Tensor, x: torch.Tensor,
                          weight: torch.Tensor, segments: Segments, out_offset: int = 0) -> None:

@@ -337,6 +337,7 @@ class DecoderModel:
         SmolLM2 in bf16, the torch ops took about 720 ms a step and these 330."""
         self._kv_arrays: tuple[KVStorage, list[tuple[np.ndarray, np.ndarray]]] | None = None
         self._stack: tuple[Any, ...] | None = None
+        self._lora_rows: tuple[AdapterPool | None, np.ndarray, tuple[Any, ...]] | None = None
         self._windows = self._rope_of = np.zeros(0, dtype=np.int64)
         self._norm_arrays = [self._layer_norm_arrays(w) for w in self.layers] \
             if self.compiled_layers else []
@@ -733,9 +734,14 @@ class DecoderModel:
         qk_norm = cpu_layer.QK_NORMS[cfg.family.qk_norm]
         last = len(layers) - 1
         empty = norms[0][2][:0]
-        stack = self._row_stack() if direct is not None and pool is None and decodes_only \
-            else None
+        stack = self._row_stack() if direct is not None and decodes_only else None
         if stack is not None and (whole := cpu_layer.layer_stack_rows()) is not None:
+            lora_modules, no_lora = self._lora_plan(pool)
+            lora_args = no_lora if pool is None else (
+                *pool.direct_arrays(), np.asarray(lora_slots, dtype=np.int64),
+                small_runs.slots, small_runs.starts, small_runs.ends,  # type: ignore[union-attr]
+                small_runs.rows_max,  # type: ignore[union-attr]
+                min(torch.get_num_threads(), len(small_runs.slots)))  # type: ignore[union-attr]
             cos, sin = (np.stack([rope_arrays[id(r)][i] for r in self.ropes]) if self.ropes
                         else no_rope[None] for i in (0, 1))
             threads = torch.get_num_threads()
@@ -746,7 +752,7 @@ class DecoderModel:
                   empty, cos, sin, self._rope_of, no_rope, as_array(kv.k), as_array(kv.v),
                   slots, heads, kv_heads, qk_norm, eps, fp32_weigh, mult, kind, plan.rows,
                   plan.tables, plan.lens, plan.block_size, np.float32(scale), self._windows,
-                  np.float32(softcap or 0.0), cuts, threads)
+                  np.float32(softcap or 0.0), cuts, threads, lora_args, lora_modules)
             return
         residual_norm(h_a, h_a, False, mult, empty, norms[0][0], norms[0][1], eps, fp32_weigh,
                       x_a)
@@ -823,6 +829,27 @@ class DecoderModel:
                        stacked[0], norms[0][1], stacked[2], stacked[3], norms[0][4],
                        stacked[5], stacked[6], stacked[7])
         return self._stack
+
+    def _lora_plan(self, pool: AdapterPool | None) -> tuple[np.ndarray, tuple[Any, ...]]:
+        """`layer_stack_rows`' LoRA arguments that do not change from step to step: per
+        projection, a (module index in the pool, column offset, in, out) row for each
+        module it packs (-1 past the last), and the arguments of a step with no adapter
+        (empty, of the types a step with adapters passes, so one compiled signature). Made
+        for the engine's pool; a step on the base takes whichever was made."""
+        if self._lora_rows is None or (pool is not None and self._lora_rows[0] is not pool):
+            names = ("qkv", "o", "gate_up", "down")
+            width = max(1, *(len(self.lora_mods[n]) for n in names))
+            plan = np.full((len(names), width, 4), -1, dtype=np.int64)
+            if pool is not None:
+                for i, n in enumerate(names):
+                    for j, (module, off) in enumerate(self.lora_mods[n]):
+                        plan[i, j] = (pool.modules.index(module), off, *pool.shapes[module])
+            none = np.empty(0, dtype=np.int64)
+            bits = np.uint16 if self.dtype == torch.bfloat16 else np.float32
+            no_lora = (np.empty(0, dtype=bits), np.zeros((0, 3, 1), dtype=np.int64),
+                       np.zeros((0, 1), dtype=np.float32), 0, none, none, none, none, 0, 1)
+            self._lora_rows = (pool, plan, no_lora)
+        return self._lora_rows[1], self._lora_rows[2]
 
     def _logits(self, h: torch.Tensor, batch: ForwardBatch, adapters: AdapterPool | None,
                 idx: torch.Tensor | None, vocab: bool) -> torch.Tensor:

@@ -1,8 +1,9 @@
-"""A decode step of one or two rows on the base weights runs every layer in one compiled
-call (`cpu_layer.layer_stack_rows`) with the bits of the per-kernel loop it replaces, in
-every family shape that loop takes: biases, q/k norms per head and over the projection,
-norms after attention and the MLP, a residual multiplier, sliding windows, soft-capping,
-two ropes, layers without rope, int8 weights."""
+"""A decode step of one or two rows runs every layer in one compiled call
+(`cpu_layer.layer_stack_rows`), its adapters' deltas too, with the bits of the per-kernel
+loop it replaces, in every family shape that loop takes: biases, q/k norms per head and
+over the projection, norms after attention and the MLP, a residual multiplier, sliding
+windows, soft-capping, two ropes, layers without rope, int8 weights; one adapter, two,
+an adapter beside the base."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 from loraplane_kernels import cpu_decode, cpu_layer
 from services.worker.engine import GenerationRequest, SamplingParams
 
-from .families import Variant, build_family, make_engine
+from .families import Variant, build_with_adapters, make_engine
 from .test_families import WINDOW
 
 pytestmark = pytest.mark.skipif(not cpu_decode.AVAILABLE, reason="numba is not installed")
@@ -43,16 +44,18 @@ SHAPES = [
 
 @pytest.mark.parametrize(("variant", "weights"), SHAPES,
                          ids=[f"{v.id}-{w}" for v, w in SHAPES])
-def test_few_row_base_steps_take_one_call_with_the_loops_bits(tmp_path, monkeypatch,
-                                                               variant: Variant,
-                                                               weights: str) -> None:
-    """Single streams (one-row steps) and a pair (two-row steps, their decodes in shares)
-    past the window: every step's logits are bit for bit those of the per-kernel loop, and
-    the one call served the decode steps."""
+def test_few_row_steps_take_one_call_with_the_loops_bits(tmp_path, monkeypatch,
+                                                          variant: Variant,
+                                                          weights: str) -> None:
+    """Single streams (one-row steps) and pairs (two-row steps, their decodes in shares)
+    past the window, on the base and on adapters: every step's logits are bit for bit
+    those of the per-kernel loop, and the one call served the decode steps, adapters'
+    included."""
     from services.worker.engine.model import DecoderModel
 
-    build_family(tmp_path, variant)
-    eng = make_engine(tmp_path, dtype="bfloat16", weights=weights)
+    fam = build_with_adapters(tmp_path, variant)
+    eng = make_engine(fam.path, dtype="bfloat16", weights=weights)
+    first, second = (eng.load_adapter(path).digest for path in fam.adapters.values())
     if cpu_layer.layer_stack_rows() is None:
         pytest.skip("numba has no thread-safe threading layer here")
     assert eng.model.row_weights is not None
@@ -62,19 +65,26 @@ def test_few_row_base_steps_take_one_call_with_the_loops_bits(tmp_path, monkeypa
                         lambda self, *a: logits.append(real_logits(self, *a).clone())
                         or logits[-1])
     whole = cpu_layer.layer_stack_rows
-    calls: list[int] = []
-    monkeypatch.setattr(cpu_layer, "layer_stack_rows",
-                        lambda: (lambda *a: calls.append(a[0].shape[0]) or whole()(*a)))
+    calls: list[tuple[int, int]] = []  # (rows, adapted rows' slots)
+    monkeypatch.setattr(cpu_layer, "layer_stack_rows", lambda: (
+        lambda *a: calls.append((a[0].shape[0], len(a[-2][4]))) or whole()(*a)))
 
     def run() -> list[list[int]]:
-        cases = [[(1, 14)], [(11, 10)], [(9, 12), (20, 14)]]
+        cases = [[(1, 14, None)], [(11, 10, None)], [(9, 12, None), (20, 14, None)],
+                 [(10, 12, first)], [(9, 12, first), (20, 14, second)],
+                 [(6, 12, None), (13, 14, second)]]
         return [o.token_ids for case in cases for o in eng.generate([
             GenerationRequest(prompt_token_ids=[3 + 2 * i for i in range(n)],
+                              adapter_digest=digest,
                               sampling=SamplingParams(max_tokens=m, ignore_eos=True))
-            for n, m in case])]
+            for n, m, digest in case])]
 
+    run()  # the adapters paged in: both runs below step alike
+    calls.clear()
+    logits.clear()
     tokens = run()
-    assert set(calls) == {1, 2}
+    assert {rows for rows, _ in calls} == {1, 2}
+    assert {(1, 1), (2, 2)} <= set(calls)  # one adapter alone, two adapters, a pair
     fused = logits[:]
     logits.clear()
     monkeypatch.setattr(cpu_layer, "layer_stack_rows", lambda: None)

@@ -92,9 +92,12 @@ def test_few_row_adapter_steps_add_their_deltas_in_the_layer_loop_with_the_same_
     """One- and two-row steps on adapters (one adapter, two adapters, an adapter beside the
     base) take `AdapterPool.apply_direct` inside the compiled layer loop; every step's
     logits are bit for bit those of the path through `project` and `AdapterPool.apply`."""
+    from loraplane_kernels import cpu_layer
     from services.worker.engine.adapter_pool import AdapterPool
     from services.worker.engine.model import DecoderModel
 
+    # the loop from Python (its one-call form has the same bits: test_layer_stack.py)
+    monkeypatch.setattr(cpu_layer, "layer_stack_rows", lambda: None)
     eng = engine(tiny, 1 << 30)
     names = list(tiny.adapters)
     digests = [eng.load_adapter(tiny.adapters[n]).digest for n in names[:2]]
