@@ -90,9 +90,10 @@ def _in_shares(shared: Callable[..., None], serial: Callable[..., None],
 
 
 def layer_stack_rows() -> Callable[..., None] | None:
-    """The kernel that runs every layer of a few-row decode step on the base weights in
-    one call (`_cpu_decode_numba.layer_stack_rows`), or None where numba's threads cannot
-    run (it launches the shared kernels from compiled code, with no serial fallback)."""
+    """The kernel that runs every layer of a few-row decode step, its adapters' deltas
+    included, in one call (`_cpu_decode_numba.layer_stack_rows`), or None where numba's
+    threads cannot run (it launches the shared kernels from compiled code, with no serial
+    fallback)."""
     if not cpu_decode.threadsafe():
         return None
     return kernels().layer_stack_rows

@@ -16,7 +16,7 @@ import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any, NamedTuple, get_args
 
 import numpy as np
 import torch
@@ -140,6 +140,21 @@ the int8 copy comes beside the dense embedding (half its bytes)."""
 Weight = torch.Tensor | Int8Weight
 RowWeight = tuple[torch.Tensor | None, np.ndarray, np.ndarray, np.ndarray]
 """A projection as one- and two-row steps read it (`DecoderModel.keep_row_weights`)."""
+
+PROJECTIONS = ("qkv", "o", "gate_up", "down")
+"""A layer's packed projections, in the order a step computes them: the row arena's order
+and the index `cpu_layer.layer_stack_rows` takes each by."""
+
+
+class RowStack(NamedTuple):
+    """What `cpu_layer.layer_stack_rows` reads of the model (`DecoderModel._row_stack`)."""
+
+    arrays: tuple[Any, ...]
+    """Weights, int8 scales and biases flat with their spans, then the norms stacked."""
+    rope_of: np.ndarray
+    """Each layer's rope, an index into `DecoderModel.ropes` (-1: none)."""
+    windows: np.ndarray
+    """Each layer's sliding window (0: none)."""
 
 
 @dataclass
@@ -315,7 +330,7 @@ class DecoderModel:
         self.lora_mods: dict[str, tuple[tuple[str, int], ...]] = {
             packed: tuple((m, cfg.lora_rows(m)[1]) for m in fam.lora
                           if cfg.lora_rows(m)[0] == packed)
-            for packed in ("qkv", "o", "gate_up", "down")}
+            for packed in PROJECTIONS}
         """Per packed projection, the PEFT modules that adapt it and their column offsets."""
         self.workspace = Workspace(self.dtype, self.device)
         """Step activations are written into reused buffers (see `Workspace`)."""
@@ -336,9 +351,8 @@ class DecoderModel:
         from `cpu_layer.SHARE_ROWS` rows) instead of torch's: at 4,096 prefill tokens of
         SmolLM2 in bf16, the torch ops took about 720 ms a step and these 330."""
         self._kv_arrays: tuple[KVStorage, list[tuple[np.ndarray, np.ndarray]]] | None = None
-        self._stack: tuple[Any, ...] | None = None
+        self._stack: RowStack | tuple[()] | None = None  # (): the one call does not apply
         self._lora_rows: tuple[AdapterPool | None, np.ndarray, tuple[Any, ...]] | None = None
-        self._windows = self._rope_of = np.zeros(0, dtype=np.int64)
         self._norm_arrays = [self._layer_norm_arrays(w) for w in self.layers] \
             if self.compiled_layers else []
 
@@ -401,7 +415,7 @@ class DecoderModel:
         if not (cpu_decode.AVAILABLE and self.device.type == "cpu"
                 and self.dtype == torch.bfloat16):
             return False
-        names = ("qkv", "o", "gate_up", "down")
+        names = PROJECTIONS
         none = self._no_bias
         int8 = self.weights == "int8"
         extra = 0 if int8 else sum(plain_weight(getattr(w, n)).nbytes
@@ -453,7 +467,7 @@ class DecoderModel:
                                and self.dtype in (torch.float32, torch.bfloat16)):
             return self.packed
         for w in self.layers:
-            for name in ("qkv", "o", "gate_up", "down"):
+            for name in PROJECTIONS:
                 setattr(w, name, torch.ops.mkldnn._reorder_linear_weight(getattr(w, name),
                                                                          PACK_ROWS))
         if self.lm_head_int8 is None:
@@ -492,7 +506,7 @@ class DecoderModel:
         """Every layer's q|k|v, o, gate|up and down weights in the plain layout (copies
         where packed): what comparisons and benchmarks read."""
         return [plain_weight(getattr(w, name)) for w in self.layers
-                for name in ("qkv", "o", "gate_up", "down")]
+                for name in PROJECTIONS]
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, dtype: str | torch.dtype = "float32",
@@ -737,21 +751,21 @@ class DecoderModel:
         stack = self._row_stack() if direct is not None and decodes_only else None
         if stack is not None and (whole := cpu_layer.layer_stack_rows()) is not None:
             lora_modules, no_lora = self._lora_plan(pool)
+            threads = torch.get_num_threads()
             lora_args = no_lora if pool is None else (
                 *pool.direct_arrays(), np.asarray(lora_slots, dtype=np.int64),
                 small_runs.slots, small_runs.starts, small_runs.ends,  # type: ignore[union-attr]
                 small_runs.rows_max,  # type: ignore[union-attr]
-                min(torch.get_num_threads(), len(small_runs.slots)))  # type: ignore[union-attr]
+                min(threads, len(small_runs.slots)))  # type: ignore[union-attr]
             cos, sin = (np.stack([rope_arrays[id(r)][i] for r in self.ropes]) if self.ropes
                         else no_rope[None] for i in (0, 1))
-            threads = torch.get_num_threads()
             cuts = np.asarray(plan.cuts(threads) if len(plan.lens) > 1 else (0, 1),
                               dtype=np.int64)
             whole(h_a, x_a, q_a, k_a, attn_a, arr(attn_flat), act_a,
-                  *(arr(outs[role]) for role in ("qkv", "delta", "gate_up")), *stack,
-                  empty, cos, sin, self._rope_of, no_rope, as_array(kv.k), as_array(kv.v),
+                  *(arr(outs[role]) for role in ("qkv", "delta", "gate_up")), *stack.arrays,
+                  empty, cos, sin, stack.rope_of, no_rope, as_array(kv.k), as_array(kv.v),
                   slots, heads, kv_heads, qk_norm, eps, fp32_weigh, mult, kind, plan.rows,
-                  plan.tables, plan.lens, plan.block_size, np.float32(scale), self._windows,
+                  plan.tables, plan.lens, plan.block_size, np.float32(scale), stack.windows,
                   np.float32(softcap or 0.0), cuts, threads, lora_args, lora_modules)
             return
         residual_norm(h_a, h_a, False, mult, empty, norms[0][0], norms[0][1], eps, fp32_weigh,
@@ -782,7 +796,7 @@ class DecoderModel:
             residual_norm(h_a, delta_a, True, mult, mlp_out, nxt, nxt_mode, eps, fp32_weigh,
                           x_a)
 
-    def _row_stack(self) -> tuple[Any, ...] | None:
+    def _row_stack(self) -> RowStack | None:
         """What `cpu_layer.layer_stack_rows` reads of the model, made on first use: the
         row weights as one flat array (the arena `keep_row_weights` laid them in) with
         each projection's spans of it, of the int8 scales and of the biases (copied end
@@ -793,7 +807,7 @@ class DecoderModel:
         self._stack = ()
         if self.row_weights is None or len({r.dim for r in self.ropes}) > 1:
             return None
-        names = ("qkv", "o", "gate_up", "down")
+        names = PROJECTIONS
         dense, first = self.row_weights[0]["qkv"][:2]
         kept = dense if dense is not None else self.layers[0].qkv.q  # type: ignore[union-attr]
         arena = torch.empty(0, dtype=torch.uint8).set_(  # the buffer the weights are views of
@@ -821,13 +835,13 @@ class DecoderModel:
 
         norms = self._norm_arrays
         stacked = [np.stack([n[i] for n in norms]) for i in range(8)]
-        self._windows = np.asarray([self.cfg.window(i) or 0 for i in range(len(self.layers))],
-                                   dtype=np.int64)
-        self._rope_of = np.asarray([-1 if r is None else self.ropes.index(r)
-                                    for r in self.layer_ropes], dtype=np.int64)
-        self._stack = (weights, joined(scales), joined(biases), spans,
-                       stacked[0], norms[0][1], stacked[2], stacked[3], norms[0][4],
-                       stacked[5], stacked[6], stacked[7])
+        self._stack = RowStack(
+            (weights, joined(scales), joined(biases), spans, stacked[0], norms[0][1],
+             stacked[2], stacked[3], norms[0][4], stacked[5], stacked[6], stacked[7]),
+            np.asarray([-1 if r is None else self.ropes.index(r) for r in self.layer_ropes],
+                       dtype=np.int64),
+            np.asarray([self.cfg.window(i) or 0 for i in range(len(self.layers))],
+                       dtype=np.int64))
         return self._stack
 
     def _lora_plan(self, pool: AdapterPool | None) -> tuple[np.ndarray, tuple[Any, ...]]:
@@ -837,7 +851,7 @@ class DecoderModel:
         (empty, of the types a step with adapters passes, so one compiled signature). Made
         for the engine's pool; a step on the base takes whichever was made."""
         if self._lora_rows is None or (pool is not None and self._lora_rows[0] is not pool):
-            names = ("qkv", "o", "gate_up", "down")
+            names = PROJECTIONS
             width = max(1, *(len(self.lora_mods[n]) for n in names))
             plan = np.full((len(names), width, 4), -1, dtype=np.int64)
             if pool is not None:
