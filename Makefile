@@ -23,7 +23,13 @@ $(STAMP): pyproject.toml $(CONSTRAINTS) | $(BIN)/python
 kafka-jars: $(STAMP)
 	$(BIN)/loraplane fetch-kafka
 
-setup: $(STAMP) kafka-jars
+# The engine's CPU kernels compiled into numba's cache once, not by a worker's first start
+KERNELS := $(VENV)/.kernels
+$(KERNELS): $(STAMP) loraplane_kernels/_cpu_decode_numba.py
+	$(BIN)/loraplane compile-kernels
+	touch $(KERNELS)
+
+setup: $(STAMP) kafka-jars $(KERNELS)
 
 demo: setup
 	$(BIN)/loraplane demo

@@ -90,7 +90,8 @@ def _find_stack(ctx: typer.Context, version: bool = typer.Option(
         adopt_stack_env()
 
 
-SELF_CONFIGURED = {"up", "serve", "demo", "fetch-kafka", "base-digest", "cluster"}
+SELF_CONFIGURED = {"up", "serve", "demo", "fetch-kafka", "compile-kernels", "base-digest",
+                   "cluster"}
 
 
 @app.command()
@@ -386,6 +387,19 @@ def serve_worker(
     except CheckpointError as exc:
         console.print(f"[red]{settings.base_model}: {escape(str(exc))}[/red]")
         raise typer.Exit(2) from None
+
+
+@app.command("compile-kernels")
+def compile_kernels() -> None:
+    """Compile the engine's CPU kernels into numba's cache (once per install or image),
+    so that a worker's first start loads them instead of compiling them."""
+    from services.worker.engine.precompile import compile_kernels as run
+
+    done = run()
+    if not done:
+        console.print("numba is not installed: nothing to compile")
+    for dtype, weights, seconds in done:
+        console.print(f"{dtype} activations, {weights} weights: {seconds:.1f} s")
 
 
 @app.command("base-digest")

@@ -122,6 +122,14 @@ def test_dockerfile_environment_names_real_settings() -> None:
             assert word.removeprefix("LORAPLANE_").lower() in fields, word
 
 
+def test_dockerfile_runs_real_commands() -> None:
+    text = (REPO / "services" / "Dockerfile").read_text()
+    runs = [line.split()[2:] for line in text.splitlines() if line.startswith("RUN loraplane ")]
+    assert runs, "the image compiles its kernels at build time"
+    for argv in runs:
+        _resolve(argv)
+
+
 ONE_SHOT = ("no", "on-failure")
 """Restart policies of compose services that run once (migrations, topics, registration)."""
 
