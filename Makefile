@@ -1,5 +1,5 @@
 # The two commands: `make demo` and `make test` (and `make bench` for the figures). Both set up everything on a fresh
-# machine (virtualenv, packages, Apache Kafka jars) and reuse what is already there.
+# machine (virtualenv, packages, Apache Kafka jars, compiled CPU kernels) and reuse what is already there.
 
 PYTHON ?= python3
 VENV   := .venv
