@@ -67,7 +67,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -484,6 +484,24 @@ def mixed_engines(model_dir: Path, dirs: list[Path], dtype: str
     return engines
 
 
+def adapter_weight_share(hf, dirs: list[Path]) -> dict[str, Any]:
+    """The adapters' LoRA weights against the base's projection weights, in parameters:
+    adapter 0's (every request of the one-adapter runs) and all of them together (what a
+    decode step whose rows span every adapter reads besides the base). Where the second
+    is a large share, as with 32 adapters of ranks up to 64 on a small model, a decode
+    step bound by memory reads that much more with 32 adapters than with one."""
+    names = set(ATTN + MLP)
+    base = sum(m.weight.numel() for name, m in hf.named_modules()
+               if name.rsplit(".", 1)[-1] in names and hasattr(m, "weight"))
+    sizes = [sum(t.numel() for t in load_file(d / "adapter_model.safetensors").values())
+             for d in dirs]
+    return {"adapters": len(dirs), "base_projection_params": base,
+            "adapter_0_params": sizes[0],
+            "all_adapters_params": sum(sizes), "adapter_0_rank": RANKS[0],
+            "adapter_0_of_base": round(sizes[0] / base, 4),
+            "all_adapters_of_base": round(sum(sizes) / base, 4)}
+
+
 def section_mixed(model_dir: Path, hf, dirs: list[Path], workload: list[dict],
                   dtype: str = "float32", repeats: int = 1) -> dict:
     """The engine with 32 adapters, with one and with none, stepped in turn through the
@@ -555,6 +573,7 @@ def section_mixed(model_dir: Path, hf, dirs: list[Path], workload: list[dict],
                              for a, b in paired],
         "load_after": {"engine_32": many.load, "engine_1": one.load,
                        "engine_no_adapter": bare.load, "peft": peft_load},
+        "adapter_weights": adapter_weight_share(hf, dirs),
     }
 
 
@@ -1072,9 +1091,20 @@ def _mixed_figures(mixed: dict[str, Any] | None, part: dict[str, Any], run: dict
             target="<= 1.10", meets_target=mixed["one_adapter_vs_32"] <= 1.10, model=model,
             settings=(f"the same {mixed['requests']} requests, every one on adapter 0; "
                       f"median of {mixed['repeats']} repeats, each stepping both "
-                      "engines in turn"),
+                      "engines in turn" + _weight_share(mixed)),
             load_average=_loads(mixed, "engine_1")))
     return out
+
+
+def _weight_share(mixed: dict[str, Any]) -> str:
+    share = mixed.get("adapter_weights")  # absent from runs recorded before it was
+    if not share:
+        return ""
+    return (f"; adapter 0 (r {share['adapter_0_rank']}) has "
+            f"{share['adapter_0_of_base']:.1%} of the base projections' parameters, the "
+            f"{share['adapters']} adapters together "
+            f"{share['all_adapters_of_base']:.0%} (a decode step with rows on all of them reads "
+            "those too)")
 
 
 def _no_adapter(mixed: dict[str, Any]) -> str:
