@@ -398,8 +398,8 @@ def compile_kernels() -> None:
     done = run()
     if not done:
         console.print("numba is not installed: nothing to compile")
-    for dtype, weights, seconds in done:
-        console.print(f"{dtype} activations, {weights} weights: {seconds:.1f} s")
+    for model_type, dtype, weights, seconds in done:
+        console.print(f"{model_type}, {dtype} activations, {weights} weights: {seconds:.1f} s")
 
 
 @app.command("base-digest")

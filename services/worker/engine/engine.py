@@ -148,9 +148,9 @@ class Engine:
 
     def _warm_up(self) -> None:
         """Step a scratch engine on this model through every compiled CPU path a step can
-        take (a short prefill, one decode, decodes in shares, the LoRA pass whole and in
-        shares), so numba compiles them or loads them from its cache here and not inside a
-        request's step.
+        take (a short prefill, one decode, decodes in shares, a lone decode beside a
+        prefill, the LoRA pass whole and in shares), so numba compiles them or loads them
+        from its cache here and not inside a request's step.
         From a cold cache that took about 8 s and held the GIL: a worker's first request
         stalled its heartbeats, and a benchmark counted it into the first step it timed.
         Once per model: the compiled code is the process's."""
@@ -167,6 +167,14 @@ class Engine:
         scratch.generate([GenerationRequest(prompt_token_ids=prompt, sampling=once)])
         scratch.generate([GenerationRequest(prompt_token_ids=prompt[: 4 + i], sampling=once)
                           for i in range(3)])
+        # one stream decoding while another's prompt fills: a step that is not decodes
+        # only, with one decode (the attention kernel whole, from Python, in bf16 too)
+        scratch.submit(GenerationRequest(prompt_token_ids=prompt[:4],
+                                         sampling=SamplingParams(max_tokens=3)))
+        scratch.step()
+        scratch.submit(GenerationRequest(prompt_token_ids=prompt, sampling=once))
+        while scratch.has_work:
+            scratch.step()
         weights = next(iter(scratch.adapters.weights[0].values()))
         x = torch.zeros(2, weights.in_features, dtype=model.dtype)
         y = torch.zeros(2, weights.out_features, dtype=model.dtype)

@@ -15,19 +15,28 @@ from services.worker.engine.engine import Engine, EngineConfig
 FORMATS: tuple[tuple[str, str], ...] = (
     ("float32", "dense"), ("bfloat16", "dense"), ("float32", "int8"), ("bfloat16", "int8"))
 """(activation dtype, base weights) pairs a CPU worker can serve: numba compiles a kernel
-once per argument types, and these four are every type set an engine's steps pass."""
+once per set of argument types, and each of these passes its own."""
+
+MODELS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
+    ("llama", FORMATS),
+    ("gemma", FORMATS[:2]), ("gemma2", FORMATS[:2]), ("gemma3_text", FORMATS[:2]))
+"""Tiny models whose steps pass the kernels different types, with the formats built for
+each: Llama's stand for every family that norms in the activations' dtype (Mistral,
+Qwen, Phi-3, OLMo 2, Granite, SmolLM3); Gemma 1-3 weigh their norms in fp32, and Gemma 2
+and 3 add post-norms, query-key norms and two ropes. Gemma in int8 compiles when such
+a worker is first built."""
 
 
-def compile_kernels(formats: tuple[tuple[str, str], ...] = FORMATS
-                    ) -> list[tuple[str, str, float]]:
-    """Build an engine on a tiny random Llama in each format, which steps it through every
-    compiled CPU path (`Engine._warm_up`), so that numba writes each kernel to its cache
-    (the package's ``__pycache__``, or ``NUMBA_CACHE_DIR``). A worker built afterwards
-    loads them in about a second instead of compiling them while its first heartbeats
-    wait: 18-26 s a format (fp32, bf16) on a 2-core Xeon from a cold cache. The kernels
-    depend on the types of their arguments, not on the model's shapes, so a tiny model
-    compiles what a large one runs. Returns (dtype, weights, seconds) per format; nothing
-    where numba is not installed."""
+def compile_kernels(models: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = MODELS
+                    ) -> list[tuple[str, str, str, float]]:
+    """Build an engine on a tiny random model of each kind in each of its formats, which
+    steps it through every compiled CPU path (`Engine._warm_up`), so that numba writes
+    each kernel to its cache (the package's ``__pycache__``, or ``NUMBA_CACHE_DIR``). A
+    worker built afterwards loads them in about a second instead of compiling them while
+    its first heartbeats wait: 18-26 s a format (fp32, bf16) on a 2-core Xeon from a cold
+    cache. The kernels depend on the types of their arguments, not on the model's shapes,
+    so a tiny model compiles what a large one of its kind runs. Returns (model type,
+    dtype, weights, seconds) per engine; nothing where numba is not installed."""
     if not cpu_decode.AVAILABLE:
         return []
     from numba.core.errors import NumbaIRAssumptionWarning
@@ -37,25 +46,27 @@ def compile_kernels(formats: tuple[tuple[str, str], ...] = FORMATS
             warnings.catch_warnings():
         # numba's own check of the IR it inlines, a page per kernel and nothing to act on
         warnings.simplefilter("ignore", NumbaIRAssumptionWarning)
-        path = Path(tmp)
-        _write_tiny_llama(path)
-        for dtype, weights in formats:
-            t0 = time.perf_counter()
-            Engine.from_pretrained(path, EngineConfig(dtype=dtype, device="cpu",
-                                                      weights=weights))
-            done.append((dtype, weights, time.perf_counter() - t0))
+        for model_type, formats in models:
+            path = Path(tmp) / model_type
+            _write_tiny(path, model_type)
+            for dtype, weights in formats:
+                t0 = time.perf_counter()
+                Engine.from_pretrained(path, EngineConfig(dtype=dtype, device="cpu",
+                                                          weights=weights))
+                done.append((model_type, dtype, weights, time.perf_counter() - t0))
     return done
 
 
-def _write_tiny_llama(path: Path) -> None:
-    """A random two-layer Llama checkpoint (safetensors and config, no tokenizer)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _write_tiny(path: Path, model_type: str) -> None:
+    """A random two-layer checkpoint of `model_type` (safetensors and config, no
+    tokenizer)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=256, tie_word_embeddings=False)
-    LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
+    cfg = AutoConfig.for_model(
+        model_type, vocab_size=96, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=256, tie_word_embeddings=False)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path, safe_serialization=True)

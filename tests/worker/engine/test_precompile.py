@@ -9,8 +9,10 @@ import sys
 import pytest
 
 from loraplane_kernels import cpu_decode
-from services.worker.engine.precompile import FORMATS
+from services.worker.engine.precompile import MODELS
 from tests.conftest import REPO
+
+from .families import Variant, build_family
 
 pytestmark = pytest.mark.skipif(not cpu_decode.AVAILABLE, reason="numba is not installed")
 
@@ -27,28 +29,54 @@ def signatures():
 
 compile_kernels()
 before = signatures()
-model_dir, adapters = sys.argv[1], sys.argv[2:]
+model_dir, families, adapters = sys.argv[1], sys.argv[2].split(","), sys.argv[3:]
+prompts = [[1 + (i * 7 + j) % 90 for j in range(n)] for i, n in enumerate((3, 9, 40, 150))]
 for dtype, weights in (("float32", "dense"), ("bfloat16", "dense"), ("float32", "int8"),
                        ("bfloat16", "int8")):
     eng = Engine.from_pretrained(model_dir, EngineConfig(dtype=dtype, weights=weights,
                                                          adapter_slots=4))
     digests = [None, *(eng.load_adapter(a).digest for a in adapters)]
-    prompts = [[1 + (i * 7 + j) % 90 for j in range(n)] for i, n in enumerate((3, 9, 40, 150))]
     eng.generate([GenerationRequest(prompt_token_ids=prompts[i % 4], adapter_digest=d,
                                     sampling=SamplingParams(max_tokens=3 + i % 3))
                   for i, d in enumerate(digests * 3)])
+for path in families:  # other families' checkpoints, on the base
+    for dtype in ("float32", "bfloat16"):
+        eng = Engine.from_pretrained(path, EngineConfig(dtype=dtype))
+        eng.generate([GenerationRequest(prompt_token_ids=p,
+                                        sampling=SamplingParams(max_tokens=3 + i % 3))
+                      for i, p in enumerate(prompts * 2)])
 after = signatures()
 print(json.dumps({name: sigs for name, sigs in after.items() if sigs != before[name]}))
 """
 
 
-def test_compile_kernels_compiles_every_signature_a_workload_calls(tiny) -> None:
-    """The command's tiny model stands for any model: after it, engines on another
-    checkpoint in all four formats, stepped through base and adapter requests of 3 to 150
-    tokens (one to twelve decodes a step), call no kernel signature it did not compile.
-    Compared in one process, so the check does not depend on what the cache held."""
+FAMILIES = [
+    Variant("qwen3", "qwen3", {"head_dim": 16}),
+    Variant("gemma", "gemma", {"head_dim": 16, "tie_word_embeddings": True}),
+    Variant("gemma2", "gemma2", {"head_dim": 16, "query_pre_attn_scalar": 24,
+                                 "final_logit_softcapping": 30.0,
+                                 "attn_logit_softcapping": 50.0, "sliding_window": 8}),
+    Variant("gemma3", "gemma3_text", {"head_dim": 16, "query_pre_attn_scalar": 24,
+                                      "sliding_window": 8}),
+    Variant("smollm3", "smollm3", {"no_rope_layer_interval": 2}),
+]
+"""Families whose steps pass the kernels other types (Gemma's fp32 norm weights, query-key
+norms, two ropes, rope-less layers), beside Llama's in the fixture."""
+
+
+def test_compile_kernels_compiles_every_signature_a_workload_calls(tiny, tmp_path) -> None:
+    """After the command, engines on other checkpoints (the tiny Llama fixture with its
+    adapters in all four formats; Qwen3, Gemma 1-3 and SmolLM3 in fp32 and bf16), stepped
+    through requests of 3 to 150 tokens (one to twelve decodes a step), call no kernel
+    signature it did not compile. Compared in one process, so the check does not depend
+    on what the cache held."""
+    families = []
+    for variant in FAMILIES:
+        build_family(tmp_path / variant.id, variant)
+        families.append(str(tmp_path / variant.id))
     proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(tiny.path), *map(str, tiny.adapters.values())],
+        [sys.executable, "-c", SCRIPT, str(tiny.path), ",".join(families),
+         *map(str, tiny.adapters.values())],
         cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.splitlines()[-1]) == {}
@@ -59,5 +87,5 @@ def test_the_command_says_what_it_compiled() -> None:
                          capture_output=True, text=True, timeout=600, check=False)
     assert cli.returncode == 0, cli.stdout[-2000:] + cli.stderr[-3000:]
     lines = [line for line in cli.stdout.splitlines() if line.endswith(" s")]
-    assert len(lines) == len(FORMATS), cli.stdout
+    assert len(lines) == sum(len(formats) for _, formats in MODELS), cli.stdout
     assert "NumbaIRAssumptionWarning" not in cli.stderr

@@ -35,6 +35,11 @@ for dtype in ("bfloat16", "float32"):
     eng.generate([GenerationRequest(prompt_token_ids=prompts[i % 4], adapter_digest=d,
                                     sampling=SamplingParams(max_tokens=3 + i % 3))
                   for i, d in enumerate(digests * 3)])
+    # three streams on the base that end one after another while a longer prompt still
+    # fills: steps that are not decodes only, with a single decode
+    eng.generate([GenerationRequest(prompt_token_ids=[1 + i % 90 for i in range(n)],
+                                    sampling=SamplingParams(max_tokens=3))
+                  for n in (3, 9, 40)])
     out[dtype] = {"before": before, "after": signatures()}
 print(json.dumps(out))
 """
@@ -60,11 +65,9 @@ def test_a_mixed_workload_compiles_nothing_after_the_engine_is_built(tiny) -> No
         # one-row bf16 steps' projections (`keep_row_weights`); compiled by the bf16 engine,
         # built first, so the fp32 one finds it there (and adds no fp32 signature)
         kernels |= {"linear_rows_shares"}
-        # and their layers in one call (`cpu_layer.layer_stack_rows`), whose single
-        # decodes' attention is called from compiled code: from Python, only fp32's
+        # and their layers in one call (`cpu_layer.layer_stack_rows`); a single decode
+        # beside a prefill calls the attention kernel whole from Python, in both dtypes
         kernels |= {"layer_stack_rows"}
-        if dtype == "bfloat16":
-            kernels -= {"decode_attention"}
         # the serial bodies of the shares kernels are compiled with them, and numba lists
         # them as compiled where a caller compiled here rather than loading from its cache
         bodies = {"residual_norm", "rope_cache", "gated", "decode_attention"}
