@@ -35,11 +35,16 @@ for dtype in ("bfloat16", "float32"):
     eng.generate([GenerationRequest(prompt_token_ids=prompts[i % 4], adapter_digest=d,
                                     sampling=SamplingParams(max_tokens=3 + i % 3))
                   for i, d in enumerate(digests * 3)])
-    # three streams on the base that end one after another while a longer prompt still
-    # fills: steps that are not decodes only, with a single decode
-    eng.generate([GenerationRequest(prompt_token_ids=[1 + i % 90 for i in range(n)],
-                                    sampling=SamplingParams(max_tokens=3))
-                  for n in (3, 9, 40)])
+    # one stream decoding while a later prompt fills: a step that is not decodes only,
+    # with a single decode (the attention kernel whole, called from Python)
+    eng.submit(GenerationRequest(prompt_token_ids=prompts[0],
+                                 sampling=SamplingParams(max_tokens=6)))
+    eng.step()
+    eng.step()
+    eng.submit(GenerationRequest(prompt_token_ids=prompts[2],
+                                 sampling=SamplingParams(max_tokens=2)))
+    while eng.has_work:
+        eng.step()
     out[dtype] = {"before": before, "after": signatures()}
 print(json.dumps(out))
 """
