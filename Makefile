@@ -25,7 +25,7 @@ kafka-jars: $(STAMP)
 
 # The engine's CPU kernels compiled into numba's cache once, not by a worker's first start
 KERNELS := $(VENV)/.kernels
-$(KERNELS): $(STAMP) loraplane_kernels/_cpu_decode_numba.py
+$(KERNELS): $(STAMP) loraplane_kernels/_cpu_decode_numba.py services/worker/engine/precompile.py
 	$(BIN)/loraplane compile-kernels
 	touch $(KERNELS)
 

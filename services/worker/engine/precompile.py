@@ -18,13 +18,12 @@ FORMATS: tuple[tuple[str, str], ...] = (
 once per set of argument types, and each of these passes its own."""
 
 MODELS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
-    ("llama", FORMATS),
-    ("gemma", FORMATS[:2]), ("gemma2", FORMATS[:2]), ("gemma3_text", FORMATS[:2]))
+    ("llama", FORMATS), ("gemma", FORMATS), ("gemma2", FORMATS), ("gemma3_text", FORMATS))
 """Tiny models whose steps pass the kernels different types, with the formats built for
 each: Llama's stand for every family that norms in the activations' dtype (Mistral,
 Qwen, Phi-3, OLMo 2, Granite, SmolLM3); Gemma 1-3 weigh their norms in fp32, and Gemma 2
-and 3 add post-norms, query-key norms and two ropes. Gemma in int8 compiles when such
-a worker is first built."""
+and 3 add post-norms, query-key norms and two ropes. Each in int8 weights passes the
+one-kernel decode step (`layer_stack_rows`) yet other types again."""
 
 
 def compile_kernels(models: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = MODELS

@@ -40,8 +40,8 @@ for dtype, weights in (("float32", "dense"), ("bfloat16", "dense"), ("float32", 
                                     sampling=SamplingParams(max_tokens=3 + i % 3))
                   for i, d in enumerate(digests * 3)])
 for path in families:  # other families' checkpoints, on the base
-    for dtype in ("float32", "bfloat16"):
-        eng = Engine.from_pretrained(path, EngineConfig(dtype=dtype))
+    for dtype, weights in (("float32", "dense"), ("bfloat16", "dense"), ("bfloat16", "int8")):
+        eng = Engine.from_pretrained(path, EngineConfig(dtype=dtype, weights=weights))
         eng.generate([GenerationRequest(prompt_token_ids=p,
                                         sampling=SamplingParams(max_tokens=3 + i % 3))
                       for i, p in enumerate(prompts * 2)])
@@ -66,7 +66,8 @@ norms, two ropes, rope-less layers), beside Llama's in the fixture."""
 
 def test_compile_kernels_compiles_every_signature_a_workload_calls(tiny, tmp_path) -> None:
     """After the command, engines on other checkpoints (the tiny Llama fixture with its
-    adapters in all four formats; Qwen3, Gemma 1-3 and SmolLM3 in fp32 and bf16), stepped
+    adapters in all four formats; Qwen3, Gemma 1-3 and SmolLM3 in fp32, bf16 and bf16 over
+    int8 weights), stepped
     through requests of 3 to 150 tokens (one to twelve decodes a step), call no kernel
     signature it did not compile. Compared in one process, so the check does not depend
     on what the cache held."""
