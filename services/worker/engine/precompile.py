@@ -17,18 +17,17 @@ FORMATS: tuple[tuple[str, str], ...] = (
 """(activation dtype, base weights) pairs a CPU worker can serve: numba compiles a kernel
 once per set of argument types, and each of these passes its own."""
 
-MODELS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
-    ("llama", FORMATS), ("gemma", FORMATS), ("gemma2", FORMATS), ("gemma3_text", FORMATS))
-"""Tiny models whose steps pass the kernels different types, with the formats built for
-each: Llama's stand for every family that norms in the activations' dtype (Mistral,
-Qwen, Phi-3, OLMo 2, Granite, SmolLM3); Gemma 1-3 weigh their norms in fp32, and Gemma 2
-and 3 add post-norms, query-key norms and two ropes. Each in int8 weights passes the
-one-kernel decode step (`layer_stack_rows`) yet other types again."""
+MODELS: tuple[str, ...] = ("llama", "gemma", "gemma2", "gemma3_text")
+"""Model types of tiny models whose steps pass the kernels different types, each built in
+every format: Llama's stand for every family that norms in the activations' dtype
+(Mistral, Qwen, Phi-3, OLMo 2, Granite, SmolLM3); Gemma 1-3 weigh their norms in fp32,
+and Gemma 2 and 3 add post-norms, query-key norms and two ropes. Each over int8 weights
+passes the one-kernel decode step (`layer_stack_rows`) yet other types again."""
 
 
-def compile_kernels(models: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = MODELS
+def compile_kernels(models: tuple[str, ...] = MODELS
                     ) -> list[tuple[str, str, str, float]]:
-    """Build an engine on a tiny random model of each kind in each of its formats, which
+    """Build an engine on a tiny random model of each kind in each format, which
     steps it through every compiled CPU path (`Engine._warm_up`), so that numba writes
     each kernel to its cache (the package's ``__pycache__``, or ``NUMBA_CACHE_DIR``). A
     worker built afterwards loads them in about a second instead of compiling them while
@@ -45,10 +44,10 @@ def compile_kernels(models: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] 
             warnings.catch_warnings():
         # numba's own check of the IR it inlines, a page per kernel and nothing to act on
         warnings.simplefilter("ignore", NumbaIRAssumptionWarning)
-        for model_type, formats in models:
+        for model_type in models:
             path = Path(tmp) / model_type
             _write_tiny(path, model_type)
-            for dtype, weights in formats:
+            for dtype, weights in FORMATS:
                 t0 = time.perf_counter()
                 Engine.from_pretrained(path, EngineConfig(dtype=dtype, device="cpu",
                                                           weights=weights))
