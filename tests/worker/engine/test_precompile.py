@@ -9,10 +9,11 @@ import sys
 import pytest
 
 from loraplane_kernels import cpu_decode
-from services.worker.engine.precompile import MODELS
+from services.worker.engine.precompile import FORMATS, MODELS
 from tests.conftest import REPO
 
-from .families import Variant, build_family
+from .families import build_family
+from .test_families import VARIANTS
 
 pytestmark = pytest.mark.skipif(not cpu_decode.AVAILABLE, reason="numba is not installed")
 
@@ -50,16 +51,7 @@ print(json.dumps({name: sigs for name, sigs in after.items() if sigs != before[n
 """
 
 
-FAMILIES = [
-    Variant("qwen3", "qwen3", {"head_dim": 16}),
-    Variant("gemma", "gemma", {"head_dim": 16, "tie_word_embeddings": True}),
-    Variant("gemma2", "gemma2", {"head_dim": 16, "query_pre_attn_scalar": 24,
-                                 "final_logit_softcapping": 30.0,
-                                 "attn_logit_softcapping": 50.0, "sliding_window": 8}),
-    Variant("gemma3", "gemma3_text", {"head_dim": 16, "query_pre_attn_scalar": 24,
-                                      "sliding_window": 8}),
-    Variant("smollm3", "smollm3", {"no_rope_layer_interval": 2}),
-]
+FAMILIES = [v for v in VARIANTS if v.id in {"qwen3", "gemma", "gemma2", "gemma3", "smollm3"}]
 """Families whose steps pass the kernels other types (Gemma's fp32 norm weights, query-key
 norms, two ropes, rope-less layers), beside Llama's in the fixture."""
 
@@ -67,10 +59,9 @@ norms, two ropes, rope-less layers), beside Llama's in the fixture."""
 def test_compile_kernels_compiles_every_signature_a_workload_calls(tiny, tmp_path) -> None:
     """After the command, engines on other checkpoints (the tiny Llama fixture with its
     adapters in all four formats; Qwen3, Gemma 1-3 and SmolLM3 in fp32, bf16 and bf16 over
-    int8 weights), stepped
-    through requests of 3 to 150 tokens (one to twelve decodes a step), call no kernel
-    signature it did not compile. Compared in one process, so the check does not depend
-    on what the cache held."""
+    int8 weights), stepped through requests of 3 to 150 tokens (one to twelve decodes a
+    step), call no kernel signature it did not compile. Compared in one process, so the
+    check does not depend on what the cache held."""
     families = []
     for variant in FAMILIES:
         build_family(tmp_path / variant.id, variant)
@@ -88,5 +79,5 @@ def test_the_command_says_what_it_compiled() -> None:
                          capture_output=True, text=True, timeout=600, check=False)
     assert cli.returncode == 0, cli.stdout[-2000:] + cli.stderr[-3000:]
     lines = [line for line in cli.stdout.splitlines() if line.endswith(" s")]
-    assert len(lines) == sum(len(formats) for _, formats in MODELS), cli.stdout
+    assert len(lines) == len(MODELS) * len(FORMATS), cli.stdout
     assert "NumbaIRAssumptionWarning" not in cli.stderr
