@@ -73,6 +73,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.record import BenchRun, Figure  # noqa: E402
+from loraplane_kernels.int8 import Int8Weight, int8_linear  # noqa: E402
 from services.config import Settings  # noqa: E402
 from services.stack.models import ensure_smollm2  # noqa: E402
 from services.worker.engine import (  # noqa: E402
@@ -87,7 +88,7 @@ from services.worker.engine import (  # noqa: E402
     serving_dtype,
 )
 from services.worker.engine.adapter import AdapterFiles  # noqa: E402
-from services.worker.engine.model import LlamaModel  # noqa: E402
+from services.worker.engine.model import PROJECTIONS, LlamaModel, plain_weight  # noqa: E402
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
@@ -353,16 +354,26 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, float]:
 
 # -- roofline -------------------------------------------------------------------------------
 
+def matmul(x: torch.Tensor, w: torch.Tensor | Int8Weight) -> torch.Tensor:
+    """``x @ w.T`` as the weight's format computes it alone: F.linear, or the int8 kernel."""
+    return int8_linear(x, w) if isinstance(w, Int8Weight) else F.linear(x, w)
+
+
 class DenseYardstick:
     """Times one step's matmuls alone with torch (same weights, shapes, dtype, threads).
 
     The interleaved mixed runs time each step's shape right after the engines' own steps,
-    so the yardstick is measured in the same seconds as what it is compared with."""
+    so the yardstick is measured in the same seconds as what it is compared with. An int8
+    model's projections (and LM head, where int8) go through the int8 format's own matmul,
+    torch's weight-only kernel: its rate, not F.linear's, is what that format can reach."""
 
     def __init__(self, model: LlamaModel) -> None:
         self.model = model
-        self.weights = model.plain_projections()
-        self.per_token = sum(w.numel() for w in self.weights)
+        self.weights: list[torch.Tensor | Int8Weight] = [
+            w if isinstance(w, Int8Weight) else plain_weight(w)
+            for layer in model.layers for w in (getattr(layer, n) for n in PROJECTIONS)]
+        self.head = model.lm_head if model.lm_head_int8 is None else model.lm_head_int8
+        self.per_token = sum(w.shape.numel() for w in self.weights)
         self._inputs: dict[tuple[int, int], torch.Tensor] = {}
 
     def _input(self, rows: int, width: int) -> torch.Tensor:
@@ -380,8 +391,8 @@ class DenseYardstick:
             sync()
             t0 = clock()
             for w in self.weights:
-                F.linear(xs[w.shape[1]], w)
-            F.linear(xl, self.model.lm_head)
+                matmul(xs[w.shape[1]], w)
+            matmul(xl, self.head)
             sync()
             best = min(best, clock() - t0)
         return best

@@ -30,6 +30,11 @@ Workloads, in interleaved rounds (`--rounds`, the side that goes first alternati
   (prompts of 32-96 tokens), output tokens/s from submission to the last token;
 - base: the same requests all on the base model.
 Greedy parity: the mix's outputs per adapter, identical requests of N between the sides.
+The ceiling: after each engine batch, its steps' base matmuls and LM head rows replayed
+alone (`bench.multi_lora.DenseYardstick`: F.linear, or torch's int8 weight-only kernel for
+the int8 base), best of 2 per step. Its tok/s is what the engine would reach if attention,
+norms, LoRA, sampling and Python cost nothing; against the peer's tok/s it bounds the
+ratio any engine on those matmuls can reach.
 The 1-minute load average is recorded after every run: on 2 shared cores the same-run
 ratios are what count. Results: bench/results/peer.json (rendered by bench/report.py).
 
@@ -65,6 +70,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.multi_lora import DenseYardstick, record_shapes  # noqa: E402
 from bench.record import BenchRun, Figure  # noqa: E402
 from services.config import Settings  # noqa: E402
 from services.stack.models import ensure_smollm2  # noqa: E402
@@ -334,13 +340,23 @@ def engine_stream(eng: Engine, prompt: list[int], new: int, digest: Any) -> dict
 
 
 def engine_batch(eng: Engine, work: list[dict], new: int, digests: list
-                 ) -> tuple[list[list[int]], float]:
-    t0 = time.perf_counter()
-    ids = [eng.submit(engine_request(w["prompt"], new, digests[w["adapter"]])) for w in work]
-    while eng.has_work:
-        eng.step()
-    seconds = time.perf_counter() - t0
-    return [eng.pop_result(i).token_ids for i in ids], seconds
+                 ) -> tuple[list[list[int]], float, float]:
+    """The batch's tokens and seconds, then the seconds its steps' base matmuls (and LM
+    head rows) take alone, replayed after it with `DenseYardstick`: the time the batch
+    could take if attention, norms, LoRA, sampling and Python were free."""
+    shapes, restore = record_shapes(eng)
+    try:
+        t0 = time.perf_counter()
+        ids = [eng.submit(engine_request(w["prompt"], new, digests[w["adapter"]]))
+               for w in work]
+        while eng.has_work:
+            eng.step()
+        seconds = time.perf_counter() - t0
+    finally:
+        restore()
+    yardstick = DenseYardstick(eng.model)
+    matmuls = sum(yardstick.seconds(t, s) for t, s, _, _ in shapes)
+    return [eng.pop_result(i).token_ids for i in ids], seconds, matmuls
 
 
 def latency(times: list[float]) -> dict[str, float]:
@@ -416,11 +432,17 @@ def run_dtype(run: str, args, model_dir: Path, binary: Path, files: dict[str, Pa
                         res["load_after"] = load()
                     else:
                         reqs = mix if work == "mix" else on_base
-                        toks, secs = engine_batch(eng, reqs, args.new, digests) \
-                            if side == "engine" else peer_batch(server, reqs, args.new, n)
+                        if side == "engine":
+                            toks, secs, matmuls = engine_batch(eng, reqs, args.new, digests)
+                        else:
+                            toks, secs = peer_batch(server, reqs, args.new, n)
                         res = {"tok_s": round(sum(map(len, toks)) / secs, 2),
                                "seconds": round(secs, 3), "tokens": toks,
                                "load_after": load()}
+                        if side == "engine":
+                            res["matmuls_alone_seconds"] = round(matmuls, 3)
+                            res["matmul_ceiling_tok_s"] = round(sum(map(len, toks)) / matmuls,
+                                                                2)
                     rnd.setdefault(work, {})[side] = res
             out["rounds"].append(rnd)
     finally:
@@ -450,6 +472,11 @@ def summarise(out: dict[str, Any], mix: list[dict]) -> None:
             s[key] = {"engine": eng, "llama_server": peer,
                       "ratio_per_round": [round(a / b, 3) for a, b in zip(eng, peer, strict=True)],
                       "ratio_median": round(median(eng) / median(peer), 3)}
+            if key == "tok_s":  # what the base matmuls alone would allow, against the peer
+                ceil = [p["engine"]["matmul_ceiling_tok_s"] for p in per]
+                s[key]["engine_matmul_ceiling"] = ceil
+                s[key]["ceiling_ratio_per_round"] = [
+                    round(a / b, 3) for a, b in zip(ceil, peer, strict=True)]
         if work.startswith("single"):
             s["llama_server_own_timings"] = [
                 {k: p["llama_server"][k] for k in ("server_ttft_ms", "server_itl_ms")}
@@ -512,9 +539,23 @@ def figures(result: dict[str, Any]) -> list[Figure]:
                     settings=f"engine {part['engine']}; per-round ratios "
                              f"{v['ratio_per_round']}; medians of {len(v['engine'])} rounds"
                              + (f"; greedy identical {s.get('parity_identical')}/"
-                                f"{s.get('parity_of')}" if work == "mix" else ""),
+                                f"{s.get('parity_of')}" if work == "mix" else "")
+                             + (f"; the engine's base matmuls alone would allow at most "
+                                f"{min(v['ceiling_ratio_per_round']):.2f}-"
+                                f"{max(v['ceiling_ratio_per_round']):.2f}x"
+                                if "ceiling_ratio_per_round" in v else ""),
                     load_average=[x for pair in s["load_after"] for x in pair]))
     return out
+
+
+def ceiling_cell(part: dict[str, Any], work: str) -> str:
+    """The matmul ceiling's tok/s per round and its ratios against the peer's tok/s."""
+    v = part["summary"].get(work, {}).get("tok_s")
+    if not isinstance(v, dict) or "ceiling_ratio_per_round" not in v:
+        return "-"
+    r = v["ceiling_ratio_per_round"]
+    return (f"{'/'.join(map(str, v['engine_matmul_ceiling']))} "
+            f"({min(r):.2f}-{max(r):.2f}x the peer)")
 
 
 def tables(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -545,6 +586,9 @@ def tables(result: dict[str, Any]) -> list[dict[str, Any]]:
         what = {"itl_median_ms": "inter-token latency", "ttft_ms": "TTFT",
                 "tok_s": "output tokens/s"}[key]
         rows.append([f"{LABELS[work]}, {what} ({unit}, per round)", *cells])
+        if key == "tok_s":
+            rows.append([f"{LABELS[work]}: the engine's base matmuls alone, its ceiling "
+                         "(tok/s, per round)", *[ceiling_cell(p, work) for p in runs.values()]])
     return [{"title": "Engine against llama-server, per round (ratio: engine / llama-server; "
              "for latency lower is better, for tokens/s higher)", "header": header,
              "rows": rows}]

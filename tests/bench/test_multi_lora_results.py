@@ -64,3 +64,23 @@ def test_interleaved_runs_give_each_engine_its_own_steps_tokens_and_dense_times(
     assert roof["all"]["fraction_of_dense"] > 0
     for eng, _, _ in engines.values():  # every engine's own forward is back
         assert "forward" not in vars(eng.model)
+
+
+def test_the_yardstick_times_an_int8_model_through_its_own_kernel(tmp_path: Path) -> None:
+    """An int8 base's ceiling is its int8 matmul's rate, over the same FLOPs as dense."""
+    import torch
+
+    from bench import multi_lora as ml
+    from loraplane_kernels.int8 import Int8Weight, int8_linear
+    from services.worker.engine.model import LlamaModel
+
+    ml.build_random_base(tmp_path / "base", seed=3, smoke=True)
+    int8 = ml.DenseYardstick(LlamaModel.from_pretrained(tmp_path / "base", "bfloat16",
+                                                        weights="int8", int8_lm_head=True))
+    dense = ml.DenseYardstick(LlamaModel.from_pretrained(tmp_path / "base", "bfloat16"))
+    assert int8.per_token == dense.per_token
+    assert all(isinstance(w, Int8Weight) for w in [*int8.weights, int8.head])
+    assert not any(isinstance(w, Int8Weight) for w in [*dense.weights, dense.head])
+    x = torch.randn(3, int8.weights[0].shape[1], dtype=torch.bfloat16)
+    assert torch.equal(ml.matmul(x, int8.weights[0]), int8_linear(x, int8.weights[0]))
+    assert int8.seconds(5, 2) > 0 and dense.seconds(5, 2) > 0
