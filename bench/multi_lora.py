@@ -73,7 +73,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.record import BenchRun, Figure  # noqa: E402
-from loraplane_kernels.int8 import Int8Weight, int8_linear  # noqa: E402
+from loraplane_kernels.int8 import Int8Weight, int8_linear, needs_dequant_buffer  # noqa: E402
 from services.config import Settings  # noqa: E402
 from services.stack.models import ensure_smollm2  # noqa: E402
 from services.worker.engine import (  # noqa: E402
@@ -354,9 +354,21 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, float]:
 
 # -- roofline -------------------------------------------------------------------------------
 
-def matmul(x: torch.Tensor, w: torch.Tensor | Int8Weight) -> torch.Tensor:
-    """``x @ w.T`` as the weight's format computes it alone: F.linear, or the int8 kernel."""
-    return int8_linear(x, w) if isinstance(w, Int8Weight) else F.linear(x, w)
+def matmul(x: torch.Tensor, w: torch.Tensor | Int8Weight,
+           scratch: dict[torch.Size, torch.Tensor] | None = None) -> torch.Tensor:
+    """``x @ w.T`` as the weight's format computes it alone: F.linear, or `int8_linear`
+    with a dequantisation buffer per weight shape kept in `scratch` where it takes one, as
+    the engine keeps one (a fresh one each call would time page faults, not the format)."""
+    if not isinstance(w, Int8Weight):
+        return F.linear(x, w)
+    buffer = None
+    if needs_dequant_buffer(x):
+        buffer = None if scratch is None else scratch.get(w.shape)
+        if buffer is None:
+            buffer = torch.empty(w.shape, dtype=w.dtype, device=w.device)
+            if scratch is not None:
+                scratch[w.shape] = buffer
+    return int8_linear(x, w, scratch=buffer)
 
 
 class DenseYardstick:
@@ -375,6 +387,7 @@ class DenseYardstick:
         self.head = model.lm_head if model.lm_head_int8 is None else model.lm_head_int8
         self.per_token = sum(w.shape.numel() for w in self.weights)
         self._inputs: dict[tuple[int, int], torch.Tensor] = {}
+        self._scratch: dict[torch.Size, torch.Tensor] = {}
 
     def _input(self, rows: int, width: int) -> torch.Tensor:
         if (rows, width) not in self._inputs:
@@ -391,8 +404,8 @@ class DenseYardstick:
             sync()
             t0 = clock()
             for w in self.weights:
-                matmul(xs[w.shape[1]], w)
-            matmul(xl, self.head)
+                matmul(xs[w.shape[1]], w, self._scratch)
+            matmul(xl, self.head, self._scratch)
             sync()
             best = min(best, clock() - t0)
         return best

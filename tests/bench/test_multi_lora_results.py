@@ -83,4 +83,9 @@ def test_the_yardstick_times_an_int8_model_through_its_own_kernel(tmp_path: Path
     assert not any(isinstance(w, Int8Weight) for w in [*dense.weights, dense.head])
     x = torch.randn(3, int8.weights[0].shape[1], dtype=torch.bfloat16)
     assert torch.equal(ml.matmul(x, int8.weights[0]), int8_linear(x, int8.weights[0]))
+    rows = torch.randn(40, x.shape[1], dtype=torch.bfloat16)  # past int8pack: dequantised
+    scratch: dict = {}
+    assert torch.equal(ml.matmul(rows, int8.weights[0], scratch),
+                       int8_linear(rows, int8.weights[0]))
+    assert list(scratch) == [int8.weights[0].shape]
     assert int8.seconds(5, 2) > 0 and dense.seconds(5, 2) > 0
