@@ -31,10 +31,11 @@ Workloads, in interleaved rounds (`--rounds`, the side that goes first alternati
 - base: the same requests all on the base model.
 Greedy parity: the mix's outputs per adapter, identical requests of N between the sides.
 The ceiling: after each engine batch, its steps' base matmuls and LM head rows replayed
-alone (`bench.multi_lora.DenseYardstick`: F.linear, or torch's int8 weight-only kernel for
-the int8 base), best of 2 per step. Its tok/s is what the engine would reach if attention,
-norms, LoRA, sampling and Python cost nothing; against the peer's tok/s it bounds the
-ratio any engine on those matmuls can reach.
+alone over the weights as the engine keeps them (`bench.multi_lora.DenseYardstick` with
+`as_served`: oneDNN's linear over the packed weights, or the int8 format's own matmul with
+its dequantisation buffer), best of 2 per step. Its tok/s is what the engine would reach
+if attention, norms, LoRA, sampling and Python cost nothing; against the peer's tok/s it
+bounds the ratio any engine on those matmuls can reach.
 The 1-minute load average is recorded after every run: on 2 shared cores the same-run
 ratios are what count. Results: bench/results/peer.json (rendered by bench/report.py).
 
@@ -354,7 +355,7 @@ def engine_batch(eng: Engine, work: list[dict], new: int, digests: list
         seconds = time.perf_counter() - t0
     finally:
         restore()
-    yardstick = DenseYardstick(eng.model)
+    yardstick = DenseYardstick(eng.model, as_served=True)
     matmuls = sum(yardstick.seconds(t, s) for t, s, _, _ in shapes)
     return [eng.pop_result(i).token_ids for i in ids], seconds, matmuls
 

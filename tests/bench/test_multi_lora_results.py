@@ -89,3 +89,24 @@ def test_the_yardstick_times_an_int8_model_through_its_own_kernel(tmp_path: Path
                        int8_linear(rows, int8.weights[0]))
     assert list(scratch) == [int8.weights[0].shape]
     assert int8.seconds(5, 2) > 0 and dense.seconds(5, 2) > 0
+
+
+def test_the_yardstick_as_served_times_the_engines_packed_weights(tmp_path: Path) -> None:
+    """As served, the packed weights and LM head are what it multiplies, with oneDNN's
+    linear; the roofline's own yardstick keeps plain F.linear."""
+    import torch
+
+    from bench import multi_lora as ml
+    from services.worker.engine.model import ONEDNN, LlamaModel
+
+    ml.build_random_base(tmp_path / "base", seed=3, smoke=True)
+    model = LlamaModel.from_pretrained(tmp_path / "base", "bfloat16")
+    model.pack_weights()
+    served, plain = ml.DenseYardstick(model, as_served=True), ml.DenseYardstick(model)
+    assert served.per_token == plain.per_token
+    assert not any(w.is_mkldnn for w in [*plain.weights, plain.head])
+    assert all(w.is_mkldnn for w in [*served.weights, served.head]) == ONEDNN
+    x = torch.randn(4, served.weights[1].shape[1], dtype=torch.bfloat16)
+    torch.testing.assert_close(ml.matmul(x, served.weights[1]),
+                               ml.matmul(x, plain.weights[1]), rtol=2e-2, atol=2e-2)
+    assert served.seconds(5, 2) > 0
