@@ -73,7 +73,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.record import BenchRun, Figure  # noqa: E402
-from loraplane_kernels.int8 import Int8Weight, int8_linear, needs_dequant_buffer  # noqa: E402
+from loraplane_kernels.int8 import (  # noqa: E402
+    Int8Weight,
+    dequant_buffer_shape,
+    int8_linear,
+    needs_dequant_buffer,
+)
 from services.config import Settings  # noqa: E402
 from services.stack.models import ensure_smollm2  # noqa: E402
 from services.worker.engine import (  # noqa: E402
@@ -362,18 +367,19 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, float]:
 def matmul(x: torch.Tensor, w: torch.Tensor | Int8Weight,
            scratch: dict[torch.Size, torch.Tensor] | None = None) -> torch.Tensor:
     """``x @ w.T`` as the weight's format computes it alone: F.linear, oneDNN's linear
-    over a packed weight, or `int8_linear` with a dequantisation buffer per weight shape
+    over a packed weight, or `int8_linear` with a dequantisation buffer per buffer shape
     kept in `scratch` where it takes one, as the engine keeps one (a fresh one each call
     would time page faults, not the format)."""
     if not isinstance(w, Int8Weight):
         return LINEAR(x, w, None, "none", [], "") if w.is_mkldnn else F.linear(x, w)
     buffer = None
     if needs_dequant_buffer(x):
-        buffer = None if scratch is None else scratch.get(w.shape)
+        shape = torch.Size(dequant_buffer_shape(w))
+        buffer = None if scratch is None else scratch.get(shape)
         if buffer is None:
-            buffer = torch.empty(w.shape, dtype=w.dtype, device=w.device)
+            buffer = torch.empty(shape, dtype=w.dtype, device=w.device)
             if scratch is not None:
-                scratch[w.shape] = buffer
+                scratch[shape] = buffer
     return int8_linear(x, w, scratch=buffer)
 
 

@@ -23,7 +23,13 @@ import torch
 import torch.nn.functional as F
 
 from loraplane_kernels import cpu_decode, cpu_layer
-from loraplane_kernels.int8 import Int8Weight, int8_linear, needs_dequant_buffer, quantize_int8
+from loraplane_kernels.int8 import (
+    Int8Weight,
+    dequant_buffer_shape,
+    int8_linear,
+    needs_dequant_buffer,
+    quantize_int8,
+)
 from loraplane_kernels.threads import one_thread
 from services.contracts.events import BaseWeights
 
@@ -561,8 +567,9 @@ class DecoderModel:
                 y = cpu_decode.linear_rows(x, flat, scale, flat_bias,
                                            ws.take(role, t, weight.shape[0]))
             elif isinstance(weight, Int8Weight):  # never fused: the engine turns fusion off
-                y = int8_linear(x, weight, bias=bias, scratch=ws.take("dequant", *weight.shape)
-                                if needs_dequant_buffer(x) else None)
+                y = int8_linear(x, weight, bias=bias, scratch=ws.take(
+                    "dequant", *dequant_buffer_shape(weight)) if needs_dequant_buffer(x)
+                    else None)
             elif split is None and packed:
                 y = LINEAR(x, weight, bias, "none", [], "")  # type: ignore[misc]
             elif split is None:
@@ -876,7 +883,8 @@ class DecoderModel:
                 torch.empty(last.shape[0], self.lm_head.shape[0], dtype=self.dtype))
         elif self.lm_head_int8 is not None:
             logits = int8_linear(last, self.lm_head_int8,
-                                 scratch=ws.take("dequant", *self.lm_head_int8.shape)
+                                 scratch=ws.take("dequant",
+                                                 *dequant_buffer_shape(self.lm_head_int8))
                                  if needs_dequant_buffer(last) else None)
         elif self.lm_head_packed is not None:
             logits = LINEAR(last, self.lm_head_packed, None, "none", [], "")  # type: ignore[misc]
