@@ -73,12 +73,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.record import BenchRun, Figure  # noqa: E402
-from loraplane_kernels.int8 import (  # noqa: E402
-    Int8Weight,
-    dequant_buffer_shape,
-    int8_linear,
-    needs_dequant_buffer,
-)
+from loraplane_kernels.int8 import Int8Weight  # noqa: E402
 from services.config import Settings  # noqa: E402
 from services.stack.models import ensure_smollm2  # noqa: E402
 from services.worker.engine import (  # noqa: E402
@@ -364,23 +359,13 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, float]:
 
 # -- roofline -------------------------------------------------------------------------------
 
-def matmul(x: torch.Tensor, w: torch.Tensor | Int8Weight,
-           scratch: dict[torch.Size, torch.Tensor] | None = None) -> torch.Tensor:
+def matmul(model: LlamaModel, x: torch.Tensor, w: torch.Tensor | Int8Weight
+           ) -> torch.Tensor:
     """``x @ w.T`` as the weight's format computes it alone: F.linear, oneDNN's linear
-    over a packed weight, or `int8_linear` with a dequantisation buffer per buffer shape
-    kept in `scratch` where it takes one, as the engine keeps one (a fresh one each call
-    would time page faults, not the format)."""
-    if not isinstance(w, Int8Weight):
-        return LINEAR(x, w, None, "none", [], "") if w.is_mkldnn else F.linear(x, w)
-    buffer = None
-    if needs_dequant_buffer(x):
-        shape = torch.Size(dequant_buffer_shape(w))
-        buffer = None if scratch is None else scratch.get(shape)
-        if buffer is None:
-            buffer = torch.empty(shape, dtype=w.dtype, device=w.device)
-            if scratch is not None:
-                scratch[shape] = buffer
-    return int8_linear(x, w, scratch=buffer)
+    over a packed weight, or the model's int8 matmul with its reused buffer."""
+    if isinstance(w, Int8Weight):
+        return model.int8_matmul(x, w)
+    return LINEAR(x, w, None, "none", [], "") if w.is_mkldnn else F.linear(x, w)
 
 
 class DenseYardstick:
@@ -405,7 +390,6 @@ class DenseYardstick:
             else model.lm_head)
         self.per_token = sum(w.shape.numel() for w in self.weights)
         self._inputs: dict[tuple[int, int], torch.Tensor] = {}
-        self._scratch: dict[torch.Size, torch.Tensor] = {}
 
     def _input(self, rows: int, width: int) -> torch.Tensor:
         if (rows, width) not in self._inputs:
@@ -422,8 +406,8 @@ class DenseYardstick:
             sync()
             t0 = clock()
             for w in self.weights:
-                matmul(xs[w.shape[1]], w, self._scratch)
-            matmul(xl, self.head, self._scratch)
+                matmul(self.model, xs[w.shape[1]], w)
+            matmul(self.model, xl, self.head)
             sync()
             best = min(best, clock() - t0)
         return best

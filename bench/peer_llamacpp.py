@@ -340,10 +340,10 @@ def engine_stream(eng: Engine, prompt: list[int], new: int, digest: Any) -> dict
     return {**latency(times), "tokens": tokens}
 
 
-def engine_batch(eng: Engine, work: list[dict], new: int, digests: list
-                 ) -> tuple[list[list[int]], float, float]:
+def engine_batch(eng: Engine, work: list[dict], new: int, digests: list,
+                 yardstick: DenseYardstick) -> tuple[list[list[int]], float, float]:
     """The batch's tokens and seconds, then the seconds its steps' base matmuls (and LM
-    head rows) take alone, replayed after it with `DenseYardstick`: the time the batch
+    head rows) take alone, replayed after it with `yardstick`: the time the batch
     could take if attention, norms, LoRA, sampling and Python were free."""
     shapes, restore = record_shapes(eng)
     try:
@@ -355,7 +355,6 @@ def engine_batch(eng: Engine, work: list[dict], new: int, digests: list
         seconds = time.perf_counter() - t0
     finally:
         restore()
-    yardstick = DenseYardstick(eng.model, as_served=True)
     matmuls = sum(yardstick.seconds(t, s) for t, s, _, _ in shapes)
     return [eng.pop_result(i).token_ids for i in ids], seconds, matmuls
 
@@ -408,6 +407,7 @@ def run_dtype(run: str, args, model_dir: Path, binary: Path, files: dict[str, Pa
                     [files[f"{name}-{lora_type}"] for name, _ in adapters], kv_type, ctx,
                     PEER_FLAGS.get(run, ()))
     eng, digests, engine_label = engine_for(model_dir, run, adapters)
+    yardstick = DenseYardstick(eng.model, as_served=True) if eng is not None else None
     n = len(adapters)
     single, mix = workloads(args, eng.model.cfg.vocab_size if eng else 49152, n)
     on_base = [{**w, "adapter": 0} for w in mix]
@@ -434,7 +434,8 @@ def run_dtype(run: str, args, model_dir: Path, binary: Path, files: dict[str, Pa
                     else:
                         reqs = mix if work == "mix" else on_base
                         if side == "engine":
-                            toks, secs, matmuls = engine_batch(eng, reqs, args.new, digests)
+                            toks, secs, matmuls = engine_batch(eng, reqs, args.new, digests,
+                                                               yardstick)
                         else:
                             toks, secs = peer_batch(server, reqs, args.new, n)
                         res = {"tok_s": round(sum(map(len, toks)) / secs, 2),

@@ -75,19 +75,19 @@ def test_the_yardstick_times_an_int8_model_through_its_own_kernel(tmp_path: Path
     from services.worker.engine.model import LlamaModel
 
     ml.build_random_base(tmp_path / "base", seed=3, smoke=True)
-    int8 = ml.DenseYardstick(LlamaModel.from_pretrained(tmp_path / "base", "bfloat16",
-                                                        weights="int8", int8_lm_head=True))
+    model = LlamaModel.from_pretrained(tmp_path / "base", "bfloat16", weights="int8",
+                                       int8_lm_head=True)
+    int8 = ml.DenseYardstick(model)
     dense = ml.DenseYardstick(LlamaModel.from_pretrained(tmp_path / "base", "bfloat16"))
     assert int8.per_token == dense.per_token
     assert all(isinstance(w, Int8Weight) for w in [*int8.weights, int8.head])
     assert not any(isinstance(w, Int8Weight) for w in [*dense.weights, dense.head])
     x = torch.randn(3, int8.weights[0].shape[1], dtype=torch.bfloat16)
-    assert torch.equal(ml.matmul(x, int8.weights[0]), int8_linear(x, int8.weights[0]))
+    assert torch.equal(ml.matmul(model, x, int8.weights[0]), int8_linear(x, int8.weights[0]))
     rows = torch.randn(40, x.shape[1], dtype=torch.bfloat16)  # past int8pack: dequantised
-    scratch: dict = {}
-    assert torch.equal(ml.matmul(rows, int8.weights[0], scratch),
+    assert torch.equal(ml.matmul(model, rows, int8.weights[0]),
                        int8_linear(rows, int8.weights[0]))
-    assert list(scratch) == [int8.weights[0].shape]
+    assert "dequant" in model.workspace._buffers  # the engine's own reused buffer
     assert int8.seconds(5, 2) > 0 and dense.seconds(5, 2) > 0
 
 
@@ -107,6 +107,6 @@ def test_the_yardstick_as_served_times_the_engines_packed_weights(tmp_path: Path
     assert not any(w.is_mkldnn for w in [*plain.weights, plain.head])
     assert all(w.is_mkldnn for w in [*served.weights, served.head]) == ONEDNN
     x = torch.randn(4, served.weights[1].shape[1], dtype=torch.bfloat16)
-    torch.testing.assert_close(ml.matmul(x, served.weights[1]),
-                               ml.matmul(x, plain.weights[1]), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(ml.matmul(model, x, served.weights[1]),
+                               ml.matmul(model, x, plain.weights[1]), rtol=2e-2, atol=2e-2)
     assert served.seconds(5, 2) > 0

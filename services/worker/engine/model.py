@@ -485,6 +485,13 @@ class DecoderModel:
         self.packed = True
         return True
 
+    def int8_matmul(self, x: torch.Tensor, w: Int8Weight,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+        """`int8_linear` of `w` with the workspace's dequantisation buffer where it takes
+        one (reused between steps, not allocated per call)."""
+        return int8_linear(x, w, bias=bias, scratch=self.workspace.take(
+            "dequant", *dequant_buffer_shape(w)) if needs_dequant_buffer(x) else None)
+
     def projection_weight(self, layer: int, module: str) -> torch.Tensor:
         """The [out, in] weight a PEFT target module adapts, in the serving dtype: a view
         into the plain q|k|v or gate|up matrix where the module is fused there, or a copy
@@ -567,9 +574,7 @@ class DecoderModel:
                 y = cpu_decode.linear_rows(x, flat, scale, flat_bias,
                                            ws.take(role, t, weight.shape[0]))
             elif isinstance(weight, Int8Weight):  # never fused: the engine turns fusion off
-                y = int8_linear(x, weight, bias=bias, scratch=ws.take(
-                    "dequant", *dequant_buffer_shape(weight)) if needs_dequant_buffer(x)
-                    else None)
+                y = self.int8_matmul(x, weight, bias)
             elif split is None and packed:
                 y = LINEAR(x, weight, bias, "none", [], "")  # type: ignore[misc]
             elif split is None:
@@ -874,7 +879,7 @@ class DecoderModel:
 
     def _logits(self, h: torch.Tensor, batch: ForwardBatch, adapters: AdapterPool | None,
                 idx: torch.Tensor | None, vocab: bool) -> torch.Tensor:
-        cfg, ws = self.cfg, self.workspace
+        cfg = self.cfg
         last = rms_norm(h[batch.logits_rows], self.norm, cfg.rms_norm_eps,
                         weigh_in_fp32=self.weigh_in_fp32)
         if self.row_weights is not None and last.shape[0] <= cpu_decode.LINEAR_ROWS:
@@ -882,10 +887,7 @@ class DecoderModel:
                 last.contiguous(), *self._row_head, self._no_bias,
                 torch.empty(last.shape[0], self.lm_head.shape[0], dtype=self.dtype))
         elif self.lm_head_int8 is not None:
-            logits = int8_linear(last, self.lm_head_int8,
-                                 scratch=ws.take("dequant",
-                                                 *dequant_buffer_shape(self.lm_head_int8))
-                                 if needs_dequant_buffer(last) else None)
+            logits = self.int8_matmul(last, self.lm_head_int8)
         elif self.lm_head_packed is not None:
             logits = LINEAR(last, self.lm_head_packed, None, "none", [], "")  # type: ignore[misc]
         else:
